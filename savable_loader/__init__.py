@@ -1,0 +1,93 @@
+"""savable_loader: a checkpointable, multiprocess drop-in for torch.utils.data.DataLoader.
+
+Saving costs microseconds, restoring continues the interrupted epoch bit for bit (worker
+RNG included), on every data-parallel rank.
+
+Example::
+
+    import savable_loader as sl
+
+    loader = sl.SavableDataLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=4)
+    for batch in loader:
+        ...
+        sl.state.save_file("loader.state", loader.save_state_rank())
+
+    loader = sl.SavableDataLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=4)
+    loader.restore_state_rank(sl.state.load_file("loader.state"))
+
+Names are imported lazily, so ``savable_loader.state`` (and ``python -m savable_loader
+inspect``) work without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from savable_loader._version import __version__
+
+__all__ = [
+    "ConfigMismatchError",
+    "LoaderUsageError",
+    "SavableDataLoader",
+    "SavableDataset",
+    "SavableLoaderError",
+    "StateError",
+    "StateVersionError",
+    "WorkerConfig",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerTimeoutError",
+    "__version__",
+    "errors",
+    "rng",
+    "state",
+    "wrappers",
+]
+
+_LAZY = {
+    "ConfigMismatchError": "savable_loader.errors",
+    "LoaderUsageError": "savable_loader.errors",
+    "SavableDataLoader": "savable_loader.loader",
+    "SavableDataset": "savable_loader.dataset",
+    "SavableLoaderError": "savable_loader.errors",
+    "StateError": "savable_loader.errors",
+    "StateVersionError": "savable_loader.errors",
+    "WorkerConfig": "savable_loader.config",
+    "WorkerDiedError": "savable_loader.errors",
+    "WorkerError": "savable_loader.errors",
+    "WorkerTimeoutError": "savable_loader.errors",
+}
+_SUBMODULES = {"errors", "rng", "state", "wrappers"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"savable_loader.{name}")
+    else:
+        raise AttributeError(f"module 'savable_loader' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from savable_loader import errors, rng, state, wrappers
+    from savable_loader.config import WorkerConfig
+    from savable_loader.dataset import SavableDataset
+    from savable_loader.errors import (
+        ConfigMismatchError,
+        LoaderUsageError,
+        SavableLoaderError,
+        StateError,
+        StateVersionError,
+        WorkerDiedError,
+        WorkerError,
+        WorkerTimeoutError,
+    )
+    from savable_loader.loader import SavableDataLoader

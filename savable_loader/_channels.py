@@ -1,0 +1,120 @@
+"""Main side of the worker command protocol: one command and one result pipe per worker.
+
+Requests go out to every worker at once and answers are collected with a deadline. While
+waiting, the worker process is checked for liveness every ``POLL_SECONDS``: a dead worker
+is a :class:`WorkerDiedError`, an unanswered one a :class:`WorkerTimeoutError`, both
+naming the worker. Nothing here ever blocks without a timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import msgspec
+from multiprocessing.connection import wait
+
+from savable_loader.errors import StateError, WorkerDiedError, WorkerTimeoutError
+from savable_loader.state.codec import decode_part
+from savable_loader.state.schema import WorkerState
+
+__all__ = ["POLL_SECONDS", "WorkerChannels"]
+
+POLL_SECONDS = 0.05
+
+
+class WorkerChannels:
+    """Pipes to ``num_workers`` worker processes, indexed by physical worker id.
+
+    ``worker_ends()`` are handed to the workers (inside the dataset they receive);
+    ``close_worker_ends()`` drops the main process's copies once the workers started.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, context: Any, num_workers: int) -> None:
+        self._main: list[tuple[Any, Any]] = []
+        self._worker: list[tuple[Any, Any]] | None = []
+        for _ in range(num_workers):
+            cmd_r, cmd_w = context.Pipe(duplex=False)
+            res_r, res_w = context.Pipe(duplex=False)
+            self._main.append((cmd_w, res_r))
+            self._worker.append((cmd_r, res_w))
+
+    def worker_ends(self) -> list[tuple[Any, Any]]:
+        if self._worker is None:
+            raise RuntimeError("worker pipe ends were already closed")
+        return self._worker
+
+    def close_worker_ends(self) -> None:
+        for cmd_r, res_w in self._worker or ():
+            cmd_r.close()
+            res_w.close()
+        self._worker = None
+
+    def close(self) -> None:
+        self.close_worker_ends()
+        for cmd_w, res_r in self._main:
+            cmd_w.close()
+            res_r.close()
+        self._main = []
+
+    def checkpoint(
+        self,
+        requests: dict[int, tuple[int, int, int]],
+        processes: list[Any] | None,
+        timeout: float,
+    ) -> dict[int, WorkerState]:
+        """Ask workers for their state; ``requests`` maps physical id to
+        ``(logical id, epoch, samples yielded)``. Returns physical id -> WorkerState."""
+        pending: dict[int, int] = {}
+        for physical, (logical, epoch, index) in requests.items():
+            request_id = next(self._ids)
+            cmd_w, _ = self._main[physical]
+            try:
+                cmd_w.send_bytes(msgspec.msgpack.encode(["checkpoint", request_id, epoch, index]))
+            except (OSError, ValueError) as e:
+                raise WorkerDiedError(
+                    f"cannot reach worker {logical} to save its state: {e}", worker_id=logical
+                ) from e
+            pending[physical] = request_id
+        answers: dict[int, WorkerState] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            conns = {self._main[physical][1]: physical for physical in pending}
+            try:
+                ready = wait(list(conns), POLL_SECONDS)
+            except (OSError, ValueError) as e:
+                raise WorkerDiedError(f"lost the pipe to a worker while saving: {e}") from e
+            for conn in ready:
+                physical = conns[conn]
+                logical = requests[physical][0]
+                try:
+                    kind, request_id, payload = msgspec.msgpack.decode(conn.recv_bytes())
+                except (EOFError, OSError) as e:
+                    raise WorkerDiedError(f"worker {logical} closed its pipe: {e}", worker_id=logical) from e
+                if request_id != pending[physical]:
+                    continue  # a late answer to an earlier, timed-out request
+                del pending[physical]
+                if kind != "ok":
+                    raise StateError(f"worker {logical} could not save its state: {payload}")
+                answers[physical] = decode_part(payload, WorkerState)
+            if ready:
+                continue
+            for physical in pending:
+                process = processes[physical] if processes is not None and physical < len(processes) else None
+                if process is not None and not process.is_alive():
+                    logical = requests[physical][0]
+                    raise WorkerDiedError(
+                        f"worker {logical} (pid {process.pid}) exited with code {process.exitcode} "
+                        "while the loader was saving its state",
+                        worker_id=logical,
+                    )
+            if time.monotonic() > deadline:
+                logical = requests[next(iter(pending))][0]
+                raise WorkerTimeoutError(
+                    f"worker {logical} did not answer a save request within {timeout:g} s",
+                    worker_id=logical,
+                )
+        return answers

@@ -1,0 +1,181 @@
+"""Bookkeeping of the savable-pipeline path in the main process.
+
+Per iteration it records, for every logical worker, how many samples were yielded from
+it, and which worker yields next. A save asks each worker that yielded something for
+its checkpoint at that count (see ``_worker.py``); workers that yielded nothing are
+still at their start state, which the main process already knows. On restore the
+logical worker that yields next is played by physical worker 0 (torch always starts its
+round robin there): physical ``p`` plays logical ``(p + rotation) % num_workers``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from savable_loader._channels import WorkerChannels
+from savable_loader._index_mode import check_dataset_config
+from savable_loader._worker import PipelineWorkerDataset
+from savable_loader.config import WorkerConfig
+from savable_loader.dataset import SavableDataset, config_fingerprint
+from savable_loader.errors import ConfigMismatchError, StateError
+from savable_loader.state.schema import LoaderConfig, PipelinePosition, WorkerState
+
+__all__ = ["PipelineMode"]
+
+
+def _fresh(worker_id: int) -> WorkerState:
+    return WorkerState(worker_id=worker_id, index=0, snapshot_index=0, dataset=None)
+
+
+class _Iteration:
+    def __init__(self, epoch: int, rotation: int, starts: list[WorkerState | None]) -> None:
+        self.epoch = epoch
+        self.rotation = rotation
+        self.starts = [s if s is not None else _fresh(i) for i, s in enumerate(starts)]
+        self.consumed = [s.index for s in self.starts]
+        self.next_worker = rotation
+
+
+class PipelineMode:
+    """Epoch, per-worker positions and worker channels of a loader over a pipeline."""
+
+    kind = "pipeline"
+
+    def __init__(self, dataset: SavableDataset, worker_config: WorkerConfig, prefetch_factor: int) -> None:
+        self.worker_config = worker_config
+        self.workers = worker_config.workers_per_rank
+        in_flight = prefetch_factor * worker_config.num_workers + 2 if worker_config.num_workers else 1
+        self.torch_dataset = PipelineWorkerDataset(dataset, in_flight)
+        self.dataset_config = dataset.config_tree()
+        self.fingerprint = config_fingerprint(self.dataset_config)
+        self._lock = threading.Lock()
+        self.epoch = 0
+        self.pending: PipelinePosition | None = None
+        self.current: _Iteration | None = None
+        self.channels: WorkerChannels | None = None
+
+    def loader_config(self, num_workers: int) -> LoaderConfig:
+        wc = self.worker_config
+        return LoaderConfig(
+            rank=wc.rank, world_size=wc.world_size, num_workers=num_workers, seed=wc.seed,
+            batch_size=None, shuffle=False, drop_last=False,
+            dataset_fingerprint=self.fingerprint, dataset_config=self.dataset_config,
+        )
+
+    # -- iteration --------------------------------------------------------------------
+
+    def begin(self, context: Any, reuse_workers: bool) -> bool:
+        """Plan the next iteration; True if it resumes a saved epoch.
+
+        ``reuse_workers``: persistent workers already run and keep their own plan.
+        """
+        resumed = self.pending is not None
+        if self.pending is not None:
+            epoch, rotation = self.pending.epoch, self.pending.next_worker
+            starts: list[WorkerState | None] = [None] * self.workers
+            for ws in self.pending.workers:
+                starts[ws.worker_id] = ws
+        else:
+            epoch, rotation, starts = self.epoch, 0, [None] * self.workers
+        if not reuse_workers:
+            pipes = None
+            if self.worker_config.num_workers > 0:
+                self.close_channels()
+                self.channels = WorkerChannels(context, self.worker_config.num_workers)
+                pipes = self.channels.worker_ends()
+            self.torch_dataset.set_plan(epoch, rotation, starts, pipes)
+        with self._lock:
+            self.current = _Iteration(epoch, rotation, starts)
+            self.pending = None
+        return resumed
+
+    def workers_started(self) -> None:
+        if self.channels is not None:
+            self.channels.close_worker_ends()
+
+    def on_item(self, item: Any) -> Any:
+        worker_id, index, payload = item
+        with self._lock:
+            cur = self.current
+            cur.consumed[worker_id] = index + 1  # type: ignore[union-attr]
+            cur.next_worker = (worker_id + 1) % self.workers  # type: ignore[union-attr]
+        return payload
+
+    def end(self, keep_channels: bool) -> None:
+        with self._lock:
+            if self.current is not None:
+                self.epoch = self.current.epoch + 1
+            self.current = None
+        if not keep_channels:
+            self.close_channels()
+
+    def close_channels(self) -> None:
+        if self.channels is not None:
+            self.channels.close()
+            self.channels = None
+
+    def physical(self, logical: int) -> int:
+        rotation = self.current.rotation if self.current is not None else 0
+        return (logical - rotation) % self.workers
+
+    def logical(self, physical: int) -> int:
+        rotation = self.current.rotation if self.current is not None else 0
+        return (physical + rotation) % self.workers
+
+    # -- state ------------------------------------------------------------------------
+
+    def save(self, processes: list[Any] | None, timeout: float) -> PipelinePosition:
+        with self._lock:
+            cur = self.current
+            if cur is None:
+                if self.pending is not None:
+                    return self.pending
+                return PipelinePosition(
+                    epoch=self.epoch, next_worker=0, workers=[_fresh(w) for w in range(self.workers)]
+                )
+            consumed = list(cur.consumed)
+            next_worker = cur.next_worker
+        states = list(cur.starts)
+        asks = {w: consumed[w] for w in range(self.workers) if consumed[w] != cur.starts[w].index}
+        if asks:
+            runtime = self.torch_dataset.runtime
+            if self.worker_config.num_workers == 0:
+                if runtime is None:
+                    raise StateError("the in-process pipeline has not started")
+                states[0] = runtime.checkpoint(cur.epoch, asks[0])
+            else:
+                if self.channels is None:
+                    raise StateError("the worker channels are closed")
+                requests = {self.physical(w): (w, cur.epoch, index) for w, index in asks.items()}
+                for physical, ws in self.channels.checkpoint(requests, processes, timeout).items():
+                    states[self.logical(physical)] = ws
+        return PipelinePosition(epoch=cur.epoch, next_worker=next_worker, workers=states)
+
+    def check(self, saved: LoaderConfig, position: PipelinePosition, num_workers: int) -> None:
+        current = self.loader_config(num_workers)
+        if saved.num_workers != current.num_workers:
+            raise ConfigMismatchError(
+                "num_workers", saved.num_workers, current.num_workers,
+                "a savable pipeline's state is split per worker; restore with the same num_workers",
+            )
+        for name in ("rank", "world_size", "seed"):
+            if getattr(saved, name) != getattr(current, name):
+                raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name))
+        check_dataset_config(saved, current)
+        ids = sorted(ws.worker_id for ws in position.workers)
+        if ids != list(range(self.workers)) or position.next_worker >= self.workers:
+            raise StateError(
+                f"pipeline state has worker ids {ids} and next worker {position.next_worker}, "
+                f"expected ids 0..{self.workers - 1}"
+            )
+        for ws in position.workers:
+            if ws.snapshot_index > ws.index:
+                raise StateError(
+                    f"worker {ws.worker_id}: snapshot index {ws.snapshot_index} is after index {ws.index}"
+                )
+
+    def restore(self, position: PipelinePosition) -> None:
+        with self._lock:
+            self.pending = position
+            self.epoch = position.epoch

@@ -1,0 +1,276 @@
+"""Worker side of the savable-pipeline protocol: snapshot ring, skip replay, command thread.
+
+Each loading context (a worker process, or the main process when ``num_workers=0``) runs
+one :class:`WorkerRuntime`. Its iterating thread walks the pipeline and, between two
+samples, may take a **snapshot** (the pipeline's ``save_state()``) into a small ring; the
+policy keeps snapshot time below ``SNAPSHOT_BUDGET`` of sample time. Before producing
+sample ``i`` it re-seeds the global RNGs from ``(seed, rank, worker, epoch, i)``, so the
+RNG state at any sample is implied by its index and never needs saving.
+
+A daemon **command thread** answers ``checkpoint`` requests from the main process: given
+the number of samples the main process has yielded from this worker, it returns the
+newest snapshot at or before that point and the **skip offset** (samples to replay after
+restoring it). It never waits for the iterating thread, so a save costs a queue round
+trip even while a sample takes seconds to load.
+
+Messages on the command and result pipes are MessagePack, never pickles.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import cloudpickle
+import msgspec
+from torch.utils.data import IterableDataset, get_worker_info
+
+from savable_loader._values import plain_dataset_state
+from savable_loader.config import WorkerConfig, _ActiveWorker
+from savable_loader.dataset import SavableDataset
+from savable_loader.errors import StateError
+from savable_loader.rng import derive_seed, preserve_global_rng, seed_global
+from savable_loader.state.codec import encode_part
+from savable_loader.state.schema import DatasetState, WorkerState
+
+__all__ = ["SNAPSHOT_BUDGET", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime"]
+
+#: Fraction of sample-production time that snapshots may cost.
+SNAPSHOT_BUDGET = 0.02
+
+
+class SnapshotRing:
+    """Snapshots ``(index, state)`` in increasing index order; thread-safe.
+
+    ``prune(bound)`` drops snapshots no request can need any more: those older than the
+    newest snapshot at or before ``bound`` (the lowest index the main process may still
+    ask for).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: deque[tuple[int, DatasetState | None]] = deque()
+
+    def reset(self, index: int, state: DatasetState | None) -> None:
+        with self._lock:
+            self._items.clear()
+            self._items.append((index, state))
+
+    def add(self, index: int, state: DatasetState | None, bound: int) -> None:
+        with self._lock:
+            self._items.append((index, state))
+            items = self._items
+            while len(items) >= 2 and items[1][0] <= bound:
+                items.popleft()
+
+    def newest_index(self) -> int:
+        with self._lock:
+            return self._items[-1][0]
+
+    def find(self, index: int) -> tuple[int, DatasetState | None] | None:
+        """The newest snapshot taken at or before ``index``, or None."""
+        with self._lock:
+            for snap_index, state in reversed(self._items):
+                if snap_index <= index:
+                    return snap_index, state
+        return None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+class WorkerRuntime:
+    """Runs a pipeline in one loading context and answers checkpoint requests.
+
+    ``max_in_flight`` bounds how many produced samples the main process may not have
+    yielded yet (prefetching); snapshots older than that window are dropped.
+    """
+
+    def __init__(
+        self,
+        dataset: SavableDataset,
+        worker_config: WorkerConfig,
+        max_in_flight: int,
+        *,
+        in_process: bool,
+    ) -> None:
+        self.dataset = dataset
+        self.worker_config = worker_config
+        self.max_in_flight = max_in_flight
+        self.in_process = in_process
+        self.ring = SnapshotRing()
+        self.epoch = -1
+        self.worker_id = -1
+        self.snapshots_taken = 0
+        self.snapshot_seconds = 0.0
+        self._thread: threading.Thread | None = None
+
+    # -- iterating thread -------------------------------------------------------------
+
+    def run(self, epoch: int, worker_id: int, start: WorkerState | None) -> Iterator[tuple[int, int, Any]]:
+        """Yield ``(worker_id, index, sample)`` for the epoch, from ``start`` on."""
+        wc = self.worker_config
+        base_seed = derive_seed(wc.seed, "pipeline", wc.rank, worker_id, epoch)
+        with _ActiveWorker(worker_id, epoch):
+            if start is None:
+                self.dataset.reset_state_deep()
+                index, skip, snapshot = 0, 0, None
+            else:
+                self.dataset.restore_state(start.dataset)
+                index, skip, snapshot = start.snapshot_index, start.skip, start.dataset
+        self.ring.reset(index, snapshot)
+        self.epoch, self.worker_id = epoch, worker_id
+        snapshot_cost = 0.0
+        work = 0.0
+        iterator: Iterator[Any] | None = None
+        while True:
+            with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
+                if work * SNAPSHOT_BUDGET >= snapshot_cost and index > self.ring.newest_index():
+                    t0 = time.perf_counter()
+                    state = self.dataset.save_state()
+                    snapshot_cost = time.perf_counter() - t0
+                    self.ring.add(index, state, index - self.max_in_flight)
+                    self.snapshots_taken += 1
+                    self.snapshot_seconds += snapshot_cost
+                    work = 0.0
+                seed_global(derive_seed(base_seed, index))
+                t0 = time.perf_counter()
+                if iterator is None:
+                    iterator = iter(self.dataset)
+                try:
+                    sample = next(iterator)
+                except StopIteration:
+                    return
+                work += time.perf_counter() - t0
+            index += 1
+            if skip:
+                skip -= 1
+                continue
+            yield worker_id, index - 1, sample
+
+    # -- command thread ---------------------------------------------------------------
+
+    def checkpoint(self, epoch: int, index: int) -> WorkerState:
+        """The state after ``index`` samples of ``epoch``: a snapshot plus a skip offset."""
+        if epoch != self.epoch:
+            raise StateError(f"worker {self.worker_id} is in epoch {self.epoch}, asked for epoch {epoch}")
+        found = self.ring.find(index)
+        if found is None:
+            raise StateError(
+                f"worker {self.worker_id} has no snapshot at or before sample {index} "
+                f"(the prefetch window was exceeded)"
+            )
+        snap_index, state = found
+        return WorkerState(
+            worker_id=self.worker_id,
+            index=index,
+            snapshot_index=snap_index,
+            dataset=plain_dataset_state(state),
+        )
+
+    def serve(self, cmd: Any, res: Any) -> None:
+        """Start the daemon command thread on the two pipe ends (once per process)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._serve, args=(cmd, res), name="savable-loader-commands", daemon=True
+            )
+            self._thread.start()
+
+    def _serve(self, cmd: Any, res: Any) -> None:
+        while True:
+            try:
+                message = cmd.recv_bytes()
+            except (EOFError, OSError):
+                return
+            request_id = -1
+            try:
+                kind, request_id, epoch, index = msgspec.msgpack.decode(message)
+                if kind != "checkpoint":
+                    raise StateError(f"unknown command {kind!r}")
+                reply = ["ok", request_id, encode_part(self.checkpoint(epoch, index))]
+            except Exception as e:  # answered to the main process, which raises it
+                reply = ["error", request_id, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"]
+            try:
+                res.send_bytes(msgspec.msgpack.encode(reply))
+            except (OSError, ValueError):
+                return
+
+
+class _NoScope:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _rng_scope(in_process: bool) -> Any:
+    # In the main process the loader must leave the caller's RNG streams untouched.
+    return preserve_global_rng() if in_process else _NoScope()
+
+
+class PipelineWorkerDataset(IterableDataset):
+    """The dataset torch's DataLoader sees on the pipeline path.
+
+    It carries the user's pipeline (cloudpickled, so lambdas cross ``spawn``), the plan
+    of the first epoch it runs (epoch, worker rotation, per-worker start states) and the
+    command/result pipe ends of every worker. Later epochs of persistent workers start
+    fresh with no rotation, as the main process expects.
+    """
+
+    def __init__(self, dataset: SavableDataset, max_in_flight: int) -> None:
+        self.dataset = dataset
+        self.worker_config = dataset.worker_config
+        self.max_in_flight = max_in_flight
+        self.epoch = 0
+        self.rotation = 0
+        self.starts: list[WorkerState | None] = [None] * self.worker_config.workers_per_rank
+        self.pipes: list[tuple[Any, Any]] | None = None
+        self._iterations = 0
+        self._runtime: WorkerRuntime | None = None
+
+    def set_plan(self, epoch: int, rotation: int, starts: list[WorkerState | None], pipes: Any) -> None:
+        self.epoch, self.rotation, self.starts, self.pipes = epoch, rotation, starts, pipes
+        self._iterations = 0
+
+    @property
+    def runtime(self) -> WorkerRuntime | None:
+        """The runtime of this loading context (None before the first iteration)."""
+        return self._runtime
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["dataset"] = cloudpickle.dumps(self.dataset)
+        state["worker_config"] = None
+        state["_runtime"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.dataset = cloudpickle.loads(state["dataset"])
+        self.worker_config = self.dataset.worker_config
+
+    def __iter__(self) -> Iterator[tuple[int, int, Any]]:
+        info = get_worker_info()
+        workers = self.worker_config.workers_per_rank
+        physical = 0 if info is None else info.id
+        count = self._iterations
+        self._iterations += 1
+        if count == 0:
+            epoch, rotation, starts = self.epoch, self.rotation, self.starts
+        else:
+            epoch, rotation, starts = self.epoch + count, 0, [None] * workers
+        logical = (physical + rotation) % workers
+        if self._runtime is None:
+            self._runtime = WorkerRuntime(
+                self.dataset, self.worker_config, self.max_in_flight, in_process=info is None
+            )
+            if info is not None and self.pipes is not None:
+                cmd, res = self.pipes[physical]
+                self._runtime.serve(cmd, res)
+        return self._runtime.run(epoch, logical, starts[logical])

@@ -1,0 +1,167 @@
+"""WorkerConfig: where a piece of data is loaded (rank, worker) and from which seed.
+
+A ``WorkerConfig`` describes one data-parallel rank's loader: the rank, the world size,
+the number of worker processes and the base seed. Savable pipelines ask it which worker
+they run in (``rank_worker_id()``) and for per-worker seeds.
+
+Example::
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=2, seed=3)
+    wc.global_worker_id()   # 0 in the main process, rank * num_workers + id in a worker
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from savable_loader.errors import LoaderUsageError
+from savable_loader.rng import derive_seed
+
+__all__ = ["WorkerConfig"]
+
+# The logical worker (and epoch) the current thread is loading for. Set by the loader's
+# worker runtime around the iteration of a pipeline; thread-local so that a command
+# thread or the training thread never sees a worker's context by accident.
+_active = threading.local()
+
+
+def _dist_defaults() -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return 0, 1
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@dataclass
+class WorkerConfig:
+    """Rank, world size, number of workers and seed of one data-parallel rank's loader.
+
+    ``rank`` and ``world_size`` default to torch.distributed's when it is initialised and
+    to ``0`` / ``1`` otherwise. ``data_parallel_group`` is the process group that spans
+    the data-parallel ranks (``None``: the default group).
+
+    Example::
+
+        wc = WorkerConfig(rank=1, world_size=4, num_workers=2, seed=0)
+        wc.worker_seed()   # differs per (seed, rank, worker)
+    """
+
+    rank: int | None = None
+    world_size: int | None = None
+    num_workers: int = 0
+    seed: int = 0
+    data_parallel_group: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.rank is None or self.world_size is None:
+            d_rank, d_world = _dist_defaults()
+            if self.data_parallel_group is not None:
+                import torch.distributed as dist
+
+                d_rank = dist.get_rank(group=self.data_parallel_group)
+                d_world = dist.get_world_size(group=self.data_parallel_group)
+            if self.rank is None:
+                self.rank = d_rank
+            if self.world_size is None:
+                self.world_size = d_world
+        for name in ("rank", "world_size", "num_workers", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise LoaderUsageError(f"WorkerConfig.{name} must be an int, got {value!r}")
+        if self.world_size < 1:
+            raise LoaderUsageError(f"WorkerConfig.world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise LoaderUsageError(
+                f"WorkerConfig.rank must be in [0, world_size={self.world_size}), got {self.rank}"
+            )
+        if self.num_workers < 0:
+            raise LoaderUsageError(f"WorkerConfig.num_workers must be >= 0, got {self.num_workers}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Process groups do not cross process boundaries; workers never need them.
+        state = dict(self.__dict__)
+        state["data_parallel_group"] = None
+        return state
+
+    @property
+    def workers_per_rank(self) -> int:
+        """Number of loading contexts per rank: ``num_workers``, or 1 in-process."""
+        return max(self.num_workers, 1)
+
+    def rank_worker_id(self) -> int:
+        """Logical id of the worker the calling code runs in (0 in the main process)."""
+        return getattr(_active, "worker_id", 0)
+
+    def global_worker_id(self) -> int:
+        """``rank * workers_per_rank + rank_worker_id()``: unique across all ranks."""
+        return self.rank * self.workers_per_rank + self.rank_worker_id()
+
+    def active_epoch(self) -> int:
+        """The loader epoch the calling worker is loading (0 outside a loader)."""
+        return getattr(_active, "epoch", 0)
+
+    def worker_seed(self) -> int:
+        """A 64-bit seed derived from ``(seed, rank, rank_worker_id())``."""
+        return derive_seed(self.seed, "worker", self.rank, self.rank_worker_id())
+
+    def epoch_seed(self) -> int:
+        """A 64-bit seed derived from ``(seed, rank, rank_worker_id(), active_epoch())``.
+
+        Sources that reshuffle every epoch seed from this in ``reset_state_own``. Inside
+        a ``RepeatDataset`` the repetition counts too, so every pass is shuffled anew.
+        """
+        return derive_seed(
+            self.seed, "worker-epoch", self.rank, self.rank_worker_id(), self.active_epoch(),
+            *getattr(_active, "repetitions", ()),
+        )
+
+    def fingerprint(self) -> dict[str, int]:
+        """The fields a state records to detect a changed configuration."""
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+            "seed": self.seed,
+        }
+
+
+class _Repetition:
+    """Context manager: datasets reset inside it draw seeds for repetition ``n``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        _active.repetitions = (*getattr(_active, "repetitions", ()), self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        _active.repetitions = _active.repetitions[:-1]
+
+
+class _ActiveWorker:
+    """Context manager: the current thread loads for logical ``worker_id`` in ``epoch``."""
+
+    def __init__(self, worker_id: int, epoch: int) -> None:
+        self.worker_id = worker_id
+        self.epoch = epoch
+        self._saved: tuple[Any, Any] = (None, None)
+
+    def __enter__(self) -> _ActiveWorker:
+        self._saved = (getattr(_active, "worker_id", None), getattr(_active, "epoch", None))
+        _active.worker_id = self.worker_id
+        _active.epoch = self.epoch
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        worker_id, epoch = self._saved
+        if worker_id is None:
+            del _active.worker_id
+            del _active.epoch
+        else:
+            _active.worker_id = worker_id
+            _active.epoch = epoch

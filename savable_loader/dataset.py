@@ -1,0 +1,172 @@
+"""SavableDataset: the base of every source and wrapper in a savable pipeline.
+
+A subclass lists its state attributes in ``_savable_fields``, sets them in
+``reset_state_own()``, reads and advances them in ``__iter__``, and describes itself in
+``config()``. ``save_state()`` and ``restore_state()`` then work with no more code: at
+every point where the iterator yields, the fields must describe where it is, so that
+``restore_state(s)`` followed by ``iter()`` continues from there.
+
+Example::
+
+    class Counter(SavableDataset):
+        _savable_fields = ("pos",)
+
+        def __init__(self, n, worker_config):
+            super().__init__(worker_config)
+            self.n = n
+            self.reset_state_own()
+
+        def reset_state_own(self):
+            self.pos = self.worker_config.rank_worker_id()
+
+        def __iter__(self):
+            step = self.worker_config.workers_per_rank
+            while self.pos < self.n:
+                value = self.pos
+                self.pos += step
+                yield value
+
+        def config(self):
+            return {"n": self.n}
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import msgspec
+from torch.utils.data import IterableDataset
+
+from savable_loader._values import freeze, from_plain
+from savable_loader.config import WorkerConfig
+from savable_loader.errors import LoaderUsageError, StateError
+from savable_loader.rng import capture_kind, restore_generator
+from savable_loader.state.schema import DatasetState
+
+__all__ = ["SavableDataset", "config_fingerprint", "plain_config", "type_name"]
+
+
+def type_name(obj: Any) -> str:
+    """``module.QualName`` of an object's class."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def plain_config(value: Any) -> Any:
+    """A configuration value as plain, deterministic data.
+
+    Functions become their qualified name (lambdas included), other objects their type.
+    """
+    if isinstance(value, (type(None), bool, int, float, str)):
+        return value
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, (list, tuple)):
+        return [plain_config(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain_config(v) for k, v in value.items()}
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def config_fingerprint(config: Any) -> str:
+    """A short hex digest of a configuration (stable across processes and runs)."""
+    data = msgspec.msgpack.Encoder(order="sorted").encode(plain_config(config))
+    return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
+class SavableDataset(IterableDataset):
+    """Base class of sources and wrappers whose iteration state can be saved.
+
+    Subclasses set ``_savable_fields``, implement ``__iter__``, ``reset_state_own`` and
+    ``config``; wrappers also return the datasets they wrap from ``children``.
+    """
+
+    _savable_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, worker_config: WorkerConfig) -> None:
+        if not isinstance(worker_config, WorkerConfig):
+            raise LoaderUsageError(
+                f"{type(self).__name__} needs worker_config=WorkerConfig(...), got {worker_config!r}"
+            )
+        self.worker_config = worker_config
+
+    def __iter__(self) -> Iterator[Any]:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement __iter__")
+
+    def reset_state_own(self) -> None:
+        """Set this dataset's own ``_savable_fields`` to the start of an epoch."""
+
+    def config(self) -> dict[str, Any]:
+        """A dict that describes this dataset; a changed config refuses a restore."""
+        raise NotImplementedError(f"{type(self).__name__} must implement config()")
+
+    def children(self) -> Sequence[SavableDataset]:
+        """The savable datasets this one wraps (none for a source)."""
+        return ()
+
+    def reset_state_deep(self) -> None:
+        """Reset this dataset and every dataset it wraps to the start of an epoch."""
+        for child in self.children():
+            child.reset_state_deep()
+        self.reset_state_own()
+
+    def config_tree(self) -> dict[str, Any]:
+        """``config()`` of this dataset with the config trees of its children."""
+        tree: dict[str, Any] = {"type": type_name(self), **plain_config(self.config())}
+        kids = self.children()
+        if kids:
+            tree["children"] = [c.config_tree() for c in kids]
+        return tree
+
+    def save_state(self) -> DatasetState:
+        """The state of this dataset and its children, copied from the live fields."""
+        fields = {}
+        for name in self._savable_fields:
+            try:
+                value = getattr(self, name)
+            except AttributeError:
+                raise StateError(
+                    f"{type(self).__name__}.{name} is listed in _savable_fields but not set; "
+                    "set it in reset_state_own()"
+                ) from None
+            fields[name] = freeze(value, f"{type(self).__name__}.{name}")
+        return DatasetState(
+            type=type_name(self), fields=fields, children=[c.save_state() for c in self.children()]
+        )
+
+    def restore_state(self, state: DatasetState | None) -> None:
+        """Put back a state from ``save_state`` (None: the start of an epoch)."""
+        if state is None:
+            self.reset_state_deep()
+            return
+        if not isinstance(state, DatasetState):
+            raise StateError(f"{type(self).__name__}.restore_state needs a DatasetState, got {type(state).__name__}")
+        expected = type_name(self)
+        if state.type != expected:
+            raise StateError(f"state node was saved by {state.type}, but the pipeline has {expected} here")
+        kids = self.children()
+        if len(state.children) != len(kids):
+            raise StateError(
+                f"{expected}: state has {len(state.children)} child states, the pipeline has {len(kids)}"
+            )
+        missing = set(self._savable_fields) - set(state.fields)
+        extra = set(state.fields) - set(self._savable_fields)
+        if missing or extra:
+            raise StateError(
+                f"{expected}: state fields {sorted(state.fields)} do not match _savable_fields "
+                f"{sorted(self._savable_fields)}"
+            )
+        for child, child_state in zip(kids, state.children):
+            child.restore_state(child_state)
+        self.reset_state_own()
+        for name in self._savable_fields:
+            value = state.fields[name]
+            current = getattr(self, name, None)
+            if capture_kind(current) is not None:
+                restore_generator(current, value)
+            else:
+                setattr(self, name, from_plain(value))

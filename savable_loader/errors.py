@@ -1,0 +1,96 @@
+"""Exceptions raised by savable_loader.
+
+Every error the library raises on purpose derives from :class:`SavableLoaderError`, so
+``except savable_loader.errors.SavableLoaderError`` catches all of them::
+
+    SavableLoaderError
+    ├── StateError                  a state (bytes, file or object) is malformed or foreign
+    │   └── StateVersionError       written by a newer savable-loader: upgrade
+    ├── ConfigMismatchError         restore under a configuration that cannot be honoured
+    ├── LoaderUsageError            the loader was called in a way it does not support
+    └── WorkerError                 a worker process failed (names the worker)
+        ├── WorkerDiedError         the worker process exited
+        └── WorkerTimeoutError      the worker did not answer in time
+
+Example::
+
+    try:
+        loader.restore_state_rank(state)
+    except ConfigMismatchError as e:
+        print(e.field, e.saved, e.current)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ConfigMismatchError",
+    "LoaderUsageError",
+    "SavableLoaderError",
+    "StateError",
+    "StateVersionError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerTimeoutError",
+]
+
+
+class SavableLoaderError(Exception):
+    """Base class of every error savable_loader raises on purpose."""
+
+
+class StateError(SavableLoaderError):
+    """A state is malformed, truncated, corrupted or not a savable_loader state.
+
+    Raised by :func:`savable_loader.state.decode`, :func:`savable_loader.state.load_file`
+    and by restores handed an object of the wrong kind.
+    """
+
+
+class StateVersionError(StateError):
+    """The state was written with a newer schema version than this library knows."""
+
+
+class ConfigMismatchError(SavableLoaderError):
+    """A restore under a configuration the loader cannot honour.
+
+    ``field`` names the configuration entry, ``saved`` is its value in the state and
+    ``current`` its value in the loader being restored.
+    """
+
+    def __init__(self, field: str, saved: Any, current: Any, hint: str = "") -> None:
+        self.field = field
+        self.saved = saved
+        self.current = current
+        self.hint = hint
+        message = f"cannot restore: {field} was {saved!r} when the state was saved, but is {current!r} now"
+        if hint:
+            message += f" ({hint})"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.field, self.saved, self.current, self.hint))
+
+
+class LoaderUsageError(SavableLoaderError, ValueError):
+    """An argument or a call sequence the loader does not support."""
+
+
+class WorkerError(SavableLoaderError, RuntimeError):
+    """A worker process failed; ``worker_id`` is its logical id within this rank."""
+
+    def __init__(self, message: str, worker_id: int | None = None) -> None:
+        self.worker_id = worker_id
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.worker_id))
+
+
+class WorkerDiedError(WorkerError):
+    """A worker process exited (killed, crashed) while the loader still needed it."""
+
+
+class WorkerTimeoutError(WorkerError):
+    """A worker did not produce a sample or answer a command within the timeout."""

@@ -1,0 +1,341 @@
+"""SavableDataLoader: torch's DataLoader whose position can be saved and restored exactly.
+
+Two ways in (see DESIGN.md):
+
+* a map-style dataset (``__getitem__`` + ``__len__``): the drop-in path. The loader
+  builds the per-epoch order itself from ``seed``; the state is the epoch and the number
+  of samples yielded, and any ``num_workers`` can resume it.
+* a :class:`~savable_loader.SavableDataset` pipeline with ``batch_size=None``: per-worker
+  pipeline states are captured from snapshots through a command thread in each worker.
+
+Each ``iter(loader)`` starts the next epoch, except the first one after
+``restore_state_rank``, which continues the saved epoch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, default_collate, default_convert
+
+from savable_loader._index_mode import IndexMode
+from savable_loader._pipeline_mode import PipelineMode
+from savable_loader._version import __version__
+from savable_loader.config import WorkerConfig
+from savable_loader.dataset import SavableDataset
+from savable_loader.errors import (
+    LoaderUsageError,
+    StateError,
+    WorkerDiedError,
+    WorkerTimeoutError,
+)
+from savable_loader.state.codec import decode, encode
+from savable_loader.state.schema import IndexPosition, PipelinePosition, RankState
+
+__all__ = ["SavableDataLoader"]
+
+_UNSUPPORTED = {
+    "sampler": "the loader builds its own per-epoch order from `seed`; use shuffle=True/False",
+    "batch_sampler": "the loader cuts batches itself; use batch_size and drop_last",
+    "generator": "randomness comes from `seed` so that it can be resumed",
+    "in_order": "out-of-order delivery cannot be resumed exactly",
+}
+_DEFAULT_SAVE_TIMEOUT = 60.0
+
+
+class _TaggedCollate:
+    """Applies the per-item collate function to a pipeline item, keeping its tag."""
+
+    def __init__(self, collate: Callable[[Any], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, item: tuple[int, int, Any]) -> tuple[int, int, Any]:
+        worker_id, index, payload = item
+        return worker_id, index, self.collate(payload)
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+class SavableDataLoader(DataLoader):
+    """A ``torch.utils.data.DataLoader`` whose position can be saved and restored exactly.
+
+    Drop-in path (map-style dataset)::
+
+        loader = SavableDataLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=4)
+        for batch in loader:
+            ...
+            state = loader.save_state_rank()        # microseconds
+        fresh = SavableDataLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=2)
+        fresh.restore_state_rank(state)              # continues with the next batch
+
+    Savable pipelines (``SavableDataset``, batching inside the pipeline)::
+
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=2, seed=3)
+        loader = SavableDataLoader(BatchDataset(MySource(worker_config=wc), 32), batch_size=None)
+
+    Accepts torch's ``batch_size``, ``shuffle``, ``collate_fn``, ``drop_last``,
+    ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``timeout``,
+    ``worker_init_fn``, ``multiprocessing_context`` and ``persistent_workers``, plus
+    ``seed``, ``worker_config`` and ``save_timeout`` (seconds a save may wait for a
+    worker). ``sampler``, ``batch_sampler``, ``generator`` and ``in_order=False`` are
+    refused: they cannot be resumed exactly.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        *,
+        seed: int | None = None,
+        worker_config: WorkerConfig | None = None,
+        num_workers: int | None = None,
+        collate_fn: Callable[[Any], Any] | None = None,
+        drop_last: bool = False,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        persistent_workers: bool = False,
+        save_timeout: float = _DEFAULT_SAVE_TIMEOUT,
+        **unsupported: Any,
+    ) -> None:
+        for name, value in unsupported.items():
+            if name in _UNSUPPORTED:
+                if name == "in_order" and value is True:
+                    continue
+                raise LoaderUsageError(f"SavableDataLoader does not accept {name}={value!r}: {_UNSUPPORTED[name]}")
+            raise LoaderUsageError(f"SavableDataLoader got an unexpected keyword argument {name!r}")
+        wc = self._resolve_worker_config(worker_config, num_workers, seed)
+        if timeout < 0:
+            raise LoaderUsageError(f"timeout must be >= 0, got {timeout}")
+        if save_timeout <= 0:
+            raise LoaderUsageError(f"save_timeout must be > 0, got {save_timeout}")
+        if prefetch_factor is not None and wc.num_workers == 0:
+            raise LoaderUsageError("prefetch_factor needs num_workers > 0 (as in torch's DataLoader)")
+        prefetch = 2 if prefetch_factor is None else prefetch_factor
+
+        if isinstance(dataset, SavableDataset):
+            if batch_size is not None:
+                raise LoaderUsageError(
+                    f"a savable pipeline batches inside the pipeline (BatchDataset): pass batch_size=None, got {batch_size!r}"
+                )
+            if shuffle:
+                raise LoaderUsageError("a savable pipeline shuffles inside the pipeline (ShuffleBufferDataset): shuffle must be False")
+            if drop_last:
+                raise LoaderUsageError("a savable pipeline drops inside the pipeline (BatchDataset(drop_last=True)): drop_last must be False")
+            if dataset.worker_config != wc:
+                raise LoaderUsageError(
+                    f"the pipeline's worker_config {dataset.worker_config} differs from the loader's {wc}"
+                )
+            mode: IndexMode | PipelineMode = PipelineMode(dataset, wc, prefetch)
+            torch_kwargs: dict[str, Any] = {
+                "batch_size": None,
+                "collate_fn": _TaggedCollate(default_convert if collate_fn is None else collate_fn),
+            }
+        elif isinstance(dataset, IterableDataset):
+            raise LoaderUsageError(
+                f"{type(dataset).__qualname__} is an IterableDataset that is not a SavableDataset: its position "
+                "cannot be saved. Subclass savable_loader.SavableDataset, or use a map-style dataset"
+            )
+        else:
+            if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+                raise LoaderUsageError(
+                    f"dataset must be map-style (__getitem__ and __len__) or a SavableDataset, got {type(dataset).__qualname__}"
+                )
+            if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
+                raise LoaderUsageError(f"batch_size must be a positive int or None, got {batch_size!r}")
+            if collate_fn is None:
+                collate_fn = default_collate if batch_size is not None else default_convert
+            mode = IndexMode(
+                dataset, seed=wc.seed, shuffle=bool(shuffle), rank=wc.rank, world_size=wc.world_size,
+                batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn,
+            )
+            torch_kwargs = {"batch_size": None, "sampler": mode.sampler, "collate_fn": _identity}
+
+        super().__init__(
+            mode.torch_dataset,
+            num_workers=wc.num_workers,
+            pin_memory=pin_memory,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=torch.Generator().manual_seed(wc.seed & 0x7FFF_FFFF_FFFF_FFFF),
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            **torch_kwargs,
+        )
+        # torch's DataLoader guards these after __init__; ours describe the user's view.
+        object.__setattr__(self, "batch_size", batch_size if mode.kind == "index" else None)
+        object.__setattr__(self, "drop_last", drop_last)
+        self.worker_config = wc
+        self.seed = wc.seed
+        self.save_timeout = save_timeout
+        self._mode = mode
+        self._prefetch = prefetch
+        self._torch_iter: Any = None
+        self._live: Iterator[Any] | None = None
+
+    @staticmethod
+    def _resolve_worker_config(wc: WorkerConfig | None, num_workers: int | None, seed: int | None) -> WorkerConfig:
+        if wc is None:
+            return WorkerConfig(num_workers=0 if num_workers is None else num_workers, seed=0 if seed is None else seed)
+        if not isinstance(wc, WorkerConfig):
+            raise LoaderUsageError(f"worker_config must be a WorkerConfig, got {type(wc).__qualname__}")
+        if num_workers is not None and num_workers != wc.num_workers:
+            raise LoaderUsageError(f"num_workers={num_workers} differs from worker_config.num_workers={wc.num_workers}")
+        if seed is not None and seed != wc.seed:
+            raise LoaderUsageError(f"seed={seed} differs from worker_config.seed={wc.seed}")
+        return wc
+
+    # -- iteration --------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        if self._mode.kind == "index":
+            return self._mode.plan.num_batches()  # type: ignore[union-attr]
+        return super().__len__()
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._live is not None:
+            self._live.close()  # a new iteration abandons the previous one (next epoch)
+        self._live = self._iterate()
+        return self._live
+
+    def _iterate(self) -> Iterator[Any]:
+        mode = self._mode
+        persistent = self.persistent_workers and self.num_workers > 0
+        while True:
+            if mode.kind == "pipeline":
+                resumed = mode.begin(self._mp_context(), reuse_workers=persistent and self._iterator is not None)  # type: ignore[call-arg]
+            else:
+                resumed = mode.begin()  # type: ignore[call-arg]
+            produced = 0
+            finished = False
+            try:
+                torch_iter = super().__iter__()
+                self._torch_iter = torch_iter
+                if mode.kind == "pipeline":
+                    mode.workers_started()  # type: ignore[union-attr]
+                while True:
+                    try:
+                        item = next(torch_iter)
+                    except StopIteration:
+                        break
+                    except RuntimeError as e:
+                        raise self._translate(e, torch_iter) from e
+                    produced += 1
+                    yield mode.on_item(item)
+                finished = True
+            finally:
+                self._torch_iter = None
+                if mode.kind == "pipeline":
+                    mode.end(keep_channels=persistent)  # type: ignore[call-arg]
+                else:
+                    mode.end()  # type: ignore[call-arg]
+            # A restored epoch that had nothing left: go on with the next epoch, as the
+            # uninterrupted run would have.
+            if not (finished and resumed and produced == 0):
+                return
+
+    def _mp_context(self) -> Any:
+        ctx = self.multiprocessing_context
+        if ctx is None:
+            return torch.multiprocessing.get_context()
+        return ctx
+
+    def _translate(self, error: RuntimeError, torch_iter: Any) -> Exception:
+        text = str(error)
+        workers = getattr(torch_iter, "_workers", None) or []
+        if "timed out" in text:
+            logical = self._next_worker(torch_iter)
+            return WorkerTimeoutError(
+                f"worker {logical} produced nothing within timeout={self.timeout:g} s ({text})", worker_id=logical
+            )
+        if "exited unexpectedly" in text:
+            pids = {int(p) for p in re.findall(r"\d+", text.split("pid(s)")[-1].split(")")[0])}
+            ids = [self._logical(i) for i, w in enumerate(workers) if w.pid in pids]
+            name = f"worker {ids[0]}" if len(ids) == 1 else f"workers {ids}"
+            return WorkerDiedError(f"{name} exited unexpectedly ({text})", worker_id=ids[0] if ids else None)
+        return error
+
+    def _next_worker(self, torch_iter: Any) -> int | None:
+        info = getattr(torch_iter, "_task_info", {}).get(getattr(torch_iter, "_rcvd_idx", -1))
+        return self._logical(info[0]) if info else None
+
+    def _logical(self, physical: int) -> int:
+        if self._mode.kind == "pipeline":
+            return self._mode.logical(physical)  # type: ignore[union-attr]
+        return physical
+
+    # -- state ------------------------------------------------------------------------
+
+    def save_state_rank(self) -> RankState:
+        """This rank's loader state: valid at any moment, cheap, never blocks on a busy worker.
+
+        Before the first batch, mid-epoch, after the last batch of an epoch, between
+        epochs and right after a restore. Saving twice without iterating gives equal
+        states.
+        """
+        mode = self._mode
+        if mode.kind == "pipeline":
+            processes = getattr(self._torch_iter, "_workers", None) or getattr(self._iterator, "_workers", None)
+            position: IndexPosition | PipelinePosition = mode.save(processes, self.save_timeout)  # type: ignore[call-arg]
+        else:
+            position = mode.save()  # type: ignore[call-arg]
+        return RankState(
+            config=mode.loader_config(self.num_workers), position=position, library_version=__version__
+        )
+
+    def restore_state_rank(self, state: RankState) -> None:
+        """Restore a state from :meth:`save_state_rank` before iterating.
+
+        The next ``iter()`` continues the saved epoch; later ones start the next epochs.
+        A changed ``num_workers`` is honoured on the drop-in path; other changes the
+        loader cannot honour raise :class:`ConfigMismatchError` naming the field.
+        """
+        if isinstance(state, list):
+            raise StateError(
+                f"restore_state_rank needs one rank's RankState, got a list of {len(state)} "
+                "(a gathered state: pick this rank's entry)"
+            )
+        if not isinstance(state, RankState):
+            raise StateError(f"restore_state_rank needs a RankState, got {type(state).__qualname__}")
+        if self._live is not None and self._torch_iter is not None:
+            raise LoaderUsageError("cannot restore a loader while it is iterating; restore before iter()")
+        if self.persistent_workers and self._iterator is not None:
+            raise LoaderUsageError("cannot restore a loader whose persistent workers already run; build a new loader")
+        mode = self._mode
+        position = state.position
+        expected = IndexPosition if mode.kind == "index" else PipelinePosition
+        if not isinstance(position, expected):
+            raise StateError(
+                f"the state was saved by a {'pipeline' if isinstance(position, PipelinePosition) else 'drop-in'} "
+                f"loader, this loader is a {'drop-in' if mode.kind == 'index' else 'pipeline'} loader"
+            )
+        mode.check(state.config, position, self.num_workers)  # type: ignore[arg-type]
+        mode.restore(position)  # type: ignore[arg-type]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The torch-ecosystem name for :meth:`save_state_rank`, as plain values.
+
+        ``{"savable_loader": <MessagePack bytes>}``: safe with ``torch.load(weights_only=True)``.
+        """
+        return {"savable_loader": encode(self.save_state_rank())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The torch-ecosystem name for :meth:`restore_state_rank`."""
+        if not isinstance(state_dict, dict) or "savable_loader" not in state_dict:
+            raise StateError("load_state_dict needs a dict made by SavableDataLoader.state_dict()")
+        data = state_dict["savable_loader"]
+        if isinstance(data, torch.Tensor):
+            data = data.numpy().tobytes()
+        state = decode(data)
+        if isinstance(state, list):
+            raise StateError("load_state_dict got a gathered state of several ranks")
+        self.restore_state_rank(state)

@@ -1,0 +1,185 @@
+"""Random number generators: derive seeds from counters, capture and restore states.
+
+Two ways keep random augmentations exact across a save and a restore:
+
+* **derive from a counter** -- before producing sample ``i`` the loader re-seeds Python's
+  ``random``, NumPy's global RNG and torch's CPU RNG from ``derive_seed(seed, ..., i)``.
+  The RNG state at any sample is then a function of its position and needs no snapshot.
+* **capture / restore** -- :func:`capture_global` and :func:`restore_global` save and put
+  back the three global RNGs (used to leave the caller's streams untouched when loading
+  runs in the main process), and :func:`capture_generator` / :func:`restore_generator`
+  turn a generator object held by a dataset into plain values for its state.
+
+Example::
+
+    seed = derive_seed(0, "sample", epoch, position)
+    with preserve_global_rng():
+        seed_global(seed)
+        x = augment(sample)        # draws from random / numpy / torch
+    # the caller's global RNG streams are as they were
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from savable_loader.errors import StateError
+
+__all__ = [
+    "GlobalRngState",
+    "capture_generator",
+    "capture_global",
+    "derive_seed",
+    "preserve_global_rng",
+    "restore_generator",
+    "restore_global",
+    "seed_global",
+]
+
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 64-bit seed that depends on every part (ints and strings), stable across runs.
+
+    Example::
+
+        derive_seed(0, "sample", 3, 17) != derive_seed(0, "sample", 3, 18)
+    """
+    text = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def seed_global(seed: int) -> None:
+    """Seed Python ``random``, NumPy's global RNG and torch's CPU RNG from one seed.
+
+    Uses ``torch.default_generator.manual_seed`` (about 1 µs) rather than
+    ``torch.manual_seed``, which also seeds every accelerator (about 100 µs).
+    """
+    seed &= _MASK64
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.default_generator.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class GlobalRngState:
+    """The states of Python ``random``, NumPy's global RNG and torch's CPU RNG."""
+
+    python: Any
+    numpy: Any
+    torch: torch.Tensor
+
+
+def capture_global() -> GlobalRngState:
+    """Capture the three global RNG states of the calling process."""
+    return GlobalRngState(random.getstate(), np.random.get_state(), torch.get_rng_state())
+
+
+def restore_global(state: GlobalRngState) -> None:
+    """Put back states taken by :func:`capture_global`."""
+    random.setstate(state.python)
+    np.random.set_state(state.numpy)
+    torch.set_rng_state(state.torch)
+
+
+@contextmanager
+def preserve_global_rng() -> Iterator[None]:
+    """Run a block without changing the caller's global RNG streams."""
+    state = capture_global()
+    try:
+        yield
+    finally:
+        restore_global(state)
+
+
+def capture_generator(gen: Any) -> dict[str, Any]:
+    """A generator object's state as plain values (ints, strings, bytes, lists).
+
+    Supports ``random.Random``, ``numpy.random.Generator``, ``numpy.random.RandomState``
+    and ``torch.Generator``; raises :class:`StateError` for anything else.
+    """
+    if isinstance(gen, random.Random):
+        version, internal, gauss = gen.getstate()
+        return {"kind": "python", "version": version, "internal": list(internal), "gauss": gauss}
+    if isinstance(gen, np.random.Generator):
+        return {"kind": "numpy-generator", "state": _plain_bitgen(gen.bit_generator.state)}
+    if isinstance(gen, np.random.RandomState):
+        return {"kind": "numpy-randomstate", "state": _plain_bitgen(gen.get_state(legacy=False))}
+    if isinstance(gen, torch.Generator):
+        return {"kind": "torch", "device": str(gen.device), "state": gen.get_state().numpy().tobytes()}
+    raise StateError(f"cannot capture the state of a {type(gen).__qualname__}: not a known RNG")
+
+
+def restore_generator(gen: Any, plain: Any) -> None:
+    """Put a state from :func:`capture_generator` back into ``gen`` (same kind)."""
+    if not isinstance(plain, dict) or "kind" not in plain:
+        raise StateError(f"RNG state must be a dict with a 'kind', got {type(plain).__name__}")
+    kind = plain["kind"]
+    expected = capture_kind(gen)
+    if kind != expected:
+        raise StateError(f"RNG state kind is {kind!r}, but the generator is a {expected!r}")
+    try:
+        if kind == "python":
+            gen.setstate((plain["version"], tuple(plain["internal"]), plain["gauss"]))
+        elif kind == "numpy-generator":
+            gen.bit_generator.state = _live_bitgen(plain["state"])
+        elif kind == "numpy-randomstate":
+            gen.set_state(_live_bitgen(plain["state"]))
+        else:
+            gen.set_state(torch.frombuffer(bytearray(plain["state"]), dtype=torch.uint8))
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise StateError(f"invalid {kind} RNG state: {e}") from e
+
+
+def capture_kind(gen: Any) -> str | None:
+    """The ``kind`` :func:`capture_generator` gives ``gen``, or None if not an RNG."""
+    if isinstance(gen, random.Random):
+        return "python"
+    if isinstance(gen, np.random.Generator):
+        return "numpy-generator"
+    if isinstance(gen, np.random.RandomState):
+        return "numpy-randomstate"
+    if isinstance(gen, torch.Generator):
+        return "torch"
+    return None
+
+
+def _plain_bitgen(state: dict[str, Any]) -> dict[str, Any]:
+    # NumPy bit-generator states hold ints wider than 64 bits and arrays: make them
+    # strings and lists so MessagePack can carry them.
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out[key] = _plain_bitgen(value)
+        elif isinstance(value, np.ndarray):
+            out[key] = {"__array__": value.dtype.str, "values": value.tolist()}
+        elif isinstance(value, int) and not -(1 << 63) <= value < (1 << 64):
+            out[key] = {"__bigint__": str(value)}
+        elif isinstance(value, np.integer):
+            out[key] = int(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _live_bitgen(plain: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in plain.items():
+        if isinstance(value, dict) and "__array__" in value:
+            out[key] = np.asarray(value["values"], dtype=np.dtype(value["__array__"]))
+        elif isinstance(value, dict) and "__bigint__" in value:
+            out[key] = int(value["__bigint__"])
+        elif isinstance(value, dict):
+            out[key] = _live_bitgen(value)
+        else:
+            out[key] = value
+    return out

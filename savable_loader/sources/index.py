@@ -1,0 +1,169 @@
+"""The index source of the drop-in path: epochs of a map-style dataset as batch keys.
+
+For epoch ``e`` the global order is a permutation of ``range(len(dataset))`` drawn from
+``(seed, e)`` (the identity without ``shuffle``). If the dataset does not split evenly
+over ``world_size`` ranks, the order is padded by wrapping around to its start, as
+``torch.utils.data.DistributedSampler`` does, so every rank gets ``ceil(N / world_size)``
+samples; rank ``r`` takes global positions ``r, r + W, r + 2W, ...``. The rank's share
+is cut into batches; with ``drop_last`` the last, shorter batch is dropped.
+
+A sample is identified by its **position** in the epoch's global order. Before loading
+it, the worker re-seeds Python ``random``, NumPy's and torch's global RNGs from
+``(seed, epoch, position)``; so the data of a sample does not depend on ``num_workers``,
+the batch size or the world size, and a resume needs no RNG snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from torch.utils.data import Dataset, Sampler, get_worker_info
+
+from savable_loader.rng import derive_seed, preserve_global_rng, seed_global
+
+__all__ = ["BatchKey", "IndexPlan", "IndexedDataset", "IndexSampler"]
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """Everything a worker needs to build one batch: epoch and (position, index) pairs."""
+
+    epoch: int
+    positions: tuple[int, ...]
+    indices: tuple[int, ...]
+
+
+class IndexPlan:
+    """The per-epoch order of one rank's samples and its cutting into batches."""
+
+    def __init__(
+        self,
+        dataset_len: int,
+        *,
+        seed: int,
+        shuffle: bool,
+        rank: int,
+        world_size: int,
+        batch_size: int | None,
+        drop_last: bool,
+    ) -> None:
+        self.dataset_len = dataset_len
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    @property
+    def rank_len(self) -> int:
+        """Samples per rank and epoch (after padding)."""
+        return math.ceil(self.dataset_len / self.world_size) if self.dataset_len else 0
+
+    @property
+    def step(self) -> int:
+        """Samples per yielded item (the batch size, or 1 when unbatched)."""
+        return self.batch_size or 1
+
+    @property
+    def epoch_len(self) -> int:
+        """Samples this rank yields in a whole epoch (``drop_last`` applied)."""
+        if self.drop_last:
+            return self.rank_len // self.step * self.step
+        return self.rank_len
+
+    def num_batches(self) -> int:
+        """Items (batches) this rank yields in a whole epoch."""
+        if self.drop_last:
+            return self.rank_len // self.step
+        return math.ceil(self.rank_len / self.step)
+
+    def global_order(self, epoch: int) -> np.ndarray:
+        """The dataset indices of ``epoch`` in global order (not padded)."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        if self.shuffle:
+            rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, "permutation", epoch)))
+            order = rng.permutation(self.dataset_len)
+        else:
+            order = np.arange(self.dataset_len)
+        self._cache = (epoch, order)
+        return order
+
+    def batches(self, epoch: int, start: int) -> Iterator[BatchKey]:
+        """Batch keys of ``epoch`` from the ``start``-th sample of this rank on."""
+        order = self.global_order(epoch)
+        end = self.epoch_len
+        step = self.step
+        for first in range(start, end, step):
+            last = min(first + step, end)
+            positions = tuple(range(self.rank + first * self.world_size, self.rank + last * self.world_size, self.world_size))
+            indices = tuple(int(order[p % self.dataset_len]) for p in positions)
+            yield BatchKey(epoch, positions, indices)
+
+
+class IndexSampler(Sampler[BatchKey]):
+    """The sampler torch's DataLoader iterates: batch keys of the loader's current plan."""
+
+    def __init__(self, plan: IndexPlan) -> None:
+        self.plan = plan
+        self.epoch = 0
+        self.start = 0
+
+    def __iter__(self) -> Iterator[BatchKey]:
+        return self.plan.batches(self.epoch, self.start)
+
+    def __len__(self) -> int:
+        return self.plan.num_batches()
+
+
+class IndexedDataset(Dataset):
+    """Wraps the user's map-style dataset: ``dataset[key]`` builds a whole batch.
+
+    Each sample is loaded after re-seeding the global RNGs from ``(seed, epoch,
+    position)``; the collate function runs after re-seeding from the batch's first
+    position. In the main process (``num_workers=0``) the caller's RNG streams are saved
+    and put back around the batch. Attribute lookups fall through to the user's dataset.
+    """
+
+    def __init__(self, dataset: Any, seed: int, collate_fn: Callable[[Any], Any], batched: bool) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.collate_fn = collate_fn
+        self.batched = batched
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # cloudpickle carries lambdas and local classes to spawn/forkserver workers.
+        return {"payload": cloudpickle.dumps((self.dataset, self.seed, self.collate_fn, self.batched))}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.dataset, self.seed, self.collate_fn, self.batched = cloudpickle.loads(state["payload"])
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("dataset", "seed", "collate_fn", "batched"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def build(self, key: BatchKey) -> Any:
+        """The batch (or sample, when unbatched) that ``key`` names."""
+        samples = []
+        for position, index in zip(key.positions, key.indices):
+            seed_global(derive_seed(self.seed, "sample", key.epoch, position))
+            samples.append(self.dataset[index])
+        seed_global(derive_seed(self.seed, "collate", key.epoch, key.positions[0]))
+        return self.collate_fn(samples if self.batched else samples[0])
+
+    def __getitem__(self, key: BatchKey) -> Any:
+        if get_worker_info() is None:
+            with preserve_global_rng():
+                return self.build(key)
+        return self.build(key)

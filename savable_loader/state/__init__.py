@@ -1,0 +1,38 @@
+"""State schema, encoding and files. Imports only msgspec and the standard library.
+
+Example::
+
+    import savable_loader as sl
+    sl.state.save_file("loader.state", loader.save_state_rank())
+    loader.restore_state_rank(sl.state.load_file("loader.state"))
+"""
+
+from savable_loader.state.codec import decode, encode
+from savable_loader.state.files import load_file, save_file
+from savable_loader.state.schema import (
+    SCHEMA_VERSION,
+    ArrayValue,
+    DatasetState,
+    GlobalState,
+    IndexPosition,
+    LoaderConfig,
+    PipelinePosition,
+    RankState,
+    WorkerState,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ArrayValue",
+    "DatasetState",
+    "GlobalState",
+    "IndexPosition",
+    "LoaderConfig",
+    "PipelinePosition",
+    "RankState",
+    "WorkerState",
+    "decode",
+    "encode",
+    "load_file",
+    "save_file",
+]

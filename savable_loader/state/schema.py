@@ -1,0 +1,148 @@
+"""The state schema: msgspec Structs, keyword-only, versioned.
+
+A loader's state for one data-parallel rank is a :class:`RankState`; a checkpoint of all
+ranks gathered to one is a :class:`GlobalState` (``list[RankState]`` in the API). Only
+msgspec and the standard library are imported here, so a state can be read and inspected
+without torch.
+
+Example::
+
+    state = RankState(config=..., position=IndexPosition(epoch=0, consumed=64, dataset_len=1000))
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ArrayValue",
+    "DatasetState",
+    "GlobalState",
+    "IndexPosition",
+    "LoaderConfig",
+    "PipelinePosition",
+    "RankState",
+    "WorkerState",
+]
+
+#: Version of the state schema this library writes. Bumped on any incompatible change;
+#: older versions stay decodable (see tests/data/ for the kept fixtures).
+SCHEMA_VERSION = 1
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ArrayValue:
+    """A tensor or NumPy array inside a dataset state: library, dtype, shape, raw bytes.
+
+    Stored as a MessagePack extension (code 1), never as a pickle. A plain class rather
+    than a Struct so that msgspec hands it to the codec's extension hook.
+    """
+
+    __slots__ = ("library", "dtype", "shape", "data")
+
+    def __init__(self, *, library: str, dtype: str, shape: tuple[int, ...], data: bytes) -> None:
+        self.library = library
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self.data = bytes(data)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ArrayValue):
+            return NotImplemented
+        return (self.library, self.dtype, self.shape, self.data) == (
+            other.library, other.dtype, other.shape, other.data)
+
+    def __hash__(self) -> int:
+        return hash((self.library, self.dtype, self.shape, self.data))
+
+    def __repr__(self) -> str:
+        return f"ArrayValue(library={self.library!r}, dtype={self.dtype!r}, shape={self.shape}, {len(self.data)} bytes)"
+
+
+class DatasetState(msgspec.Struct, kw_only=True):
+    """One node of a pipeline's state tree, tagged with the class that made it.
+
+    ``fields`` holds plain values (None, bool, int, float, str, bytes, lists, dicts,
+    :class:`ArrayValue`); ``children`` the states of the datasets this one wraps.
+    """
+
+    type: str
+    fields: dict[str, Any] = {}
+    children: list[DatasetState] = []
+
+
+class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """The configuration a state was saved under; a restore compares it field by field."""
+
+    rank: NonNeg
+    world_size: Positive
+    num_workers: NonNeg
+    seed: int
+    batch_size: Positive | None
+    shuffle: bool
+    drop_last: bool
+    dataset_fingerprint: str
+    dataset_config: dict[str, Any] = {}
+
+
+class IndexPosition(msgspec.Struct, kw_only=True, frozen=True, tag="index"):
+    """Drop-in path: ``consumed`` samples of this rank's share of ``epoch`` were yielded."""
+
+    epoch: NonNeg
+    consumed: NonNeg
+    dataset_len: NonNeg
+
+
+class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
+    """One worker of a savable pipeline.
+
+    ``index`` samples of the epoch were yielded from this worker. ``dataset`` is the
+    pipeline state captured after ``snapshot_index`` samples (None: the epoch's start,
+    ``snapshot_index`` 0); a restore puts it back and replays ``index - snapshot_index``
+    samples (the skip offset).
+    """
+
+    worker_id: NonNeg
+    index: NonNeg
+    snapshot_index: NonNeg
+    dataset: DatasetState | None = None
+
+    @property
+    def skip(self) -> int:
+        """Samples to replay after restoring ``dataset``."""
+        return self.index - self.snapshot_index
+
+
+class PipelinePosition(msgspec.Struct, kw_only=True, frozen=True, tag="pipeline"):
+    """Savable-pipeline path: per-worker states and the logical worker that yields next."""
+
+    epoch: NonNeg
+    next_worker: NonNeg
+    workers: list[WorkerState]
+
+
+class RankState(msgspec.Struct, kw_only=True, frozen=True, tag="rank", tag_field="kind"):
+    """The whole state of one rank's loader."""
+
+    config: LoaderConfig
+    position: IndexPosition | PipelinePosition
+    schema_version: Positive = SCHEMA_VERSION
+    library_version: str = ""
+
+    @property
+    def epoch(self) -> int:
+        """The epoch in progress (or about to start) when the state was saved."""
+        return self.position.epoch
+
+
+class GlobalState(msgspec.Struct, kw_only=True, frozen=True, tag="global", tag_field="kind"):
+    """The states of every data-parallel rank, ordered by rank."""
+
+    ranks: list[RankState]
+    schema_version: Positive = SCHEMA_VERSION
+    library_version: str = ""

@@ -1,0 +1,55 @@
+"""BatchDataset: group consecutive samples into batches and collate them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import default_collate
+
+from savable_loader.dataset import SavableDataset
+from savable_loader.errors import LoaderUsageError
+from savable_loader.wrappers.base import BaseWrapperDataset
+
+__all__ = ["BatchDataset"]
+
+
+class BatchDataset(BaseWrapperDataset):
+    """Collates every ``batch_size`` consecutive samples into one batch.
+
+    ``collate_fn`` defaults to torch's ``default_collate``. The last, shorter batch of an
+    epoch is yielded unless ``drop_last``. The batch under construction is local to the
+    iterator: a batch is only yielded whole, and the state is taken between batches.
+
+    Example::
+
+        ds = BatchDataset(source, batch_size=32)
+    """
+
+    def __init__(
+        self,
+        dataset: SavableDataset,
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
+        super().__init__(dataset)
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise LoaderUsageError(f"BatchDataset batch_size must be a positive int, got {batch_size!r}")
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.collate_fn = default_collate if collate_fn is None else collate_fn
+
+    def __iter__(self) -> Iterator[Any]:
+        batch: list[Any] = []
+        for sample in self.dataset:
+            batch.append(sample)
+            if len(batch) == self.batch_size:
+                yield self.collate_fn(batch)
+                batch = []
+        if batch and not self.drop_last:
+            yield self.collate_fn(batch)
+
+    def config(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "drop_last": self.drop_last, "collate_fn": self.collate_fn}

@@ -1,0 +1,35 @@
+"""FilterDataset: keep the samples a predicate accepts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from savable_loader.dataset import SavableDataset
+from savable_loader.wrappers.base import BaseWrapperDataset
+
+__all__ = ["FilterDataset"]
+
+
+class FilterDataset(BaseWrapperDataset):
+    """Yields the samples of ``dataset`` for which ``predicate(sample)`` is true.
+
+    Example::
+
+        ds = FilterDataset(source, lambda x: x % 2 == 0)
+    """
+
+    def __init__(self, dataset: SavableDataset, predicate: Callable[[Any], bool]) -> None:
+        super().__init__(dataset)
+        if not callable(predicate):
+            raise TypeError(f"FilterDataset predicate must be callable, got {predicate!r}")
+        self.predicate = predicate
+
+    def __iter__(self) -> Iterator[Any]:
+        predicate = self.predicate
+        for sample in self.dataset:
+            if predicate(sample):
+                yield sample
+
+    def config(self) -> dict[str, Any]:
+        return {"predicate": self.predicate}

@@ -1,0 +1,55 @@
+"""LimitDataset: stop after a number of samples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from savable_loader.dataset import SavableDataset
+from savable_loader.errors import LoaderUsageError
+from savable_loader.wrappers.base import BaseWrapperDataset
+
+__all__ = ["LimitDataset"]
+
+
+class LimitDataset(BaseWrapperDataset):
+    """Yields at most ``length`` samples per rank and epoch.
+
+    The limit is split across the rank's workers: worker ``w`` of ``W`` yields at most
+    ``length // W`` samples, plus one if ``w < length % W``.
+
+    Example::
+
+        ds = LimitDataset(RepeatDataset(source), length=10_000)   # fixed-length epochs
+    """
+
+    _savable_fields = ("count",)
+
+    def __init__(self, dataset: SavableDataset, length: int) -> None:
+        super().__init__(dataset)
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            raise LoaderUsageError(f"LimitDataset length must be a non-negative int, got {length!r}")
+        self.length = length
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        self.count = 0
+
+    def worker_length(self) -> int:
+        """The number of samples the calling worker may yield."""
+        workers = self.worker_config.workers_per_rank
+        worker = self.worker_config.rank_worker_id()
+        return self.length // workers + (1 if worker < self.length % workers else 0)
+
+    def __iter__(self) -> Iterator[Any]:
+        limit = self.worker_length()
+        if self.count >= limit:
+            return
+        for sample in self.dataset:
+            self.count += 1
+            yield sample
+            if self.count >= limit:
+                return
+
+    def config(self) -> dict[str, Any]:
+        return {"length": self.length}

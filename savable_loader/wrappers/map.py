@@ -1,0 +1,38 @@
+"""MapDataset: apply a function to every sample."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from savable_loader.dataset import SavableDataset
+from savable_loader.wrappers.base import BaseWrapperDataset
+
+__all__ = ["MapDataset"]
+
+
+class MapDataset(BaseWrapperDataset):
+    """Yields ``fn(sample)`` for every sample of ``dataset``.
+
+    ``fn`` may be a lambda or a local function (cloudpickle carries it to workers) and may
+    draw from ``random``, NumPy's and torch's global RNGs: the loader re-seeds them per
+    sample so that a resume reproduces the same draws.
+
+    Example::
+
+        ds = MapDataset(source, lambda x: x + random.random())
+    """
+
+    def __init__(self, dataset: SavableDataset, fn: Callable[[Any], Any]) -> None:
+        super().__init__(dataset)
+        if not callable(fn):
+            raise TypeError(f"MapDataset fn must be callable, got {fn!r}")
+        self.fn = fn
+
+    def __iter__(self) -> Iterator[Any]:
+        fn = self.fn
+        for sample in self.dataset:
+            yield fn(sample)
+
+    def config(self) -> dict[str, Any]:
+        return {"fn": self.fn}

@@ -1,0 +1,54 @@
+"""RepeatDataset: iterate a dataset again and again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from savable_loader.config import _Repetition
+from savable_loader.dataset import SavableDataset
+from savable_loader.errors import LoaderUsageError
+from savable_loader.wrappers.base import BaseWrapperDataset
+
+__all__ = ["RepeatDataset"]
+
+
+class RepeatDataset(BaseWrapperDataset):
+    """Repeats ``dataset`` ``repeats`` times, or forever when ``repeats`` is None.
+
+    Each pass resets the wrapped dataset; sources that seed from
+    ``worker_config.epoch_seed()`` are shuffled anew on every pass. A pass that yields
+    nothing ends the repetition (an endless loop over an empty dataset would hang).
+
+    Example::
+
+        ds = RepeatDataset(source)             # endless stream
+        ds = RepeatDataset(source, repeats=3)  # three passes per epoch
+    """
+
+    _savable_fields = ("repetition",)
+
+    def __init__(self, dataset: SavableDataset, repeats: int | None = None) -> None:
+        super().__init__(dataset)
+        if repeats is not None and (not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 0):
+            raise LoaderUsageError(f"RepeatDataset repeats must be None or a non-negative int, got {repeats!r}")
+        self.repeats = repeats
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        self.repetition = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        while self.repeats is None or self.repetition < self.repeats:
+            yielded = False
+            for sample in self.dataset:
+                yielded = True
+                yield sample
+            self.repetition += 1
+            with _Repetition(self.repetition):
+                self.dataset.reset_state_deep()
+            if not yielded and self.repeats is None:
+                return
+
+    def config(self) -> dict[str, Any]:
+        return {"repeats": self.repeats}

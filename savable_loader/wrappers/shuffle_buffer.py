@@ -1,0 +1,59 @@
+"""ShuffleBufferDataset: approximate shuffling of a stream through a buffer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from savable_loader.dataset import SavableDataset
+from savable_loader.errors import LoaderUsageError
+from savable_loader.rng import derive_seed
+from savable_loader.wrappers.base import BaseWrapperDataset
+
+__all__ = ["ShuffleBufferDataset"]
+
+
+class ShuffleBufferDataset(BaseWrapperDataset):
+    """Keeps ``size`` samples in a buffer and yields a random one as each new one arrives.
+
+    The buffer's samples and its own counter-based RNG (a seed and a draw count) are
+    part of the state, so a restore needs no random access into the source: the buffer
+    is stored in the state itself. Samples must not be modified in place after they are
+    yielded (the state holds copies taken at snapshot time).
+
+    Example::
+
+        ds = ShuffleBufferDataset(source, size=1000)
+    """
+
+    _savable_fields = ("buffer", "seed", "draws")
+
+    def __init__(self, dataset: SavableDataset, size: int) -> None:
+        super().__init__(dataset)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise LoaderUsageError(f"ShuffleBufferDataset size must be a positive int, got {size!r}")
+        self.size = size
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        self.buffer: list[Any] = []
+        self.seed = self.worker_config.epoch_seed()
+        self.draws = 0
+
+    def _pick(self) -> Any:
+        buffer = self.buffer
+        i = derive_seed(self.seed, self.draws) % len(buffer)
+        self.draws += 1
+        buffer[i], buffer[-1] = buffer[-1], buffer[i]
+        return buffer.pop()
+
+    def __iter__(self) -> Iterator[Any]:
+        for sample in self.dataset:
+            self.buffer.append(sample)
+            if len(self.buffer) >= self.size:
+                yield self._pick()
+        while self.buffer:
+            yield self._pick()
+
+    def config(self) -> dict[str, Any]:
+        return {"size": self.size}
