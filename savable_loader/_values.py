@@ -24,6 +24,8 @@ _TORCH_DTYPES = {
     torch.uint16: "uint16", torch.uint32: "uint32", torch.uint64: "uint64",
 }
 _TORCH_BY_NAME = {name: dtype for dtype, name in _TORCH_DTYPES.items()}
+# NumPy has no bfloat16; other dtypes (object, str, datetime, float128...) cannot be decoded.
+_NUMPY_DTYPE_NAMES = frozenset(_TORCH_BY_NAME) - {"bfloat16"}
 
 
 def freeze(value: Any, path: str = "") -> Any:
@@ -33,6 +35,8 @@ def freeze(value: Any, path: str = "") -> Any:
     else must be a plain scalar; anything the state cannot hold is a :class:`StateError`
     naming ``path``.
     """
+    if isinstance(value, np.generic):  # before _SCALARS: np.float64 and np.str_ subclass float and str
+        return value.item()
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, (list, tuple)):
@@ -40,11 +44,17 @@ def freeze(value: Any, path: str = "") -> Any:
     if isinstance(value, dict):
         return {_check_key(k, path): freeze(v, f"{path}[{k!r}]") for k, v in value.items()}
     if isinstance(value, torch.Tensor):
+        if value.dtype not in _TORCH_DTYPES:
+            raise StateError(
+                f"state field {path or '<root>'} holds a tensor of dtype {value.dtype}, which a state cannot hold"
+            )
         return value.detach().clone()
     if isinstance(value, np.ndarray):
+        if value.dtype.name not in _NUMPY_DTYPE_NAMES:
+            raise StateError(
+                f"state field {path or '<root>'} holds an array of dtype {value.dtype}, which a state cannot hold"
+            )
         return value.copy()
-    if isinstance(value, np.generic):
-        return value.item()
     if isinstance(value, bytearray):
         return bytes(value)
     if capture_kind(value) is not None:
@@ -93,6 +103,10 @@ def from_plain(value: Any) -> Any:
         return [from_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: from_plain(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):  # a state not yet encoded: never alias its arrays
+        return value.clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
     if isinstance(value, ArrayValue):
         if value.library == "torch":
             dtype = _TORCH_BY_NAME[value.dtype]

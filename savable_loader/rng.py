@@ -135,8 +135,10 @@ def restore_generator(gen: Any, plain: Any) -> None:
         elif kind == "numpy-randomstate":
             gen.set_state(_live_bitgen(plain["state"]))
         else:
+            if not isinstance(plain["state"], bytes):
+                raise TypeError(f"torch RNG state must be bytes, got {type(plain['state']).__name__}")
             gen.set_state(torch.frombuffer(bytearray(plain["state"]), dtype=torch.uint8))
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+    except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError, RuntimeError) as e:
         raise StateError(f"invalid {kind} RNG state: {e}") from e
 
 

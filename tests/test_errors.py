@@ -1,0 +1,177 @@
+"""Tests for savable_loader.errors: the exception tree, messages and pickling."""
+
+from __future__ import annotations
+
+import pickle
+import re
+
+import cloudpickle
+import pytest
+
+import savable_loader
+from savable_loader import errors
+from savable_loader.errors import (
+    ConfigMismatchError,
+    LoaderUsageError,
+    SavableLoaderError,
+    StateError,
+    StateVersionError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerTimeoutError,
+)
+
+# child -> parent, as drawn in the docstring of errors.py
+TREE = {
+    StateError: SavableLoaderError,
+    StateVersionError: StateError,
+    ConfigMismatchError: SavableLoaderError,
+    LoaderUsageError: SavableLoaderError,
+    WorkerError: SavableLoaderError,
+    WorkerDiedError: WorkerError,
+    WorkerTimeoutError: WorkerError,
+}
+ALL = [SavableLoaderError, *TREE]
+
+
+def ancestors(cls: type) -> set[type]:
+    out = set()
+    while cls in TREE:
+        cls = TREE[cls]
+        out.add(cls)
+    return out
+
+
+def test_tree_matches_the_docstring_drawing() -> None:
+    """Parse the drawing in errors.py's docstring: each class's parent is the nearest line above it
+    that is indented less."""
+    drawn: list[tuple[int, str]] = []
+    for line in errors.__doc__.splitlines():
+        match = re.match(r"^(\s*(?:│\s*)*(?:[├└]── )?)(\w+Error)\b", line)
+        if match:
+            drawn.append((len(match.group(1)), match.group(2)))
+    parents: dict[str, str] = {}
+    for i, (depth, name) in enumerate(drawn):
+        above = [n for d, n in drawn[:i] if d < depth]
+        if above:
+            parents[name] = above[-1]
+    assert drawn[0][1] == "SavableLoaderError"
+    assert parents == {child.__name__: parent.__name__ for child, parent in TREE.items()}
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+def test_subclass_relations(cls: type) -> None:
+    assert issubclass(cls, SavableLoaderError)
+    assert issubclass(cls, Exception)
+    expected = ancestors(cls) | {cls}
+    for other in ALL:
+        assert issubclass(cls, other) == (other in expected), (cls, other)
+
+
+def test_direct_parents() -> None:
+    for child, parent in TREE.items():
+        library_bases = [b for b in child.__bases__ if b.__module__ == errors.__name__]
+        assert library_bases == [parent], child
+
+
+def test_builtin_bases() -> None:
+    assert issubclass(LoaderUsageError, ValueError)
+    assert issubclass(WorkerError, RuntimeError)
+    assert issubclass(WorkerDiedError, RuntimeError) and issubclass(WorkerTimeoutError, RuntimeError)
+    assert not issubclass(StateError, ValueError)
+    assert not issubclass(ConfigMismatchError, (ValueError, RuntimeError))
+
+
+def test_all_exports_and_top_level_names() -> None:
+    assert sorted(errors.__all__) == sorted(c.__name__ for c in ALL)
+    assert errors.__all__ == sorted(errors.__all__)
+    for cls in ALL:
+        assert getattr(savable_loader, cls.__name__) is cls
+
+
+def test_base_catches_everything() -> None:
+    raised = [
+        StateError("s"), StateVersionError("v"), ConfigMismatchError("f", 1, 2), LoaderUsageError("u"),
+        WorkerError("w", 1), WorkerDiedError("d", 2), WorkerTimeoutError("t", 3),
+    ]
+    for exc in raised:
+        with pytest.raises(SavableLoaderError):
+            raise exc
+
+
+# -- ConfigMismatchError ----------------------------------------------------------------
+
+
+def test_config_mismatch_message_names_field_saved_and_current() -> None:
+    e = ConfigMismatchError("num_workers", 4, 2)
+    assert (e.field, e.saved, e.current, e.hint) == ("num_workers", 4, 2, "")
+    assert str(e) == "cannot restore: num_workers was 4 when the state was saved, but is 2 now"
+
+
+def test_config_mismatch_message_uses_repr_and_hint() -> None:
+    e = ConfigMismatchError("dataset_fingerprint", "abc", "def", hint="the dataset configuration changed")
+    assert str(e) == (
+        "cannot restore: dataset_fingerprint was 'abc' when the state was saved, but is 'def' now "
+        "(the dataset configuration changed)"
+    )
+    assert e.hint == "the dataset configuration changed"
+    nested = ConfigMismatchError("dataset_config", {"n": 10}, {"n": 12})
+    assert "{'n': 10}" in str(nested) and "{'n': 12}" in str(nested)
+    none = ConfigMismatchError("batch_size", None, 8)
+    assert "batch_size was None" in str(none) and "is 8 now" in str(none)
+
+
+# -- pickling ---------------------------------------------------------------------------
+
+
+def _round_trips(exc: BaseException) -> list[BaseException]:
+    return [pickle.loads(pickle.dumps(exc, protocol=p)) for p in range(2, pickle.HIGHEST_PROTOCOL + 1)] + [
+        pickle.loads(cloudpickle.dumps(exc))
+    ]
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [SavableLoaderError("base"), StateError("bad state"), StateVersionError("upgrade savable-loader"),
+     LoaderUsageError("bad call")],
+    ids=lambda e: type(e).__name__,
+)
+def test_simple_errors_survive_pickling(exc: BaseException) -> None:
+    for back in _round_trips(exc):
+        assert type(back) is type(exc)
+        assert str(back) == str(exc)
+        assert back.args == exc.args
+
+
+@pytest.mark.parametrize("hint", ["", "use the same num_workers"])
+def test_config_mismatch_survives_pickling(hint: str) -> None:
+    exc = ConfigMismatchError("world_size", 8, 4, hint=hint)
+    for back in _round_trips(exc):
+        assert type(back) is ConfigMismatchError
+        assert (back.field, back.saved, back.current, back.hint) == ("world_size", 8, 4, hint)
+        assert str(back) == str(exc)
+
+
+def test_config_mismatch_with_container_values_survives_pickling() -> None:
+    exc = ConfigMismatchError("dataset_config", {"n": [1, 2]}, {"n": [1, 3]}, "x")
+    back = pickle.loads(pickle.dumps(exc))
+    assert back.saved == {"n": [1, 2]} and back.current == {"n": [1, 3]}
+    assert str(back) == str(exc)
+
+
+@pytest.mark.parametrize("cls", [WorkerError, WorkerDiedError, WorkerTimeoutError], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("worker_id", [None, 0, 3])
+def test_worker_errors_survive_pickling(cls: type[WorkerError], worker_id: int | None) -> None:
+    exc = cls(f"worker {worker_id} exited with code -9", worker_id=worker_id)
+    assert exc.worker_id == worker_id
+    assert str(exc) == f"worker {worker_id} exited with code -9"
+    for back in _round_trips(exc):
+        assert type(back) is cls
+        assert back.worker_id == worker_id
+        assert str(back) == str(exc)
+
+
+def test_worker_error_default_worker_id() -> None:
+    exc = WorkerTimeoutError("no answer within 30 s")
+    assert exc.worker_id is None
+    assert pickle.loads(pickle.dumps(exc)).worker_id is None
