@@ -15,13 +15,16 @@ from typing import Any
 
 from savable_loader._channels import WorkerChannels
 from savable_loader._index_mode import check_dataset_config
-from savable_loader._worker import PipelineWorkerDataset
+from savable_loader._worker import END, PipelineWorkerDataset
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, StateError
 from savable_loader.state.schema import LoaderConfig, PipelinePosition, WorkerState
 
-__all__ = ["PipelineMode"]
+__all__ = ["SKIP", "PipelineMode"]
+
+#: Returned by ``on_item`` for protocol items that are not yielded to the user.
+SKIP = object()
 
 
 def _fresh(worker_id: int) -> WorkerState:
@@ -34,6 +37,7 @@ class _Iteration:
         self.rotation = rotation
         self.starts = [s if s is not None else _fresh(i) for i, s in enumerate(starts)]
         self.consumed = [s.index for s in self.starts]
+        self.exhausted = [s.exhausted for s in self.starts]
         self.next_worker = rotation
 
 
@@ -98,8 +102,13 @@ class PipelineMode:
         worker_id, index, payload = item
         with self._lock:
             cur = self.current
-            cur.consumed[worker_id] = index + 1  # type: ignore[union-attr]
-            cur.next_worker = (worker_id + 1) % self.workers  # type: ignore[union-attr]
+            if cur is None:
+                raise RuntimeError("pipeline item outside an iteration")
+            cur.next_worker = (worker_id + 1) % self.workers
+            if index == END:
+                cur.exhausted[worker_id] = True
+                return SKIP
+            cur.consumed[worker_id] = index + 1
         return payload
 
     def end(self, keep_channels: bool) -> None:
@@ -135,9 +144,17 @@ class PipelineMode:
                     epoch=self.epoch, next_worker=0, workers=[_fresh(w) for w in range(self.workers)]
                 )
             consumed = list(cur.consumed)
+            exhausted = list(cur.exhausted)
             next_worker = cur.next_worker
         states = list(cur.starts)
-        asks = {w: consumed[w] for w in range(self.workers) if consumed[w] != cur.starts[w].index}
+        for w in range(self.workers):
+            if exhausted[w] and not states[w].exhausted:
+                states[w] = WorkerState(
+                    worker_id=w, index=consumed[w], snapshot_index=consumed[w], exhausted=True
+                )
+        asks = {
+            w: consumed[w] for w in range(self.workers) if not exhausted[w] and consumed[w] != cur.starts[w].index
+        }
         if asks:
             runtime = self.torch_dataset.runtime
             if self.worker_config.num_workers == 0:

@@ -37,10 +37,13 @@ from savable_loader.rng import derive_seed, preserve_global_rng, seed_global
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
-__all__ = ["SNAPSHOT_BUDGET", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime"]
+__all__ = ["END", "SNAPSHOT_BUDGET", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime"]
 
 #: Fraction of sample-production time that snapshots may cost.
 SNAPSHOT_BUDGET = 0.02
+
+#: Index of the item a worker sends after its last sample (its payload: samples produced).
+END = -1
 
 
 class SnapshotRing:
@@ -113,7 +116,10 @@ class WorkerRuntime:
     # -- iterating thread -------------------------------------------------------------
 
     def run(self, epoch: int, worker_id: int, start: WorkerState | None) -> Iterator[tuple[int, int, Any]]:
-        """Yield ``(worker_id, index, sample)`` for the epoch, from ``start`` on."""
+        """Yield ``(worker_id, index, sample)`` for the epoch, from ``start`` on, then the
+        end marker ``(worker_id, END, samples produced)``."""
+        if start is not None and start.exhausted:
+            return
         wc = self.worker_config
         base_seed = derive_seed(wc.seed, "pipeline", wc.rank, worker_id, epoch)
         with _ActiveWorker(worker_id, epoch):
@@ -145,13 +151,17 @@ class WorkerRuntime:
                 try:
                     sample = next(iterator)
                 except StopIteration:
-                    return
+                    break
+
                 work += time.perf_counter() - t0
             index += 1
             if skip:
                 skip -= 1
                 continue
             yield worker_id, index - 1, sample
+        # Tell the main process this worker is done before torch retires it, so that a
+        # later save knows its final state without asking a process that may be gone.
+        yield worker_id, END, index
 
     # -- command thread ---------------------------------------------------------------
 

@@ -15,6 +15,7 @@ Each ``iter(loader)`` starts the next epoch, except the first one after
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,12 +23,15 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, default_convert
 
 from savable_loader._index_mode import IndexMode
-from savable_loader._pipeline_mode import PipelineMode
+from savable_loader._pipeline_mode import SKIP, PipelineMode
+from savable_loader._sigchld import install, loader_call
+from savable_loader._worker import END
 from savable_loader._version import __version__
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import (
     LoaderUsageError,
+    SavableLoaderError,
     StateError,
     WorkerDiedError,
     WorkerTimeoutError,
@@ -54,6 +58,8 @@ class _TaggedCollate:
 
     def __call__(self, item: tuple[int, int, Any]) -> tuple[int, int, Any]:
         worker_id, index, payload = item
+        if index == END:
+            return item
         return worker_id, index, self.collate(payload)
 
 
@@ -180,7 +186,7 @@ class SavableDataLoader(DataLoader):
         self._mode = mode
         self._prefetch = prefetch
         self._torch_iter: Any = None
-        self._live: Iterator[Any] | None = None
+        self._live: weakref.ref[Iterator[Any]] | None = None
 
     @staticmethod
     def _resolve_worker_config(wc: WorkerConfig | None, num_workers: int | None, seed: int | None) -> WorkerConfig:
@@ -202,10 +208,14 @@ class SavableDataLoader(DataLoader):
         return super().__len__()
 
     def __iter__(self) -> Iterator[Any]:
-        if self._live is not None:
-            self._live.close()  # a new iteration abandons the previous one (next epoch)
-        self._live = self._iterate()
-        return self._live
+        previous = self._live() if self._live is not None else None
+        if previous is not None:
+            previous.close()  # a new iteration abandons the previous one (next epoch)
+        live = self._iterate()
+        # A weak reference: the generator's frame refers to the loader, and a cycle would
+        # keep an abandoned iteration's workers alive until the cyclic garbage collector.
+        self._live = weakref.ref(live)
+        return live
 
     def _iterate(self) -> Iterator[Any]:
         mode = self._mode
@@ -218,19 +228,24 @@ class SavableDataLoader(DataLoader):
             produced = 0
             finished = False
             try:
-                torch_iter = super().__iter__()
+                with loader_call():
+                    torch_iter = super().__iter__()
+                    install()
                 self._torch_iter = torch_iter
                 if mode.kind == "pipeline":
                     mode.workers_started()  # type: ignore[union-attr]
                 while True:
                     try:
-                        item = next(torch_iter)
+                        with loader_call():
+                            item = next(torch_iter)
                     except StopIteration:
                         break
                     except RuntimeError as e:
                         raise self._translate(e, torch_iter) from e
-                    produced += 1
-                    yield mode.on_item(item)
+                    payload = mode.on_item(item)
+                    if payload is not SKIP:
+                        produced += 1
+                        yield payload
                 finished = True
             finally:
                 self._torch_iter = None
@@ -257,8 +272,9 @@ class SavableDataLoader(DataLoader):
             return WorkerTimeoutError(
                 f"worker {logical} produced nothing within timeout={self.timeout:g} s ({text})", worker_id=logical
             )
-        if "exited unexpectedly" in text:
-            pids = {int(p) for p in re.findall(r"\d+", text.split("pid(s)")[-1].split(")")[0])}
+        if "exited unexpectedly" in text or "killed by signal" in text or "is killed" in text:
+            match = re.search(r"pid(?:\(s\))?\s+([\d, ]+)", text)
+            pids = {int(p) for p in re.findall(r"\d+", match.group(1))} if match else set()
             ids = [self._logical(i) for i, w in enumerate(workers) if w.pid in pids]
             name = f"worker {ids[0]}" if len(ids) == 1 else f"workers {ids}"
             return WorkerDiedError(f"{name} exited unexpectedly ({text})", worker_id=ids[0] if ids else None)
@@ -284,8 +300,15 @@ class SavableDataLoader(DataLoader):
         """
         mode = self._mode
         if mode.kind == "pipeline":
-            processes = getattr(self._torch_iter, "_workers", None) or getattr(self._iterator, "_workers", None)
-            position: IndexPosition | PipelinePosition = mode.save(processes, self.save_timeout)  # type: ignore[call-arg]
+            torch_iter = self._torch_iter
+            processes = getattr(torch_iter, "_workers", None)
+            try:
+                with loader_call():
+                    position: IndexPosition | PipelinePosition = mode.save(processes, self.save_timeout)  # type: ignore[call-arg]
+            except RuntimeError as e:
+                if isinstance(e, SavableLoaderError):
+                    raise
+                raise self._translate(e, torch_iter) from e
         else:
             position = mode.save()  # type: ignore[call-arg]
         return RankState(
@@ -306,7 +329,7 @@ class SavableDataLoader(DataLoader):
             )
         if not isinstance(state, RankState):
             raise StateError(f"restore_state_rank needs a RankState, got {type(state).__qualname__}")
-        if self._live is not None and self._torch_iter is not None:
+        if self._torch_iter is not None:
             raise LoaderUsageError("cannot restore a loader while it is iterating; restore before iter()")
         if self.persistent_workers and self._iterator is not None:
             raise LoaderUsageError("cannot restore a loader whose persistent workers already run; build a new loader")

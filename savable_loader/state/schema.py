@@ -104,13 +104,14 @@ class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
     ``index`` samples of the epoch were yielded from this worker. ``dataset`` is the
     pipeline state captured after ``snapshot_index`` samples (None: the epoch's start,
     ``snapshot_index`` 0); a restore puts it back and replays ``index - snapshot_index``
-    samples (the skip offset).
+    samples (the skip offset). ``exhausted``: the worker had no more data this epoch.
     """
 
     worker_id: NonNeg
     index: NonNeg
     snapshot_index: NonNeg
     dataset: DatasetState | None = None
+    exhausted: bool = False
 
     @property
     def skip(self) -> int:

@@ -1,0 +1,59 @@
+"""Worker-death signals surface only inside loader calls, never at random points.
+
+torch's DataLoader installs a SIGCHLD handler that raises ``RuntimeError`` in the main
+thread wherever it happens to be when a worker dies: in the training step, in a
+checkpoint write, in ``time.sleep``. We wrap that handler: while the main thread is
+inside a loader call (``next``, ``save_state_rank``) the signal is handled at once, and
+the loader turns torch's error into a :class:`~savable_loader.errors.WorkerDiedError`;
+outside, it is remembered and handled at the start of the next loader call.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["install", "loader_call"]
+
+_state: dict[str, Any] = {"depth": 0, "pending": False, "wrapped": None}
+
+
+def _handler(signum: int, frame: Any) -> None:
+    wrapped = _state["wrapped"]
+    if _state["depth"] > 0:
+        if callable(wrapped):
+            wrapped(signum, frame)
+    else:
+        _state["pending"] = True
+
+
+def install() -> None:
+    """Wrap the current SIGCHLD handler (torch's), once; main thread only."""
+    if not hasattr(signal, "SIGCHLD") or threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGCHLD)
+    if current is _handler:
+        return
+    _state["wrapped"] = current
+    signal.signal(signal.SIGCHLD, _handler)
+
+
+@contextmanager
+def loader_call() -> Iterator[None]:
+    """Mark the main thread as inside a loader call; deliver a remembered signal first."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _state["depth"] += 1
+    try:
+        if _state["pending"]:
+            _state["pending"] = False
+            wrapped = _state["wrapped"]
+            if callable(wrapped):
+                wrapped(signal.SIGCHLD, None)
+        yield
+    finally:
+        _state["depth"] -= 1

@@ -1,0 +1,1 @@
+"""Tests of savable_loader."""
