@@ -1,0 +1,1 @@
+"""Benchmarks of savable_loader against plain ``torch.utils.data.DataLoader`` (see README.md)."""
