@@ -18,20 +18,32 @@ from typing import Any
 
 __all__ = ["install", "loader_call"]
 
-_state: dict[str, Any] = {"depth": 0, "pending": False, "wrapped": None}
+_state: dict[str, Any] = {"depth": 0, "pending": False, "wrapped": None, "running": False}
 
 
 def _handler(signum: int, frame: Any) -> None:
-    wrapped = _state["wrapped"]
-    if _state["depth"] > 0:
-        if callable(wrapped):
-            wrapped(signum, frame)
-    else:
+    if _state["running"]:
+        return  # a handler installed after ours chains back to us: break the loop
+    if _state["depth"] == 0:
         _state["pending"] = True
+        return
+    _call_wrapped(signum, frame)
+
+
+def _call_wrapped(signum: int, frame: Any) -> None:
+    wrapped = _state["wrapped"]
+    if not callable(wrapped):
+        return
+    _state["running"] = True
+    try:
+        wrapped(signum, frame)
+    finally:
+        _state["running"] = False
 
 
 def install() -> None:
-    """Wrap the current SIGCHLD handler (torch's), once; main thread only."""
+    """Wrap the current SIGCHLD handler (torch's, set when a DataLoader first starts
+    workers in this process); main thread only."""
     if not hasattr(signal, "SIGCHLD") or threading.current_thread() is not threading.main_thread():
         return
     current = signal.getsignal(signal.SIGCHLD)
@@ -51,9 +63,7 @@ def loader_call() -> Iterator[None]:
     try:
         if _state["pending"]:
             _state["pending"] = False
-            wrapped = _state["wrapped"]
-            if callable(wrapped):
-                wrapped(signal.SIGCHLD, None)
+            _call_wrapped(signal.SIGCHLD, None)
         yield
     finally:
         _state["depth"] -= 1

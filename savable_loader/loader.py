@@ -230,6 +230,7 @@ class SavableDataLoader(DataLoader):
             try:
                 with loader_call():
                     torch_iter = super().__iter__()
+                if self.num_workers > 0:
                     install()
                 self._torch_iter = torch_iter
                 if mode.kind == "pipeline":

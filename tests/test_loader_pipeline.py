@@ -35,7 +35,7 @@ def test_resume_at_every_step(num_workers):
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_start_methods(context):
     # lambdas in the pipeline cross spawn/forkserver through cloudpickle
-    steps = [0, 2, 5, 7] if context == "fork" else [3, 7]
+    steps = [0, 2, 5, 7] if context == "fork" else [5]  # spawn starts are slow: one save point
     check_resume_everywhere(lambda: pipeline(2, context=context), epochs=2, steps=steps)
 
 
