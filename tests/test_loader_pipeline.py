@@ -143,3 +143,18 @@ def test_stuck_worker_with_timeout_is_an_error_and_save_still_answers():
     saver.join(10)
     assert states and [w.index for w in states[0].position.workers] == [3, 2]
     del it
+
+
+def test_in_process_pipeline_leaves_caller_rng_untouched():
+    import numpy as np
+
+    def draws():
+        return (random.random(), float(np.random.rand()), float(torch.rand(())))
+
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    expected = [draws() for _ in range(10)]
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    got = []
+    for _ in pipeline(0):
+        got.append(draws())
+    assert len(got) == 10 and got == expected
