@@ -14,6 +14,7 @@ Each ``iter(loader)`` starts the next epoch, except the first one after
 
 from __future__ import annotations
 
+import io
 import re
 import weakref
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from savable_loader._worker import END
 from savable_loader._version import __version__
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
+from savable_loader.distributed import DataParallelGroup, gather_states, scatter_states, select_rank_state
 from savable_loader.errors import (
     LoaderUsageError,
     SavableLoaderError,
@@ -125,6 +127,8 @@ class SavableDataLoader(DataLoader):
             raise LoaderUsageError(f"save_timeout must be > 0, got {save_timeout}")
         if prefetch_factor is not None and wc.num_workers == 0:
             raise LoaderUsageError("prefetch_factor needs num_workers > 0 (as in torch's DataLoader)")
+        if timeout and wc.num_workers == 0:
+            raise LoaderUsageError(f"timeout={timeout} needs num_workers > 0 (as in torch's DataLoader)")
         prefetch = 2 if prefetch_factor is None else prefetch_factor
 
         if isinstance(dataset, SavableDataset):
@@ -345,20 +349,53 @@ class SavableDataLoader(DataLoader):
         mode.check(state.config, position, self.num_workers)  # type: ignore[arg-type]
         mode.restore(position)  # type: ignore[arg-type]
 
-    def state_dict(self) -> dict[str, Any]:
-        """The torch-ecosystem name for :meth:`save_state_rank`, as plain values.
+    def save_state_global(self, global_dst_rank: int) -> list[RankState] | None:
+        """Gather every data-parallel rank's state to ``global_dst_rank``.
 
-        ``{"savable_loader": <MessagePack bytes>}``: safe with ``torch.load(weights_only=True)``.
+        A collective: every rank of the data-parallel group calls it. The destination gets
+        the list ordered by data-parallel rank, the others None. Without torch.distributed
+        it returns ``[self.save_state_rank()]``.
         """
-        return {"savable_loader": encode(self.save_state_rank())}
+        group = DataParallelGroup(self.worker_config)
+        return gather_states(group, self.save_state_rank(), global_dst_rank)
+
+    def restore_state_global(self, states: list[RankState] | None, *, src_rank: int | None = None) -> None:
+        """Restore from a gathered list: every rank passes it (``src_rank=None``), or only
+        global rank ``src_rank`` does and it is scattered (a collective then).
+
+        A list whose length is not the data-parallel world size, or states saved under
+        another world size, raise :class:`ConfigMismatchError` naming both sizes.
+        """
+        group = DataParallelGroup(self.worker_config)
+        if src_rank is None:
+            state = select_rank_state(states, group.rank, group.size)
+        else:
+            state = scatter_states(group, states, src_rank)
+        self.restore_state_rank(state)
+
+    def _state_key(self) -> str:
+        return f"dp_rank_{self.worker_config.rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state under torch's name, as ``{"dp_rank_<r>": <MessagePack bytes>}``.
+
+        Keyed by data-parallel rank so that ``torch.distributed.checkpoint`` stores each
+        rank's entry (values under one key would be de-duplicated as replicated); safe with
+        ``torch.load(weights_only=True)``. Makes the loader a DCP ``Stateful``.
+        """
+        return {self._state_key(): encode(self.save_state_rank())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The torch-ecosystem name for :meth:`restore_state_rank`."""
-        if not isinstance(state_dict, dict) or "savable_loader" not in state_dict:
-            raise StateError("load_state_dict needs a dict made by SavableDataLoader.state_dict()")
-        data = state_dict["savable_loader"]
+        """Restore from :meth:`state_dict` (this rank's entry)."""
+        key = self._state_key()
+        if not isinstance(state_dict, dict) or key not in state_dict:
+            found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__qualname__
+            raise StateError(f"load_state_dict needs the entry {key!r} made by state_dict(), found {found}")
+        data = state_dict[key]
         if isinstance(data, torch.Tensor):
             data = data.numpy().tobytes()
+        if isinstance(data, io.BytesIO):
+            data = data.getvalue()
         state = decode(data)
         if isinstance(state, list):
             raise StateError("load_state_dict got a gathered state of several ranks")

@@ -1,0 +1,192 @@
+"""Data-parallel ranks: save_state_global / restore_state_global, DCP, world-size checks.
+
+Every scenario runs in spawned processes with gloo on 127.0.0.1; restores happen in
+fresh processes; streams are compared per rank with an uninterrupted reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import savable_loader as sl
+from tests.common import RandomMapDataset, assert_streams
+from tests.dist_harness import run_ranks, values
+
+pytestmark = pytest.mark.timeout(300)
+
+N = 42
+BATCH = 4
+EPOCHS = 2
+
+
+def make(num_workers: int, n: int = N, group=None) -> sl.SavableDataLoader:
+    wc = sl.WorkerConfig(num_workers=num_workers, seed=11, data_parallel_group=group)
+    return sl.SavableDataLoader(RandomMapDataset(n), batch_size=BATCH, shuffle=True, worker_config=wc)
+
+
+def _flat(loader, epochs=EPOCHS):
+    return [b for _ in range(epochs) for b in loader]
+
+
+def _save(rank, world, num_workers, k, out):
+    reference = _flat(make(num_workers))
+    loader = make(num_workers)
+    it = iter(loader)
+    seen = [next(it) for _ in range(k)]
+    states = loader.save_state_global(global_dst_rank=0)
+    if rank == 0:
+        assert [s.config.rank for s in states] == list(range(world))
+        sl.state.save_file(Path(out) / "loader.state", states)
+    else:
+        assert states is None
+    return reference, seen
+
+
+def _restore(rank, world, num_workers, form, out, remaining):
+    loader = make(num_workers)
+    path = Path(out) / "loader.state"
+    if form == "full":
+        loader.restore_state_global(sl.state.load_file(path))
+    else:
+        loader.restore_state_global(sl.state.load_file(path) if rank == 0 else None, src_rank=0)
+    got = []
+    while len(got) < remaining:
+        epoch = list(loader)
+        assert epoch, "an empty epoch before the reference's end"
+        got.extend(epoch)
+    return got
+
+
+@pytest.mark.parametrize("world, num_workers", [(2, 0), (2, 2), (3, 0), (3, 2)])
+def test_global_save_restore_is_bit_identical_per_rank(tmp_path, world, num_workers):
+    k = 4
+    saved = values(run_ranks(_save, world, num_workers, k, str(tmp_path)))
+    for form in ("full", "scatter"):
+        remaining = len(saved[0][0]) - k
+        restored = values(run_ranks(_restore, world, num_workers, form, str(tmp_path), remaining))
+        for rank in range(world):
+            reference, seen = saved[rank]
+            assert_streams(seen, reference[:k], f"rank {rank} prefix")
+            assert_streams(restored[rank], reference[k:], f"rank {rank} after restore ({form})")
+
+
+def _epoch_ids(rank, world, n):
+    loader = make(0, n=n)
+    return [[int(i) for b in loader for i in b[:, 0]] for _ in range(EPOCHS)]
+
+
+@pytest.mark.parametrize("world, n", [(2, 42), (3, 42), (3, 41)])
+def test_every_sample_once_per_epoch_across_ranks(world, n):
+    per_rank = values(run_ranks(_epoch_ids, world, n))
+    for epoch in range(EPOCHS):
+        ids = sorted(i for rank in per_rank for i in rank[epoch])
+        counts = [len(rank[epoch]) for rank in per_rank]
+        assert len(set(counts)) == 1, f"ranks got uneven counts {counts}"
+        if n % world == 0:
+            assert ids == list(range(n))
+        else:
+            # padded like DistributedSampler: every sample once, plus the first few again
+            pad = -n % world
+            assert sorted(set(ids)) == list(range(n)) and len(ids) == n + pad
+
+
+def _dcp_save(rank, world, out, k):
+    import torch.distributed.checkpoint as dcp
+
+    reference = _flat(make(2))
+    loader = make(2)
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    dcp.save({"loader": loader}, checkpoint_id=str(Path(out) / "dcp"))
+    return reference
+
+
+def _dcp_load(rank, world, out, remaining):
+    import torch.distributed.checkpoint as dcp
+
+    loader = make(2)
+    dcp.load({"loader": loader}, checkpoint_id=str(Path(out) / "dcp"))
+    got = []
+    while len(got) < remaining:
+        got.extend(list(loader))
+    return got
+
+
+def test_dcp_round_trip(tmp_path):
+    k = 3
+    refs = values(run_ranks(_dcp_save, 2, str(tmp_path), k))
+    got = values(run_ranks(_dcp_load, 2, str(tmp_path), len(refs[0]) - k))
+    assert not torch.equal(torch.cat(refs[0]), torch.cat(refs[1]))
+    for rank in range(2):
+        assert_streams(got[rank], refs[rank][k:], f"rank {rank} after DCP load")
+
+
+def _restore_into(rank, world, out, form):
+    loader = make(0)
+    path = Path(out) / "loader.state"
+    if form == "full":
+        loader.restore_state_global(sl.state.load_file(path))
+    else:
+        loader.restore_state_global(sl.state.load_file(path) if rank == 0 else None, src_rank=0)
+
+
+def _save_at_start(rank, world, out):
+    states = make(0).save_state_global(0)
+    if rank == 0:
+        sl.state.save_file(Path(out) / "loader.state", states)
+
+
+@pytest.mark.parametrize("form", ["full", "scatter"])
+def test_world_size_mismatch_is_an_error_on_every_rank(tmp_path, form):
+    values(run_ranks(_save_at_start, 2, str(tmp_path)))
+    results = run_ranks(_restore_into, 3, str(tmp_path), form, timeout=90)
+    for r in results:
+        assert r[0] == "error" and r[1] == "ConfigMismatchError", r
+        assert "world_size" in r[2] and "2" in r[2] and "3" in r[2]
+
+
+def _bad_destination(rank, world):
+    make(0).save_state_global(global_dst_rank=5)
+
+
+def test_destination_outside_group_is_an_error_on_every_rank():
+    for r in run_ranks(_bad_destination, 2, timeout=90):
+        assert r[0] == "error" and r[1] == "LoaderUsageError" and "global_dst_rank=5" in r[2], r
+
+
+def _tensor_parallel(rank, world):
+    # 4 processes = 2 data-parallel ranks x 2 tensor-parallel replicas. Data-parallel
+    # groups hold the ranks with the same tensor-parallel coordinate: {0, 2} and {1, 3}.
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[rank % 2]
+    loader = make(0, group=group)
+    batches = [next(iter(loader)) for _ in range(1)]
+    states = loader.save_state_global(global_dst_rank=rank % 2)
+    return (loader.worker_config.rank, loader.worker_config.world_size,
+            None if states is None else [s.config.rank for s in states], batches)
+
+
+def test_data_parallel_group_counts_replicas_once():
+    out = values(run_ranks(_tensor_parallel, 4))
+    assert [(o[0], o[1]) for o in out] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert out[0][2] == [0, 1] and out[1][2] == [0, 1] and out[2][2] is None and out[3][2] is None
+    assert_streams(out[0][3], out[1][3], "replicas of data rank 0")
+    assert not torch.equal(out[0][3][0], out[2][3][0])
+
+
+def test_without_torch_distributed_is_a_world_of_one():
+    loader = make(0)
+    it = iter(loader)
+    next(it)
+    states = loader.save_state_global(0)
+    assert len(states) == 1
+    fresh = make(0)
+    fresh.restore_state_global(states)
+    assert_streams(list(fresh), list(it), "world of one")
+    with pytest.raises(sl.ConfigMismatchError, match="world_size"):
+        make(0).restore_state_global(states * 2)
