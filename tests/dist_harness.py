@@ -1,7 +1,7 @@
 """Run a function on N ranks: spawned processes, gloo on 127.0.0.1, bounded in time.
 
 Each rank calls ``fn(rank, world_size, *args)`` after ``init_process_group`` (30 s
-collective timeout) and returns a picklable result; ``run_ranks`` returns the results by
+collective timeout unless ``collective_timeout`` says otherwise) and returns a picklable result; ``run_ranks`` returns the results by
 rank, or the exception text of a rank that raised (``("error", type name, message)``).
 A run that does not finish within ``timeout`` seconds kills every rank and fails.
 """
@@ -28,7 +28,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...], collective_timeout: float
+) -> None:
     # A spawned child inherits "spawn" as its default start method; torchrun's ranks are
     # fresh interpreters whose default (on Linux before Python 3.14) is "fork". Match them.
     multiprocessing.set_start_method("fork", force=True)
@@ -36,7 +38,7 @@ def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], a
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=30),
+            timeout=datetime.timedelta(seconds=collective_timeout),
         )
         try:
             result = ("ok", fn(rank, world, *args))
@@ -47,12 +49,14 @@ def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], a
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, collective_timeout: float = 30
+) -> list[Any]:
     """Results of ``fn`` on every rank (``("ok", value)`` or ``("error", type, text)``)."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_entry, args=(r, world, port, out, fn, args), daemon=False) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(r, world, port, out, fn, args, collective_timeout), daemon=False) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout

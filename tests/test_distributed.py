@@ -190,3 +190,16 @@ def test_without_torch_distributed_is_a_world_of_one():
     assert_streams(list(fresh), list(it), "world of one")
     with pytest.raises(sl.ConfigMismatchError, match="world_size"):
         make(0).restore_state_global(states * 2)
+
+
+def _one_rank_fails(rank, world):
+    loader = make(0)
+    if rank == 1:
+        raise RuntimeError("rank 1 failed before the checkpoint hook")
+    loader.save_state_global(0)
+
+
+def test_a_failed_rank_does_not_hang_the_others():
+    results = run_ranks(_one_rank_fails, 2, timeout=90, collective_timeout=5)
+    assert results[1][0] == "error" and "rank 1 failed" in results[1][2]
+    assert results[0][0] == "error"  # the gather times out instead of waiting forever
