@@ -9,6 +9,7 @@ naming the worker. Nothing here ever blocks without a timeout.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from typing import Any
 
@@ -22,6 +23,9 @@ from savable_loader.state.schema import WorkerState
 __all__ = ["POLL_SECONDS", "WorkerChannels"]
 
 POLL_SECONDS = 0.05
+
+#: Epoch of the ``release`` sent when the channels close: releases every epoch.
+_RELEASE_ALL = 2**62
 
 
 class WorkerChannels:
@@ -41,6 +45,8 @@ class WorkerChannels:
             res_r, res_w = context.Pipe(duplex=False)
             self._main.append((cmd_w, res_r))
             self._worker.append((cmd_r, res_w))
+        # Commands are sent from the iterating thread (release) and from a saving thread.
+        self._send_lock = threading.Lock()
 
     def worker_ends(self) -> list[tuple[Any, Any]]:
         if self._worker is None:
@@ -53,8 +59,23 @@ class WorkerChannels:
             res_w.close()
         self._worker = None
 
+    def release(self, physical: int, epoch: int) -> None:
+        """Tell a worker that its end marker of ``epoch`` was taken: it may end its iteration.
+
+        A worker that cannot be reached any more needs no release; that is not an error here.
+        """
+        if physical >= len(self._main):
+            return
+        try:
+            with self._send_lock:
+                self._main[physical][0].send_bytes(msgspec.msgpack.encode(["release", -1, epoch, 0]))
+        except (OSError, ValueError):
+            pass
+
     def close(self) -> None:
         self.close_worker_ends()
+        for physical in range(len(self._main)):  # an abandoned iteration: let every worker end
+            self.release(physical, _RELEASE_ALL)
         for cmd_w, res_r in self._main:
             cmd_w.close()
             res_r.close()
@@ -73,7 +94,8 @@ class WorkerChannels:
             request_id = next(self._ids)
             cmd_w, _ = self._main[physical]
             try:
-                cmd_w.send_bytes(msgspec.msgpack.encode(["checkpoint", request_id, epoch, index]))
+                with self._send_lock:
+                    cmd_w.send_bytes(msgspec.msgpack.encode(["checkpoint", request_id, epoch, index]))
             except (OSError, ValueError) as e:
                 raise WorkerDiedError(
                     f"cannot reach worker {logical} to save its state: {e}", worker_id=logical

@@ -58,6 +58,10 @@ class PipelineMode:
         self.pending: PipelinePosition | None = None
         self.current: _Iteration | None = None
         self.channels: WorkerChannels | None = None
+        # The last save of the current iteration and the position it was taken at: a save
+        # at the same position returns it, so that saving twice without iterating gives
+        # equal states even when a worker took a newer snapshot in between.
+        self._last_save: tuple[Any, PipelinePosition] | None = None
 
     def loader_config(self, num_workers: int) -> LoaderConfig:
         wc = self.worker_config
@@ -92,6 +96,7 @@ class PipelineMode:
         with self._lock:
             self.current = _Iteration(epoch, rotation, starts)
             self.pending = None
+            self._last_save = None
         return resumed
 
     def workers_started(self) -> None:
@@ -105,17 +110,27 @@ class PipelineMode:
             if cur is None:
                 raise RuntimeError("pipeline item outside an iteration")
             cur.next_worker = (worker_id + 1) % self.workers
-            if index == END:
-                cur.exhausted[worker_id] = True
-                return SKIP
-            cur.consumed[worker_id] = index + 1
-        return payload
+            if index != END:
+                cur.consumed[worker_id] = index + 1
+                return payload
+            cur.exhausted[worker_id] = True
+            epoch, physical = cur.epoch, self.physical(worker_id)
+        # The worker holds its end of iteration back until this release (see _worker.py).
+        if self.channels is not None:
+            self.channels.release(physical, epoch)
+        return SKIP
 
     def end(self, keep_channels: bool) -> None:
         with self._lock:
-            if self.current is not None:
-                self.epoch = self.current.epoch + 1
+            cur = self.current
+            if cur is not None:
+                self.epoch = cur.epoch + 1
             self.current = None
+        if cur is not None and self.channels is not None:
+            # An abandoned iteration: workers holding back their end (see _worker.py) must
+            # end it, or persistent workers could not start the next iteration.
+            for physical in range(self.worker_config.num_workers):
+                self.channels.release(physical, cur.epoch)
         if not keep_channels:
             self.close_channels()
 
@@ -146,6 +161,9 @@ class PipelineMode:
             consumed = list(cur.consumed)
             exhausted = list(cur.exhausted)
             next_worker = cur.next_worker
+            key = (cur, tuple(consumed), tuple(exhausted), next_worker)
+            if self._last_save is not None and self._last_save[0] == key:
+                return self._last_save[1]
         states = list(cur.starts)
         for w in range(self.workers):
             if exhausted[w] and not states[w].exhausted:
@@ -167,7 +185,10 @@ class PipelineMode:
                 requests = {self.physical(w): (w, cur.epoch, index) for w, index in asks.items()}
                 for physical, ws in self.channels.checkpoint(requests, processes, timeout).items():
                     states[self.logical(physical)] = ws
-        return PipelinePosition(epoch=cur.epoch, next_worker=next_worker, workers=states)
+        position = PipelinePosition(epoch=cur.epoch, next_worker=next_worker, workers=states)
+        with self._lock:
+            self._last_save = (key, position)
+        return position
 
     def check(self, saved: LoaderConfig, position: PipelinePosition, num_workers: int) -> None:
         current = self.loader_config(num_workers)
@@ -195,4 +216,5 @@ class PipelineMode:
     def restore(self, position: PipelinePosition) -> None:
         with self._lock:
             self.pending = position
+            self._last_save = None
             self.epoch = position.epoch

@@ -13,11 +13,18 @@ newest snapshot at or before that point and the **skip offset** (samples to repl
 restoring it). It never waits for the iterating thread, so a save costs a queue round
 trip even while a sample takes seconds to load.
 
+After its end marker a worker process holds back the end of its iteration until the main
+process has taken that marker (a ``release`` command): torch shuts a worker down as soon
+as it *receives* the worker's end of iteration, possibly before the main process has
+yielded the worker's last samples, and the snapshots needed to save at those samples
+would die with the process.
+
 Messages on the command and result pipes are MessagePack, never pickles.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -44,6 +51,9 @@ SNAPSHOT_BUDGET = 0.02
 
 #: Index of the item a worker sends after its last sample (its payload: samples produced).
 END = -1
+
+#: Seconds between liveness checks while a worker waits for the release of its end.
+RELEASE_POLL_SECONDS = 0.1
 
 
 class SnapshotRing:
@@ -112,6 +122,9 @@ class WorkerRuntime:
         self.snapshots_taken = 0
         self.snapshot_seconds = 0.0
         self._thread: threading.Thread | None = None
+        self._parent_pid = -1
+        self._release = threading.Condition()
+        self._released_epoch = -1
 
     # -- iterating thread -------------------------------------------------------------
 
@@ -162,6 +175,26 @@ class WorkerRuntime:
         # Tell the main process this worker is done before torch retires it, so that a
         # later save knows its final state without asking a process that may be gone.
         yield worker_id, END, index
+        # Torch retires a worker when it receives the worker's end of iteration, which may
+        # overtake this worker's last samples (prefetch): keep serving checkpoints for
+        # them until the main process has taken the end marker.
+        self._wait_released(epoch)
+
+    def release(self, epoch: int) -> None:
+        """Let the iteration of ``epoch`` (and earlier ones) end (command thread)."""
+        with self._release:
+            self._released_epoch = max(self._released_epoch, epoch)
+            self._release.notify_all()
+
+    def _wait_released(self, epoch: int) -> None:
+        thread = self._thread
+        if self.in_process or thread is None:
+            return
+        with self._release:
+            while self._released_epoch < epoch:
+                self._release.wait(RELEASE_POLL_SECONDS)
+                if not thread.is_alive() or os.getppid() != self._parent_pid:
+                    return  # the main process is gone or closed the pipes
 
     # -- command thread ---------------------------------------------------------------
 
@@ -186,6 +219,7 @@ class WorkerRuntime:
     def serve(self, cmd: Any, res: Any) -> None:
         """Start the daemon command thread on the two pipe ends (once per process)."""
         if self._thread is None:
+            self._parent_pid = os.getppid()
             self._thread = threading.Thread(
                 target=self._serve, args=(cmd, res), name="savable-loader-commands", daemon=True
             )
@@ -200,6 +234,9 @@ class WorkerRuntime:
             request_id = -1
             try:
                 kind, request_id, epoch, index = msgspec.msgpack.decode(message)
+                if kind == "release":  # no answer
+                    self.release(epoch)
+                    continue
                 if kind != "checkpoint":
                     raise StateError(f"unknown command {kind!r}")
                 reply = ["ok", request_id, encode_part(self.checkpoint(epoch, index))]

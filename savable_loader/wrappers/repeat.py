@@ -26,7 +26,10 @@ class RepeatDataset(BaseWrapperDataset):
         ds = RepeatDataset(source, repeats=3)  # three passes per epoch
     """
 
-    _savable_fields = ("repetition",)
+    # ``pass_yielded``: the current pass has yielded a sample. It must be state, not a
+    # local: a state saved after the last sample of a pass restores into a pass that
+    # yields nothing more, which is not an empty dataset.
+    _savable_fields = ("repetition", "pass_yielded")
 
     def __init__(self, dataset: SavableDataset, repeats: int | None = None) -> None:
         super().__init__(dataset)
@@ -37,17 +40,19 @@ class RepeatDataset(BaseWrapperDataset):
 
     def reset_state_own(self) -> None:
         self.repetition = 0
+        self.pass_yielded = False
 
     def __iter__(self) -> Iterator[Any]:
         while self.repeats is None or self.repetition < self.repeats:
-            yielded = False
             for sample in self.dataset:
-                yielded = True
+                self.pass_yielded = True
                 yield sample
+            empty = not self.pass_yielded
             self.repetition += 1
+            self.pass_yielded = False
             with _Repetition(self.repetition):
                 self.dataset.reset_state_deep()
-            if not yielded and self.repeats is None:
+            if empty and self.repeats is None:
                 return
 
     def config(self) -> dict[str, Any]:
