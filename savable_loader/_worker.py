@@ -135,7 +135,8 @@ class WorkerRuntime:
             return
         wc = self.worker_config
         base_seed = derive_seed(wc.seed, "pipeline", wc.rank, worker_id, epoch)
-        with _ActiveWorker(worker_id, epoch):
+        # reset/restore run user code too (reset_state_own): keep the caller's RNG out of it
+        with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
             if start is None:
                 self.dataset.reset_state_deep()
                 index, skip, snapshot = 0, 0, None

@@ -1,0 +1,398 @@
+"""savable_loader._worker: the snapshot ring, the worker runtime (in-process) and the
+dataset torch's DataLoader sees on the pipeline path."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import savable_loader as sl
+import savable_loader._worker as worker_module
+from savable_loader._worker import END, PipelineWorkerDataset, SnapshotRing, WorkerRuntime
+from savable_loader.errors import StateError
+from savable_loader.rng import derive_seed, seed_global
+from savable_loader.state.codec import decode_part, encode_part
+from savable_loader.state.schema import DatasetState, WorkerState
+from savable_loader.wrappers import MapDataset, ShuffleBufferDataset
+from tests.common import RangeSource, assert_same, assert_streams
+
+pytestmark = pytest.mark.timeout(60)
+
+N = 13
+
+
+def _state(i: int) -> DatasetState:
+    return DatasetState(type=f"snap{i}")
+
+
+# -- SnapshotRing ---------------------------------------------------------------------
+
+
+def test_ring_reset_replaces_everything():
+    ring = SnapshotRing()
+    assert len(ring) == 0 and ring.find(0) is None and ring.find(10**9) is None
+    ring.reset(0, None)
+    ring.add(3, _state(3), bound=-1)
+    ring.add(7, _state(7), bound=-1)
+    assert len(ring) == 3
+    ring.reset(5, _state(5))
+    assert len(ring) == 1 and ring.newest_index() == 5
+    assert ring.find(4) is None
+    assert ring.find(5) == (5, _state(5))
+    assert ring.find(10**9) == (5, _state(5))
+
+
+def test_ring_find_returns_newest_at_or_before():
+    ring = SnapshotRing()
+    ring.reset(0, None)
+    for i in (2, 4, 9):
+        ring.add(i, _state(i), bound=-1)  # a bound below every index keeps everything
+    assert len(ring) == 4 and ring.newest_index() == 9
+    assert ring.find(-1) is None
+    assert ring.find(0) == (0, None)
+    assert ring.find(1) == (0, None)
+    assert ring.find(2) == (2, _state(2))
+    assert ring.find(3) == (2, _state(2))
+    assert ring.find(8) == (4, _state(4))
+    assert ring.find(9) == (9, _state(9))
+    assert ring.find(100) == (9, _state(9))
+
+
+def test_ring_prune_keeps_newest_at_or_before_bound_and_everything_after():
+    ring = SnapshotRing()
+    ring.reset(0, None)
+
+    def indices() -> list[int]:
+        return [i for i in range(-1, 200) if ring.find(i) is not None and ring.find(i)[0] == i]
+
+    ring.add(2, _state(2), bound=1)  # newest <= 1 is 0: nothing older to drop
+    assert indices() == [0, 2]
+    ring.add(4, _state(4), bound=3)  # newest <= 3 is 2: 0 goes
+    assert indices() == [2, 4] and ring.find(1) is None and ring.find(3) == (2, _state(2))
+    ring.add(6, _state(6), bound=4)  # a bound equal to a snapshot keeps that snapshot
+    assert indices() == [4, 6] and ring.find(4) == (4, _state(4))
+    ring.add(8, _state(8), bound=-5)  # a bound below everything keeps everything
+    assert indices() == [4, 6, 8]
+    ring.add(10, _state(10), bound=100)  # a bound past the newest keeps only the newest
+    assert indices() == [10] and len(ring) == 1
+    ring.add(11, _state(11), bound=10)
+    ring.add(12, _state(12), bound=10)
+    assert indices() == [10, 11, 12]
+
+
+def test_ring_is_thread_safe_under_concurrent_add_and_find():
+    """One thread adds snapshots at even indices with the bound the other thread
+    publishes (the lowest index it may still ask for), as the iterating thread does; the
+    other keeps asking for indices at or above that bound and raising it. Every answer
+    must be exact, and nothing may raise (a deque mutated during iteration would)."""
+    ring = SnapshotRing()
+    ring.reset(0, _state(0))
+    low = [0]  # lowest index the finder may still ask for
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    counts = {"adds": 0, "finds": 0}
+
+    def adder() -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                i += 2
+                ring.add(i, _state(i), bound=low[0])
+                counts["adds"] += 1
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    def finder() -> None:
+        rnd = random.Random(0)
+        try:
+            while not stop.is_set():
+                newest = ring.newest_index()
+                q = rnd.randint(low[0], newest)
+                found = ring.find(q)
+                expected = q - q % 2
+                assert found == (expected, _state(expected)), (q, found, low[0])
+                counts["finds"] += 1
+                if rnd.random() < 0.05:
+                    low[0] = q  # the finder will never ask below q again
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=adder), threading.Thread(target=finder)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert not errors, errors[0]
+    assert counts["adds"] > 100 and counts["finds"] > 100, counts
+    items = list(ring._items)
+    indices = [i for i, _ in items]
+    assert indices == sorted(set(indices)), "ring not in strictly increasing order"
+    assert all(state == _state(i) for i, state in items)
+
+
+# -- WorkerRuntime ----------------------------------------------------------------------
+
+
+def _draws() -> torch.Tensor:
+    return torch.tensor([random.randint(0, 10**6), int(np.random.randint(0, 10**6)), int(torch.randint(0, 10**6, ()))])
+
+
+def stateful_pipeline(num_workers: int = 0, n: int = N) -> sl.SavableDataset:
+    """A shuffle buffer (real state: buffered tensors, seed, draw count) and a lambda that
+    draws from random, NumPy and torch."""
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=num_workers, seed=3)
+    ds = ShuffleBufferDataset(RangeSource(n, wc), size=4)
+    return MapDataset(ds, lambda x: torch.cat([x, _draws()]))
+
+
+def plain_pipeline(num_workers: int = 0, n: int = N) -> sl.SavableDataset:
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=num_workers, seed=3)
+    return MapDataset(RangeSource(n, wc), lambda x: torch.cat([x, _draws()]))
+
+
+def runtime(ds: sl.SavableDataset, max_in_flight: int = 1) -> WorkerRuntime:
+    return WorkerRuntime(ds, ds.worker_config, max_in_flight, in_process=True)
+
+
+def reference(epoch: int = 0, worker_id: int = 0, factory=stateful_pipeline) -> list:
+    return list(runtime(factory()).run(epoch, worker_id, None))
+
+
+def test_run_yields_indexed_samples_then_end_marker():
+    items = reference()
+    assert len(items) == N + 1
+    assert [(w, i) for w, i, _ in items[:-1]] == [(0, i) for i in range(N)]
+    assert items[-1] == (0, END, N)
+    ids = sorted(int(s[0]) for _, _, s in items[:-1])
+    assert ids == list(range(N))  # every source value once, shuffled by the buffer
+    assert [int(s[0]) for _, _, s in items[:-1]] != list(range(N))
+    # deterministic: a second runtime gives the same stream, bit for bit
+    assert_streams(reference(), items, "second run")
+
+
+def test_run_reseeds_global_rngs_from_seed_rank_worker_epoch_index():
+    # without a buffer, output i is source value i: its draws follow from the re-seeding
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=3)
+    items = list(runtime(plain_pipeline(num_workers=2)).run(5, 1, None))
+    assert items[-1] == (1, END, 6)
+    base = derive_seed(wc.seed, "pipeline", wc.rank, 1, 5)
+    for i, (w, index, sample) in enumerate(items[:-1]):
+        assert (w, index) == (1, i)
+        seed_global(derive_seed(base, i))
+        source_draws = _draws()
+        map_draws = _draws()
+        # worker 1 of 2 reads 1, 3, 5, ...
+        assert_same(sample, torch.cat([torch.tensor([2 * i + 1]), source_draws, map_draws]), f"sample {i}")
+    other_epoch = list(runtime(plain_pipeline(num_workers=2)).run(6, 1, None))
+    assert [int(s[0]) for _, _, s in other_epoch[:-1]] == [int(s[0]) for _, _, s in items[:-1]]
+    assert not torch.equal(torch.stack([s for _, _, s in other_epoch[:-1]]), torch.stack([s for _, _, s in items[:-1]]))
+
+
+@pytest.mark.parametrize("budget", ["default", "every", "never"])
+def test_checkpoint_and_restore_at_every_index(budget, monkeypatch):
+    if budget == "every":
+        monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", 1e12)
+    elif budget == "never":
+        monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", 0.0)
+    ref = reference(epoch=2)
+    assert ref[-1] == (0, END, N)
+    for k in range(1, N + 2):  # k = N + 1: after the end marker was taken
+        rt = runtime(stateful_pipeline())
+        run = rt.run(2, 0, None)
+        taken = [next(run) for _ in range(k)]
+        assert_streams(taken, ref[:k], f"k={k} prefix")
+        index = min(k, N)
+        state = rt.checkpoint(2, index)
+        assert state.worker_id == 0 and state.index == index and not state.exhausted
+        assert 0 <= state.snapshot_index <= index
+        assert state.skip == index - state.snapshot_index
+        if budget == "every":
+            # a snapshot before every sample; the one at `index` is taken on the next resume
+            # (or before the end of iteration is seen)
+            expected = index if k == N + 1 else index - 1
+            assert state.snapshot_index == expected
+            assert rt.snapshots_taken == expected
+        assert (state.dataset is None) == (state.snapshot_index == 0)
+        decoded = decode_part(encode_part(state), WorkerState)
+        assert decoded == state
+        resumed = list(runtime(stateful_pipeline()).run(2, 0, decoded))
+        assert_streams(resumed, ref[index:], f"k={k} continuation")
+
+
+def test_checkpoint_within_prefetch_window_and_beyond(monkeypatch):
+    monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", 1e12)
+    ref = reference()
+    rt = runtime(stateful_pipeline(), max_in_flight=3)
+    run = rt.run(0, 0, None)
+    for _ in range(8):
+        next(run)
+    # produced 8; the main process may lag up to 3 behind: snapshots from index 4 on kept
+    for index in (5, 6, 7, 8):
+        state = rt.checkpoint(0, index)
+        assert state.snapshot_index == min(index, 7)
+        assert_streams(list(runtime(stateful_pipeline()).run(0, 0, state)), ref[index:], f"index {index}")
+    with pytest.raises(StateError, match="no snapshot at or before sample 2"):
+        rt.checkpoint(0, 2)
+
+
+def test_checkpoint_for_wrong_epoch_is_a_state_error():
+    rt = runtime(stateful_pipeline())
+    with pytest.raises(StateError, match="worker -1 is in epoch -1, asked for epoch 0"):
+        rt.checkpoint(0, 0)  # nothing started yet
+    run = rt.run(3, 0, None)
+    next(run)
+    with pytest.raises(StateError, match="worker 0 is in epoch 3, asked for epoch 2"):
+        rt.checkpoint(2, 1)
+    with pytest.raises(StateError, match="asked for epoch 4"):
+        rt.checkpoint(4, 1)
+    assert rt.checkpoint(3, 1).index == 1
+
+
+def test_exhausted_start_yields_nothing():
+    rt = runtime(stateful_pipeline())
+    start = WorkerState(worker_id=0, index=N, snapshot_index=N, exhausted=True)
+    assert list(rt.run(0, 0, start)) == []
+    assert rt.snapshots_taken == 0
+
+
+def test_restore_from_start_state_with_skip_counts_replayed_samples():
+    # a start with no snapshot (dataset None) and skip 5: replays 5 samples, yields the rest
+    ref = reference()
+    start = WorkerState(worker_id=0, index=5, snapshot_index=0, dataset=None)
+    got = list(runtime(stateful_pipeline()).run(0, 0, start))
+    assert_streams(got, ref[5:], "skip 5")
+    assert got[-1] == (0, END, N)
+
+
+def test_in_process_runtime_leaves_caller_rng_untouched():
+    def caller_draws():
+        return (random.random(), float(np.random.rand()), float(torch.rand(())))
+
+    random.seed(11), np.random.seed(11), torch.manual_seed(11)
+    expected = [caller_draws() for _ in range(N + 1)]
+    random.seed(11), np.random.seed(11), torch.manual_seed(11)
+    got = []
+    samples = []
+    for _, index, sample in runtime(stateful_pipeline()).run(0, 0, None):
+        got.append(caller_draws())
+        if index != END:
+            samples.append(sample[1:])
+    assert got == expected
+    # the pipeline did draw: the per-sample draws differ from each other
+    assert len({tuple(s.tolist()) for s in samples}) == N
+
+    # contrast: a worker-process runtime (in_process=False) does move the global streams
+    random.seed(11)
+    ds = stateful_pipeline()
+    next(WorkerRuntime(ds, ds.worker_config, 1, in_process=False).run(0, 0, None))
+    assert random.random() != expected[0][0]
+
+
+class ResetDrawsSource(sl.SavableDataset):
+    """Draws from the global RNGs in ``reset_state_own`` (at the start of every epoch and
+    of every restore), not only while iterating."""
+
+    _savable_fields = ("order", "pos")
+
+    def __init__(self, worker_config: sl.WorkerConfig) -> None:
+        super().__init__(worker_config)
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        self.order = list(range(6))
+        random.shuffle(self.order)
+        self.order.append(int(np.random.randint(0, 100)) + int(torch.randint(0, 100, ())))
+        self.pos = 0
+
+    def __iter__(self):
+        while self.pos < len(self.order):
+            self.pos += 1
+            yield self.order[self.pos - 1]
+
+    def config(self) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize("restore", [False, True])
+def test_in_process_reset_and_restore_leave_caller_rng_untouched(restore):
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=3)
+    start = None
+    if restore:
+        rt = runtime(ResetDrawsSource(wc))
+        run = rt.run(0, 0, None)
+        next(run), next(run)
+        start = rt.checkpoint(0, 2)
+    rt = runtime(ResetDrawsSource(wc))  # the constructor draws too: before the caller seeds
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    items = list(rt.run(0, 0, start))
+    assert items[-1] == (0, END, 7) and len(items) == (6 if restore else 8)
+    assert random.getstate() == before[0]
+    assert np.array_equal(np.random.get_state()[1], before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])
+
+
+@pytest.mark.parametrize(("budget", "taken"), [(1e12, N), (0.0, 1)])
+def test_snapshot_budget_controls_snapshot_count(budget, taken, monkeypatch):
+    monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", budget)
+    rt = runtime(stateful_pipeline(), max_in_flight=10**6)
+    items = list(rt.run(0, 0, None))
+    assert items[-1] == (0, END, N)
+    # huge budget: a snapshot before every sample after the first and before the end
+    # (indices 1..N). Zero budget: only the first snapshot, which measures the cost;
+    # after it no sample time can pay for another.
+    assert rt.snapshots_taken == taken
+    snap_indices = [i for i in range(N + 1) if rt.ring.find(i) is not None and rt.ring.find(i)[0] == i]
+    assert snap_indices == (list(range(N + 1)) if taken == N else [0, 1])
+    assert rt.snapshot_seconds > 0
+
+
+def test_run_as_another_logical_worker():
+    items = list(runtime(plain_pipeline(num_workers=3)).run(0, 2, None))
+    assert [(w, i) for w, i, _ in items[:-1]] == [(2, i) for i in range(4)]
+    assert [int(s[0]) for _, _, s in items[:-1]] == [2, 5, 8, 11]
+    assert items[-1] == (2, END, 4)
+
+
+# -- PipelineWorkerDataset ---------------------------------------------------------------
+
+
+def test_pipeline_worker_dataset_pickles_lambda_and_plan():
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=3)
+    ds = MapDataset(RangeSource(N, wc), lambda x: x * 10)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        pickle.dumps(ds)  # the plain pickle cannot carry the lambda
+    pwd = PipelineWorkerDataset(ds, max_in_flight=5)
+    starts = [None, WorkerState(worker_id=1, index=2, snapshot_index=0)]
+    pwd.set_plan(3, 1, starts, None)
+    loaded = pickle.loads(pickle.dumps(pwd))
+    expected = list(pwd)  # in the main process: physical 0 plays logical (0 + 1) % 2 = 1
+    assert pwd.runtime is not None
+
+    assert loaded.dataset is not ds and loaded.dataset.fn is not ds.fn
+    assert loaded.worker_config == wc
+    assert (loaded.epoch, loaded.rotation, loaded.starts, loaded.max_in_flight) == (3, 1, starts, 5)
+    assert loaded.runtime is None
+    assert loaded.dataset.fn(torch.tensor([4])).tolist() == [40]
+
+    first = list(loaded)
+    assert loaded.runtime is not None and loaded.runtime.epoch == 3 and loaded.runtime.worker_id == 1
+    # logical worker 1 (values 1, 3, 5, ...) from its third sample on, times ten
+    assert [(w, i) for w, i, _ in first[:-1]] == [(1, i) for i in range(2, 6)]
+    assert [int(s[0]) for _, _, s in first[:-1]] == [50, 70, 90, 110]
+    assert first[-1] == (1, END, 6)
+    assert_streams(first, expected, "unpickled vs original")
+
+    # the next iteration of the same dataset is the next epoch, fresh, unrotated
+    second = list(loaded)
+    assert loaded.runtime.epoch == 4 and loaded.runtime.worker_id == 0
+    assert [int(s[0]) for _, _, s in second[:-1]] == [0, 20, 40, 60, 80, 100, 120]
+    assert second[-1] == (0, END, 7)
