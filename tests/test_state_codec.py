@@ -581,3 +581,19 @@ def test_fuzz_array_extensions(library: str, dtype: str, shape: list[int], raw: 
     assert value.library in ("torch", "numpy")
     assert len(value.data) == math.prod(value.shape) * np.dtype(
         "float16" if value.dtype == "bfloat16" else value.dtype).itemsize
+
+
+def test_newer_schema_inside_a_gathered_state_is_refused():
+    import msgspec
+
+    from savable_loader.errors import StateVersionError
+    from savable_loader.state import GlobalState, IndexPosition, LoaderConfig, RankState, encode
+
+    config = LoaderConfig(rank=0, world_size=1, num_workers=0, seed=0, batch_size=2, shuffle=False,
+                          drop_last=False, dataset_fingerprint="x")
+    rank = RankState(config=config, position=IndexPosition(epoch=0, consumed=0, dataset_len=4))
+    plain = msgspec.to_builtins(GlobalState(ranks=[rank]))
+    plain["ranks"][0]["schema_version"] = 99
+    with pytest.raises(StateVersionError, match="upgrade savable-loader"):
+        decode(msgspec.msgpack.encode(plain))
+    assert decode(encode([rank])) == [rank]

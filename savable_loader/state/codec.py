@@ -110,6 +110,12 @@ def decode(data: bytes | bytearray | memoryview) -> RankState | list[RankState]:
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as e:
         raise StateError(f"malformed savable_loader state: {e}") from e
     if isinstance(obj, GlobalState):
+        for i, rank in enumerate(obj.ranks):
+            if rank.schema_version > SCHEMA_VERSION:
+                raise StateVersionError(
+                    f"rank {i} of the gathered state has schema version {rank.schema_version}, but this "
+                    f"savable-loader ({__version__}) reads versions up to {SCHEMA_VERSION}: upgrade savable-loader"
+                )
         return list(obj.ranks)
     return obj
 
