@@ -11,10 +11,10 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from multiprocessing.connection import wait
 from typing import Any
 
 import msgspec
-from multiprocessing.connection import wait
 
 from savable_loader.errors import StateError, WorkerDiedError, WorkerTimeoutError
 from savable_loader.state.codec import decode_part

@@ -66,8 +66,11 @@ class IndexMode:
 
     # -- iteration --------------------------------------------------------------------
 
-    def begin(self) -> bool:
-        """Set the sampler up for the next iteration; True if it resumes a saved epoch."""
+    def begin(self, context: Any = None, reuse_workers: bool = False) -> bool:
+        """Set the sampler up for the next iteration; True if it resumes a saved epoch.
+
+        (The arguments serve the pipeline path; the index path has no worker plan.)
+        """
         resumed = self.pending is not None
         if self.pending is not None:
             epoch, start = self.pending.epoch, self.pending.consumed
@@ -85,15 +88,23 @@ class IndexMode:
             self.current = (epoch, min(consumed + self.plan.step, self.plan.epoch_len))
         return item
 
-    def end(self) -> None:
+    def workers_started(self) -> None:
+        """Nothing to do: index workers need no channels."""
+
+    def end(self, keep_channels: bool = False) -> None:
         with self._lock:
             if self.current is not None:
                 self.epoch = self.current[0] + 1
             self.current = None
 
+    def logical(self, physical: int) -> int:
+        """Index workers are not rotated."""
+        return physical
+
     # -- state ------------------------------------------------------------------------
 
-    def save(self) -> IndexPosition:
+    def save(self, processes: Any = None, timeout: float = 0.0) -> IndexPosition:
+        """The position (never asks a worker; the arguments serve the pipeline path)."""
         with self._lock:
             if self.current is not None:
                 epoch, consumed = self.current

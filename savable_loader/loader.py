@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, defau
 from savable_loader._index_mode import IndexMode
 from savable_loader._pipeline_mode import SKIP, PipelineMode
 from savable_loader._sigchld import install, loader_call
-from savable_loader._worker import END
 from savable_loader._version import __version__
+from savable_loader._worker import END
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
 from savable_loader.distributed import DataParallelGroup, gather_states, scatter_states, select_rank_state
@@ -137,9 +137,13 @@ class SavableDataLoader(DataLoader):
                     f"a savable pipeline batches inside the pipeline (BatchDataset): pass batch_size=None, got {batch_size!r}"
                 )
             if shuffle:
-                raise LoaderUsageError("a savable pipeline shuffles inside the pipeline (ShuffleBufferDataset): shuffle must be False")
+                raise LoaderUsageError(
+                    "a savable pipeline shuffles inside the pipeline (ShuffleBufferDataset): shuffle must be False"
+                )
             if drop_last:
-                raise LoaderUsageError("a savable pipeline drops inside the pipeline (BatchDataset(drop_last=True)): drop_last must be False")
+                raise LoaderUsageError(
+                    "a savable pipeline drops inside the pipeline (BatchDataset(drop_last=True)): drop_last must be False"
+                )
             if dataset.worker_config != wc:
                 raise LoaderUsageError(
                     f"the pipeline's worker_config {dataset.worker_config} differs from the loader's {wc}"
@@ -225,10 +229,7 @@ class SavableDataLoader(DataLoader):
         mode = self._mode
         persistent = self.persistent_workers and self.num_workers > 0
         while True:
-            if mode.kind == "pipeline":
-                resumed = mode.begin(self._mp_context(), reuse_workers=persistent and self._iterator is not None)  # type: ignore[call-arg]
-            else:
-                resumed = mode.begin()  # type: ignore[call-arg]
+            resumed = mode.begin(self._mp_context(), reuse_workers=persistent and self._iterator is not None)
             produced = 0
             finished = False
             try:
@@ -237,8 +238,7 @@ class SavableDataLoader(DataLoader):
                 if self.num_workers > 0:
                     install()
                 self._torch_iter = torch_iter
-                if mode.kind == "pipeline":
-                    mode.workers_started()  # type: ignore[union-attr]
+                mode.workers_started()
                 while True:
                     try:
                         with loader_call():
@@ -254,10 +254,7 @@ class SavableDataLoader(DataLoader):
                 finished = True
             finally:
                 self._torch_iter = None
-                if mode.kind == "pipeline":
-                    mode.end(keep_channels=persistent)  # type: ignore[call-arg]
-                else:
-                    mode.end()  # type: ignore[call-arg]
+                mode.end(keep_channels=persistent)
             # A restored epoch that had nothing left: go on with the next epoch, as the
             # uninterrupted run would have.
             if not (finished and resumed and produced == 0):
@@ -290,9 +287,7 @@ class SavableDataLoader(DataLoader):
         return self._logical(info[0]) if info else None
 
     def _logical(self, physical: int) -> int:
-        if self._mode.kind == "pipeline":
-            return self._mode.logical(physical)  # type: ignore[union-attr]
-        return physical
+        return self._mode.logical(physical)
 
     # -- state ------------------------------------------------------------------------
 
@@ -304,18 +299,18 @@ class SavableDataLoader(DataLoader):
         states.
         """
         mode = self._mode
-        if mode.kind == "pipeline":
+        position: IndexPosition | PipelinePosition
+        if mode.kind == "pipeline":  # asks workers: deliver worker-death signals here
             torch_iter = self._torch_iter
-            processes = getattr(torch_iter, "_workers", None)
             try:
                 with loader_call():
-                    position: IndexPosition | PipelinePosition = mode.save(processes, self.save_timeout)  # type: ignore[call-arg]
+                    position = mode.save(getattr(torch_iter, "_workers", None), self.save_timeout)
             except RuntimeError as e:
                 if isinstance(e, SavableLoaderError):
                     raise
                 raise self._translate(e, torch_iter) from e
-        else:
-            position = mode.save()  # type: ignore[call-arg]
+        else:  # main-process bookkeeping only: microseconds
+            position = mode.save()
         return RankState(
             config=mode.loader_config(self.num_workers), position=position, library_version=__version__
         )
