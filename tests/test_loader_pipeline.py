@@ -87,8 +87,9 @@ def test_save_does_not_wait_for_a_busy_worker():
         t0 = time.perf_counter()
         loader.save_state_rank()
         latencies.append(time.perf_counter() - t0)
-    # a batch takes 3 x 0.3 s to load; answering from snapshots takes milliseconds
-    assert max(latencies) < 0.1, latencies
+    # a batch takes 3 x 0.3 s to load; answering from snapshots takes milliseconds (the
+    # bound leaves room for a loaded CI machine and is still below one sample's cost)
+    assert sorted(latencies)[2] < 0.05 and max(latencies) < 0.2, latencies
     del it
 
 
