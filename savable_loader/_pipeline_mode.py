@@ -19,7 +19,8 @@ from savable_loader._worker import END, PipelineWorkerDataset
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, StateError
-from savable_loader.state.schema import LoaderConfig, PipelinePosition, WorkerState
+from savable_loader.state.codec import decode_part
+from savable_loader.state.schema import DatasetState, LoaderConfig, PipelinePosition, WorkerState
 
 __all__ = ["SKIP", "PipelineMode"]
 
@@ -39,6 +40,10 @@ class _Iteration:
         self.consumed = [s.index for s in self.starts]
         self.exhausted = [s.exhausted for s in self.starts]
         self.next_worker = rotation
+        # Per logical worker: the newest snapshot attached to an item yielded from it, as
+        # [snapshot index, encoded DatasetState, decoded DatasetState or None].
+        self.held: list[list[Any] | None] = [None] * len(self.starts)
+        self.attaching = [False] * len(self.starts)  # its items carry a snapshot slot
 
 
 class PipelineMode:
@@ -104,12 +109,17 @@ class PipelineMode:
             self.channels.close_worker_ends()
 
     def on_item(self, item: Any) -> Any:
-        worker_id, index, payload = item
+        # (worker_id, index, payload) in process; worker processes add a snapshot
+        worker_id, index, payload, *snapshot = item
         with self._lock:
             cur = self.current
             if cur is None:
                 raise RuntimeError("pipeline item outside an iteration")
             cur.next_worker = (worker_id + 1) % self.workers
+            if snapshot:
+                cur.attaching[worker_id] = True
+                if snapshot[0] is not None:
+                    cur.held[worker_id] = [*snapshot[0], None]
             if index != END:
                 cur.consumed[worker_id] = index + 1
                 return payload
@@ -173,7 +183,13 @@ class PipelineMode:
         asks = {
             w: consumed[w] for w in range(self.workers) if not exhausted[w] and consumed[w] != cur.starts[w].index
         }
-        if asks:
+        if asks and self.worker_config.num_workers > 0 and self.torch_dataset.attach:
+            for w, index in list(asks.items()):
+                ws = self._held_state(cur, w, index)
+                if ws is not None:
+                    states[w] = ws
+                    del asks[w]
+        if asks:  # the fallback: ask the workers' command threads
             runtime = self.torch_dataset.runtime
             if self.worker_config.num_workers == 0:
                 if runtime is None:
@@ -189,6 +205,23 @@ class PipelineMode:
         with self._lock:
             self._last_save = (key, position)
         return position
+
+    @staticmethod
+    def _held_state(cur: _Iteration, w: int, index: int) -> WorkerState | None:
+        """Worker ``w``'s state after ``index`` samples from the snapshot the main process
+        holds (attached to the items it yielded), or None to ask the worker."""
+        if not cur.attaching[w]:
+            return None
+        held = cur.held[w]
+        start = cur.starts[w]
+        if held is None:
+            return WorkerState(worker_id=w, index=index, snapshot_index=start.snapshot_index, dataset=start.dataset)
+        snap_index, data, decoded = held
+        if snap_index > index:
+            return None
+        if decoded is None:
+            decoded = held[2] = decode_part(data, DatasetState)
+        return WorkerState(worker_id=w, index=index, snapshot_index=snap_index, dataset=decoded)
 
     def check(self, saved: LoaderConfig, position: PipelinePosition, num_workers: int) -> None:
         current = self.loader_config(num_workers)

@@ -40,7 +40,7 @@ from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import StateError
-from savable_loader.rng import derive_seed, preserve_global_rng, seed_global
+from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
@@ -121,6 +121,9 @@ class WorkerRuntime:
         self.worker_id = -1
         self.snapshots_taken = 0
         self.snapshot_seconds = 0.0
+        #: Encode each snapshot into ``outbox`` for the main process (worker processes).
+        self.attach = False
+        self.outbox: tuple[int, bytes] | None = None
         self._thread: threading.Thread | None = None
         self._parent_pid = -1
         self._release = threading.Condition()
@@ -145,20 +148,13 @@ class WorkerRuntime:
                 index, skip, snapshot = start.snapshot_index, start.skip, start.dataset
         self.ring.reset(index, snapshot)
         self.epoch, self.worker_id = epoch, worker_id
+        self.outbox = None
         snapshot_cost = 0.0
         work = 0.0
         iterator: Iterator[Any] | None = None
         while True:
             with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
-                if work * SNAPSHOT_BUDGET >= snapshot_cost and index > self.ring.newest_index():
-                    t0 = time.perf_counter()
-                    state = self.dataset.save_state()
-                    snapshot_cost = time.perf_counter() - t0
-                    self.ring.add(index, state, index - self.max_in_flight)
-                    self.snapshots_taken += 1
-                    self.snapshot_seconds += snapshot_cost
-                    work = 0.0
-                seed_global(derive_seed(base_seed, index))
+                seed_global(counter_seed(base_seed, index))
                 t0 = time.perf_counter()
                 if iterator is None:
                     iterator = iter(self.dataset)
@@ -166,9 +162,13 @@ class WorkerRuntime:
                     sample = next(iterator)
                 except StopIteration:
                     break
-
                 work += time.perf_counter() - t0
-            index += 1
+                index += 1
+                # The state after `index` samples, taken before the sample leaves: attached
+                # to it, the main process holds the snapshot of the position it yields.
+                if work * SNAPSHOT_BUDGET >= snapshot_cost:
+                    snapshot_cost = self._snapshot(index)
+                    work = 0.0
             if skip:
                 skip -= 1
                 continue
@@ -180,6 +180,22 @@ class WorkerRuntime:
         # overtake this worker's last samples (prefetch): keep serving checkpoints for
         # them until the main process has taken the end marker.
         self._wait_released(epoch)
+
+    def _snapshot(self, index: int) -> float:
+        """Snapshot the pipeline after ``index`` samples; returns the seconds it took.
+
+        With ``attach`` the snapshot is also encoded into ``outbox`` (the next item sent
+        carries it to the main process); encoding counts towards the snapshot budget.
+        """
+        t0 = time.perf_counter()
+        state = self.dataset.save_state()
+        self.ring.add(index, state, index - self.max_in_flight)
+        if self.attach:
+            self.outbox = (index, encode_part(plain_dataset_state(state)))
+        cost = time.perf_counter() - t0
+        self.snapshots_taken += 1
+        self.snapshot_seconds += cost
+        return cost
 
     def release(self, epoch: int) -> None:
         """Let the iteration of ``epoch`` (and earlier ones) end (command thread)."""
@@ -279,6 +295,9 @@ class PipelineWorkerDataset(IterableDataset):
         self.rotation = 0
         self.starts: list[WorkerState | None] = [None] * self.worker_config.workers_per_rank
         self.pipes: list[tuple[Any, Any]] | None = None
+        #: Worker processes attach each new snapshot to the next item they send, so that
+        #: the main process answers a save alone; False: saves ask the command threads.
+        self.attach = True
         self._iterations = 0
         self._runtime: WorkerRuntime | None = None
 
@@ -321,4 +340,18 @@ class PipelineWorkerDataset(IterableDataset):
             if info is not None and self.pipes is not None:
                 cmd, res = self.pipes[physical]
                 self._runtime.serve(cmd, res)
-        return self._runtime.run(epoch, logical, starts[logical])
+        runtime = self._runtime
+        items = runtime.run(epoch, logical, starts[logical])
+        if info is None:
+            return items
+        runtime.attach = self.attach
+        return _with_snapshots(runtime, items)
+
+
+def _with_snapshots(runtime: WorkerRuntime, items: Iterator[tuple[int, int, Any]]) -> Iterator[tuple[Any, ...]]:
+    """Items as ``(worker_id, index, sample, snapshot)``: ``snapshot`` is None or the
+    ``(index, encoded DatasetState)`` taken since the previous item (see ``_snapshot``)."""
+    for worker_id, index, sample in items:
+        outbox = runtime.outbox
+        runtime.outbox = None
+        yield worker_id, index, sample, outbox

@@ -58,11 +58,11 @@ class _TaggedCollate:
     def __init__(self, collate: Callable[[Any], Any]) -> None:
         self.collate = collate
 
-    def __call__(self, item: tuple[int, int, Any]) -> tuple[int, int, Any]:
-        worker_id, index, payload = item
-        if index == END:
+    def __call__(self, item: tuple[Any, ...]) -> tuple[Any, ...]:
+        # (worker_id, index, payload) or, from worker processes, (..., snapshot)
+        if item[1] == END:
             return item
-        return worker_id, index, self.collate(payload)
+        return (item[0], item[1], self.collate(item[2]), *item[3:])
 
 
 def _identity(batch: Any) -> Any:

@@ -3,7 +3,8 @@
 Two ways keep random augmentations exact across a save and a restore:
 
 * **derive from a counter** -- before producing sample ``i`` the loader re-seeds Python's
-  ``random``, NumPy's global RNG and torch's CPU RNG from ``derive_seed(seed, ..., i)``.
+  ``random``, NumPy's global RNG and torch's CPU RNG from ``counter_seed(base, i)``,
+  where ``base = derive_seed(seed, ...)`` is computed once per epoch or batch.
   The RNG state at any sample is then a function of its position and needs no snapshot.
 * **capture / restore** -- :func:`capture_global` and :func:`restore_global` save and put
   back the three global RNGs (used to leave the caller's streams untouched when loading
@@ -21,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import _random
 import hashlib
 import random
 from collections.abc import Iterator
@@ -37,6 +39,7 @@ __all__ = [
     "GlobalRngState",
     "capture_generator",
     "capture_global",
+    "counter_seed",
     "derive_seed",
     "preserve_global_rng",
     "restore_generator",
@@ -58,16 +61,49 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def counter_seed(base: int, counter: int) -> int:
+    """A 64-bit seed for step ``counter`` of a stream whose seed is ``base`` (fast).
+
+    SplitMix64 of ``base + (counter + 1) * golden ratio``: integer arithmetic only (about
+    0.3 µs, where :func:`derive_seed` hashes a string in about 2.5 µs), identical in every
+    process and run. Use it for per-sample seeds, with ``base`` from :func:`derive_seed`.
+
+    Example::
+
+        base = derive_seed(0, "sample", epoch)
+        seed_global(counter_seed(base, position))
+    """
+    z = (base + (counter + 1) * _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+# Python's module-level random functions are bound methods of one hidden instance; seeding
+# it through the C method skips Random.seed's Python-level argument checks (~0.5 µs).
+_PY_RANDOM: random.Random = random.seed.__self__  # type: ignore[attr-defined]
+_PY_SEED = _random.Random.seed
+_NP_SEED = np.random.seed
+_TORCH_SEED = torch.default_generator.manual_seed
+
+
 def seed_global(seed: int) -> None:
     """Seed Python ``random``, NumPy's global RNG and torch's CPU RNG from one seed.
 
-    Uses ``torch.default_generator.manual_seed`` (about 1 µs) rather than
-    ``torch.manual_seed``, which also seeds every accelerator (about 100 µs).
+    Equivalent to ``random.seed(s); np.random.seed(s & 0xFFFFFFFF);
+    torch.default_generator.manual_seed(s)`` with ``s = seed & (2**64 - 1)``. Uses
+    ``torch.default_generator.manual_seed`` (about 1 µs) rather than ``torch.manual_seed``,
+    which also seeds every accelerator (about 100 µs). About 7.5 µs in all, most of it
+    Python's Mersenne Twister initialisation.
     """
     seed &= _MASK64
-    random.seed(seed)
-    np.random.seed(seed & 0xFFFFFFFF)
-    torch.default_generator.manual_seed(seed)
+    _PY_SEED(_PY_RANDOM, seed)
+    _PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
+    _NP_SEED(seed & 0xFFFFFFFF)
+    _TORCH_SEED(seed)
 
 
 @dataclass(frozen=True)

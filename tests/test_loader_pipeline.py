@@ -159,3 +159,32 @@ def test_in_process_pipeline_leaves_caller_rng_untouched():
     for _ in pipeline(0):
         got.append(draws())
     assert len(got) == 10 and got == expected
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_attached_snapshots_and_command_threads_give_the_same_states(num_workers):
+    # the main process answers alone from the snapshots attached to items; the command
+    # threads (the fallback) answer from the workers' rings: the same state at every step
+    loader = pipeline(num_workers, n=40)
+    mode = loader._mode
+    ref = list(pipeline(num_workers, n=40))
+    it = iter(loader)
+    asked_states = []
+    for k in range(13):
+        if k:
+            next(it)
+        mode.torch_dataset.attach = True
+        mode._last_save = None
+        attached = loader.save_state_rank()
+        mode.torch_dataset.attach = False  # read in the main process only: workers still attach
+        mode._last_save = None
+        asked = loader.save_state_rank()
+        mode.torch_dataset.attach = True  # workers start at the first next(): they attach
+        assert attached == asked, f"step {k}"
+        asked_states.append(asked)
+    del it
+    assert any(ws.dataset is not None for s in asked_states for ws in s.position.workers)
+    for k in (3, 7, 12):
+        fresh = pipeline(num_workers, n=40)
+        fresh.restore_state_rank(asked_states[k])
+        assert_streams(list(fresh), ref[k:], f"resumed at {k}")

@@ -307,3 +307,45 @@ def test_check_rejects_malformed_worker_states(workers, next_worker, match):
     position = PipelinePosition(epoch=0, next_worker=next_worker, workers=workers)
     with pytest.raises(StateError, match=match):
         make(2).check(config, position, 2)
+
+
+def test_attached_snapshots_answer_a_save_without_the_workers():
+    from savable_loader.state.schema import DatasetState
+
+    m = make(num_workers=2)
+    m.begin(CTX, reuse_workers=False)
+    snap = DatasetState(type="x", fields={"pos": 5})
+    try:
+        assert m.on_item((0, 0, "a", None)) == "a"
+        assert m.on_item((1, 0, "b", (1, encode_part(snap)))) == "b"
+        assert m.on_item((0, 1, "c", (2, encode_part(snap)))) == "c"
+        assert m.on_item((1, 1, "d", None)) == "d"
+        m.close_channels()  # nobody to ask: the main process answers alone
+        position = m.save(None, 1.0)
+        assert position.workers == [
+            WorkerState(worker_id=0, index=2, snapshot_index=2, dataset=snap),
+            WorkerState(worker_id=1, index=2, snapshot_index=1, dataset=snap),
+        ]
+        assert m.save(None, 1.0) is position
+        # a worker whose items carry no snapshot slot is asked (here: channels closed)
+        m.on_item((0, 2, "e"))
+        m.current.attaching[0] = False
+        with pytest.raises(StateError, match="worker channels are closed"):
+            m.save(None, 1.0)
+    finally:
+        m.end(keep_channels=False)
+
+
+def test_attached_snapshot_before_any_yield_uses_the_start_state():
+    m = make(num_workers=2)
+    start = WorkerState(worker_id=0, index=4, snapshot_index=2, dataset=None)
+    m.restore(PipelinePosition(epoch=0, next_worker=0, workers=[start, fresh(1)]))
+    m.begin(CTX, reuse_workers=False)
+    try:
+        m.on_item((0, 4, "a", None))
+        m.close_channels()
+        ws = m.save(None, 1.0).workers[0]
+        assert ws == WorkerState(worker_id=0, index=5, snapshot_index=2, dataset=None)
+        assert ws.skip == 3
+    finally:
+        m.end(keep_channels=False)

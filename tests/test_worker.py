@@ -16,7 +16,7 @@ import savable_loader as sl
 import savable_loader._worker as worker_module
 from savable_loader._worker import END, PipelineWorkerDataset, SnapshotRing, WorkerRuntime
 from savable_loader.errors import StateError
-from savable_loader.rng import derive_seed, seed_global
+from savable_loader.rng import counter_seed, derive_seed, seed_global
 from savable_loader.state.codec import decode_part, encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 from savable_loader.wrappers import MapDataset, ShuffleBufferDataset
@@ -186,7 +186,7 @@ def test_run_reseeds_global_rngs_from_seed_rank_worker_epoch_index():
     base = derive_seed(wc.seed, "pipeline", wc.rank, 1, 5)
     for i, (w, index, sample) in enumerate(items[:-1]):
         assert (w, index) == (1, i)
-        seed_global(derive_seed(base, i))
+        seed_global(counter_seed(base, i))
         source_draws = _draws()
         map_draws = _draws()
         # worker 1 of 2 reads 1, 3, 5, ...
@@ -215,11 +215,9 @@ def test_checkpoint_and_restore_at_every_index(budget, monkeypatch):
         assert 0 <= state.snapshot_index <= index
         assert state.skip == index - state.snapshot_index
         if budget == "every":
-            # a snapshot before every sample; the one at `index` is taken on the next resume
-            # (or before the end of iteration is seen)
-            expected = index if k == N + 1 else index - 1
-            assert state.snapshot_index == expected
-            assert rt.snapshots_taken == expected
+            # a snapshot after every sample, taken before the sample is yielded
+            assert state.snapshot_index == index
+            assert rt.snapshots_taken == index
         assert (state.dataset is None) == (state.snapshot_index == 0)
         decoded = decode_part(encode_part(state), WorkerState)
         assert decoded == state
@@ -234,10 +232,11 @@ def test_checkpoint_within_prefetch_window_and_beyond(monkeypatch):
     run = rt.run(0, 0, None)
     for _ in range(8):
         next(run)
-    # produced 8; the main process may lag up to 3 behind: snapshots from index 4 on kept
+    # produced 8 (a snapshot after each); the main process may lag up to 3 behind:
+    # snapshots from index 5 on kept
     for index in (5, 6, 7, 8):
         state = rt.checkpoint(0, index)
-        assert state.snapshot_index == min(index, 7)
+        assert state.snapshot_index == index
         assert_streams(list(runtime(stateful_pipeline()).run(0, 0, state)), ref[index:], f"index {index}")
     with pytest.raises(StateError, match="no snapshot at or before sample 2"):
         rt.checkpoint(0, 2)

@@ -150,8 +150,9 @@ def test_state_buffer_drains_at_the_end(monkeypatch):
     for _ in it:
         node, yielded = _shuffle_node(loader.save_state_rank(), 0)
         sizes[yielded] = len(node.fields["buffer"])
-    # full (SIZE - 1 after each pick) while the source lasts, then draining to empty
-    assert sizes == {j: min(SIZE - 1, N - j) for j in range(2, N)}
+    # full (SIZE - 1 after each pick) while the source lasts, then draining to empty; the
+    # snapshot after item j is taken before the item is yielded (items 3..N are saved at)
+    assert sizes == {j: min(SIZE - 1, N - j) for j in range(3, N + 1)}
 
 
 @pytest.mark.parametrize("k", [1, 7, 15, 16, 19])
@@ -176,8 +177,8 @@ def test_restore_never_reads_the_source_again(k, monkeypatch):
     # samples in the buffer come from the state, not from reading the source again.
     snapshot = state.position.workers[0].dataset
     pos = 0 if snapshot is None else snapshot.children[0].fields["pos"]
-    if k > 1:  # snapshot after k - 1 samples: the buffer is full (or the source read out)
-        assert pos == min(N, k - 1 + SIZE - 1)
+    # snapshot after k samples: the buffer is full (or the source read out)
+    assert pos == min(N, k + SIZE - 1)
     assert READS.get(f"after-{k}", []) == list(range(pos, N))
 
 

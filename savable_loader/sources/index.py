@@ -9,7 +9,7 @@ is cut into batches; with ``drop_last`` the last, shorter batch is dropped.
 
 A sample is identified by its **position** in the epoch's global order. Before loading
 it, the worker re-seeds Python ``random``, NumPy's and torch's global RNGs from
-``(seed, epoch, position)``; so the data of a sample does not depend on ``num_workers``,
+``counter_seed(derive_seed(seed, "sample", epoch), position)``; so the data of a sample does not depend on ``num_workers``,
 the batch size or the world size, and a resume needs no RNG snapshot.
 """
 
@@ -24,7 +24,7 @@ import cloudpickle
 import numpy as np
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
-from savable_loader.rng import derive_seed, preserve_global_rng, seed_global
+from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
 
 __all__ = ["BatchKey", "IndexPlan", "IndexedDataset", "IndexSampler"]
 
@@ -156,11 +156,21 @@ class IndexedDataset(Dataset):
     def build(self, key: BatchKey) -> Any:
         """The batch (or sample, when unbatched) that ``key`` names."""
         samples = []
+        base = self._sample_base(key.epoch)
+        dataset = self.dataset
         for position, index in zip(key.positions, key.indices):
-            seed_global(derive_seed(self.seed, "sample", key.epoch, position))
-            samples.append(self.dataset[index])
+            seed_global(counter_seed(base, position))
+            samples.append(dataset[index])
         seed_global(derive_seed(self.seed, "collate", key.epoch, key.positions[0]))
         return self.collate_fn(samples if self.batched else samples[0])
+
+    def _sample_base(self, epoch: int) -> int:
+        cached = self.__dict__.get("_base")
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        base = derive_seed(self.seed, "sample", epoch)
+        self.__dict__["_base"] = (epoch, base)
+        return base
 
     def __getitem__(self, key: BatchKey) -> Any:
         if get_worker_info() is None:

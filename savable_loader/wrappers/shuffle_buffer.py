@@ -7,7 +7,7 @@ from typing import Any
 
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError
-from savable_loader.rng import derive_seed
+from savable_loader.rng import counter_seed
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["ShuffleBufferDataset"]
@@ -42,7 +42,7 @@ class ShuffleBufferDataset(BaseWrapperDataset):
 
     def _pick(self) -> Any:
         buffer = self.buffer
-        i = derive_seed(self.seed, self.draws) % len(buffer)
+        i = counter_seed(self.seed, self.draws) % len(buffer)
         self.draws += 1
         buffer[i], buffer[-1] = buffer[-1], buffer[i]
         return buffer.pop()
