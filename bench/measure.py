@@ -1,0 +1,165 @@
+"""Measurements shared by every contender: throughput, save latency, restore, exactness."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "batch_len", "batches_equal", "close", "epoch_run", "first_batch", "percentiles_ms", "resume_check",
+    "save_latencies",
+]
+
+
+def close(it: Any) -> None:
+    """Stop an iterator and its worker processes now (not at garbage collection)."""
+    if hasattr(it, "close") and not hasattr(it, "_shutdown_workers"):  # generators
+        it.close()
+    elif hasattr(it, "_shutdown_workers"):  # torch's (and torchdata's) multiprocessing iterator
+        it._shutdown_workers()
+    del it
+    gc.collect()
+
+
+def batch_len(batch: Any) -> int:
+    x = batch[0] if isinstance(batch, (list, tuple)) else batch
+    return int(x.shape[0])
+
+
+def batches_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(batches_equal, a, b))
+    return bool(a == b)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its reaped children (workers)."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def epoch_run(make: Callable[[], Any], expected: int) -> tuple[float, float]:
+    """One whole epoch of a fresh loader (worker start-up included): samples per second of
+    wall time and CPU microseconds per sample over all processes."""
+    gc.collect()
+    loader = make()
+    count = 0
+    cpu0 = cpu_seconds()
+    t0 = time.perf_counter()
+    it = iter(loader)
+    for batch in it:
+        count += batch_len(batch)
+    seconds = time.perf_counter() - t0
+    close(it)
+    del loader
+    gc.collect()
+    cpu = cpu_seconds() - cpu0
+    if count != expected:
+        raise RuntimeError(f"an epoch yielded {count} samples, expected {expected}")
+    return count / seconds, cpu / count * 1e6
+
+
+def save_latencies(
+    make: Callable[[], Any], save: Callable[[Any], Any], steps: int
+) -> tuple[list[float], Any]:
+    """``save(loader)`` after each of ``steps`` batches: seconds per call, the last state."""
+    loader = make()
+    it = iter(loader)
+    latencies: list[float] = []
+    state = None
+    try:
+        for _ in range(steps):
+            try:
+                next(it)
+            except StopIteration:  # the epoch ended: go on with the next one
+                close(it)
+                it = iter(loader)
+                next(it)
+            t0 = time.perf_counter()
+            state = save(loader)
+            latencies.append(time.perf_counter() - t0)
+    finally:
+        close(it)
+    return latencies, state
+
+
+def percentiles_ms(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values) * 1e3
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def first_batch(make: Callable[[], Any], restore: Callable[[Any], None] | None) -> tuple[float, Any]:
+    """Seconds from building a loader (and restoring) to its first batch, and the batch."""
+    gc.collect()
+    t0 = time.perf_counter()
+    loader = make()
+    if restore is not None:
+        restore(loader)
+    it = iter(loader)
+    batch = next(it)
+    seconds = time.perf_counter() - t0
+    close(it)
+    return seconds, batch
+
+
+def resume_check(
+    make: Callable[[], Any],
+    save: Callable[[Any], bytes],
+    restore: Callable[[Any, bytes], None],
+    interrupt_at: int,
+) -> dict[str, Any]:
+    """Interrupt a run after ``interrupt_at`` batches (saving its state), resume a fresh
+    loader from the state and compare the rest of the epoch, batch by batch, with an
+    uninterrupted reference run. Also checks that two fresh runs agree up to the save."""
+    reference = iter(make())
+    interrupted_loader = make()
+    interrupted = iter(interrupted_loader)
+    out: dict[str, Any] = {"identical": False, "detail": "", "state": b"", "first": None}
+    try:
+        for i in range(interrupt_at):
+            if not batches_equal(next(interrupted), next(reference)):
+                out["detail"] = f"two fresh loaders differ at batch {i}"
+                return out
+        out["state"] = save(interrupted_loader)
+        next(interrupted)  # the workers are mid-flight when the run "dies"
+        close(interrupted)
+        resumed_loader = make()
+        restore(resumed_loader, out["state"])
+        resumed = iter(resumed_loader)
+        compared = 0
+        try:
+            for ref, res in itertools.zip_longest(reference, resumed):
+                if ref is None or res is None:
+                    which = "resumed" if res is None else "reference"
+                    out["detail"] = f"the {which} stream ended early after {compared} batches"
+                    return out
+                if out["first"] is None:
+                    out["first"] = res
+                if not batches_equal(ref, res):
+                    out["detail"] = f"batch {interrupt_at + compared} differs (first of {compared + 1} compared)"
+                    return out
+                compared += 1
+        finally:
+            close(resumed)
+        out["identical"] = True
+        out["detail"] = f"{compared} batches after batch {interrupt_at} equal"
+        return out
+    finally:
+        close(reference)
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))

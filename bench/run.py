@@ -1,0 +1,403 @@
+"""The benchmark suite: one entry point, every contender, every workload, one run.
+
+Run from the repository root::
+
+    python -m bench                    # full run (about 10-15 minutes on 2 cores)
+    python -m bench --quick            # short run (about 1-2 minutes)
+    python -m bench --json bench/results/run.json --plot bench/results/run.png
+    python -m bench --quick --workloads tiny --contenders savable --no-scaling   # seconds
+
+See bench/README.md for each figure and docs/performance.md for the numbers of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:  # `python bench/run.py` puts bench/ first, not the root
+    sys.path.insert(0, str(_REPO))
+
+import torch  # noqa: E402
+
+import savable_loader as sl  # noqa: E402
+from bench import measure as M  # noqa: E402
+from bench.contenders import CONTENDERS, Contender, available_contenders, savable_pipeline  # noqa: E402
+from bench.workloads import WORKLOADS, Workload, make_workloads  # noqa: E402
+from savable_loader.rng import counter_seed, derive_seed, seed_global  # noqa: E402
+
+OURS = ("savable", "savable-pipe")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def per_call_us(fn: Any, n: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(n):
+        fn(i)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+# -- per workload ----------------------------------------------------------------------
+
+
+def run_workload(w: Workload, contenders: list[Contender], args: argparse.Namespace) -> dict[str, Any]:
+    active = [c for c in contenders if w.style in c.styles]
+    out: dict[str, Any] = {"what": w.what, "samples": w.n, "batch_size": w.batch_size, "contenders": {}}
+    res = out["contenders"]
+    for c in active:
+        res[c.name] = {"label": c.label, "baseline": c.baseline, "rates": [], "cpu_us": []}
+    nw = args.workers
+    # throughput: every contender, whole epochs of fresh loaders, rotating order
+    runs = args.runs
+    log(f"{w.name}: throughput of {len(active)} loaders, {runs} run(s) each{' + warm-up' if args.warmup else ''}")
+    for r in range(-1 if args.warmup else 0, runs):
+        order = active[r % len(active):] + active[: r % len(active)] if r >= 0 else active
+        for c in order:
+            rate, cpu = M.epoch_run(lambda c=c: c.make(w, nw), w.epoch_samples)
+            if r >= 0:
+                res[c.name]["rates"].append(rate)
+                res[c.name]["cpu_us"].append(cpu)
+    for c in active:
+        d = res[c.name]
+        d["samples_per_s"] = M.median(d["rates"])
+        d["cpu_us_per_sample"] = M.median(d["cpu_us"])
+    for c in active:
+        d = res[c.name]
+        if c.baseline and c.baseline in res:
+            base = res[c.baseline]
+            d["throughput_ratio"] = d["samples_per_s"] / base["samples_per_s"]
+            d["cpu_ratio"] = base["cpu_us_per_sample"] / d["cpu_us_per_sample"]
+    # save latency, state size, exact resume, restore-to-first-batch
+    interrupt_at = max(1, w.num_batches // 2)
+    for c in active:
+        if not c.savable:
+            continue
+        d = res[c.name]
+        log(f"{w.name}: {c.name}: save latency ({w.save_steps} steps)")
+        latencies, state = M.save_latencies(lambda c=c: c.make(w, nw), c.save, w.save_steps)
+        d["save_ms"] = M.percentiles_ms(latencies)
+        d["save_series_ms"] = [round(x * 1e3, 4) for x in latencies]
+        size = len(c.encode(state))
+        log(f"{w.name}: {c.name}: resume check (interrupt after {interrupt_at} of {w.num_batches} batches)")
+        check = M.resume_check(lambda c=c: c.make(w, nw), lambda ld, c=c: c.encode(c.save(ld)),
+                               c.restore, interrupt_at)
+        d["bit_identical"] = check["identical"]
+        d["resume_detail"] = check["detail"]
+        d["state_bytes"] = max(size, len(check["state"]))
+        if not check["state"]:
+            continue
+        log(f"{w.name}: {c.name}: restore-to-first-batch vs cold first batch ({args.first_runs} run(s))")
+        cold: list[float] = []
+        warm: list[float] = []
+        data = check["state"]
+        for r in range(args.first_runs):
+            pair = [(None, cold), (data, warm)]
+            for st, sink in pair if r % 2 == 0 else reversed(pair):
+                restore = None if st is None else (lambda ld, c=c, st=st: c.restore(ld, st))
+                seconds, batch = M.first_batch(lambda c=c: c.make(w, nw), restore)
+                if st is not None and check["identical"] and not M.batches_equal(batch, check["first"]):
+                    d["bit_identical"] = False
+                    d["resume_detail"] = "a restored first batch differs from the saved position's next batch"
+                sink.append(seconds)
+        d["restore_ms"] = M.median(warm) * 1e3
+        d["cold_ms"] = M.median(cold) * 1e3
+        d["restore_ratio"] = d["restore_ms"] / d["cold_ms"]
+    return out
+
+
+# -- scaling (savable_loader) ------------------------------------------------------------
+
+
+def restore_first_ms(c: Contender, w: Workload, nw: int, at: int, runs: int) -> float:
+    """Median restore-to-first-batch after saving at batch ``at``."""
+    loader = c.make(w, nw)
+    it = iter(loader)
+    for _ in range(at):
+        next(it)
+    data = c.encode(c.save(loader))
+    M.close(it)
+    times = [M.first_batch(lambda: c.make(w, nw), lambda ld: c.restore(ld, data))[0] for _ in range(runs)]
+    return M.median(times) * 1e3
+
+
+def run_scaling(ws: dict[str, Workload], args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    w = ws["cpu"]
+    torch_map, ours = CONTENDERS["torch-map"], [CONTENDERS["savable"], CONTENDERS["savable-pipe"]]
+    workers: dict[str, Any] = {}
+    for nw in args.scaling_workers:
+        log(f"scaling: {nw} worker(s)")
+        row: dict[str, Any] = {}
+        base = M.epoch_run(lambda: torch_map.make(w, nw), w.n)[0]
+        base = max(base, M.epoch_run(lambda: torch_map.make(w, nw), w.n)[0])
+        rate = M.epoch_run(lambda: ours[0].make(w, nw), w.n)[0]
+        rate = max(rate, M.epoch_run(lambda: ours[0].make(w, nw), w.n)[0])
+        row["dropin_throughput_ratio"] = rate / base
+        for c in ours:
+            latencies, _ = M.save_latencies(lambda c=c: c.make(w, nw), c.save, min(w.save_steps, 60))
+            row[f"{c.name}_save_ms"] = M.percentiles_ms(latencies)
+            row[f"{c.name}_restore_ms"] = restore_first_ms(c, w, nw, w.num_batches // 2, 1)
+        workers[str(nw)] = row
+    out["workers"] = workers
+    positions: dict[str, Any] = {}
+    for c in ours:
+        log(f"scaling: {c.name}: restore time at 10/50/90% of an epoch")
+        positions[c.name] = {
+            str(p): restore_first_ms(c, w, args.workers, max(1, w.num_batches * p // 100), args.first_runs)
+            for p in (10, 50, 90)
+        }
+    out["restore_ms_vs_position"] = {"workload": w.name, **positions}
+    sizes: dict[str, Any] = {}
+    sw = ws["shuffle"]
+    for buf in args.buffers:
+        log(f"scaling: state size with a {buf:,}-sample shuffle buffer")
+        n = args.workers * (buf + 1000)
+        wl = Workload("shuffle", "", n, sw.batch_size, sw.sample, style="stream", buffer=buf)
+        ds = savable_pipeline(wl, args.workers)
+        loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=ds.worker_config)
+        it = iter(loader)
+        for _ in range(4):
+            next(it)
+        size = len(sl.state.encode(loader.save_state_rank()))
+        M.close(it)
+        sizes[str(buf)] = {"state_bytes": size, "bytes_per_buffered_sample": size / (buf * args.workers)}
+    out["state_bytes_vs_buffer"] = sizes
+    return out
+
+
+def snapshot_share(w: Workload, num_workers: int) -> dict[str, Any]:
+    """Fraction of a worker's time spent taking (and encoding) snapshots: worker 0's loop
+    run in this process exactly as a worker process runs it (attached snapshots)."""
+    from savable_loader._worker import WorkerRuntime
+
+    ds = savable_pipeline(w, num_workers)
+    rt = WorkerRuntime(ds, ds.worker_config, max_in_flight=2 * num_workers + 2, in_process=False)
+    rt.attach = True
+    items = 0
+    t0 = time.perf_counter()
+    for _ in rt.run(0, 0, None):
+        rt.outbox = None
+        items += 1
+    total = time.perf_counter() - t0
+    return {
+        "buffer": w.buffer, "items": items, "snapshots": rt.snapshots_taken,
+        "snapshot_s": rt.snapshot_seconds, "worker_s": total, "share": rt.snapshot_seconds / total,
+    }
+
+
+# -- report ----------------------------------------------------------------------------
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+
+    def add(figure: str, value: Any, target: str, passed: bool) -> None:
+        rows.append({"figure": figure, "value": value, "target": target, "pass": bool(passed)})
+
+    for wname, wres in results["workloads"].items():
+        for cname in OURS:
+            d = wres["contenders"].get(cname)
+            if d is None:
+                continue
+            tag = f"{wname} / {cname}"
+            if "throughput_ratio" in d:
+                add(f"{tag}: throughput ratio", round(d["throughput_ratio"], 3), ">= 0.97", d["throughput_ratio"] >= 0.97)
+            if "save_ms" in d:
+                add(f"{tag}: save p50 (ms)", round(d["save_ms"]["p50"], 3), "<= 1", d["save_ms"]["p50"] <= 1.0)
+                add(f"{tag}: save p99 (ms)", round(d["save_ms"]["p99"], 3), "<= 5", d["save_ms"]["p99"] <= 5.0)
+            if "restore_ratio" in d:
+                add(f"{tag}: restore/cold first batch", round(d["restore_ratio"], 3), "<= 1.5", d["restore_ratio"] <= 1.5)
+            if "bit_identical" in d:
+                add(f"{tag}: resume bit-identical", d["bit_identical"], "True", d["bit_identical"])
+    snap = results.get("snapshot_cost")
+    if snap:
+        add(f"snapshot share of worker time ({snap['buffer']:,} buffer)", round(snap["share"], 4), "<= 0.02",
+            snap["share"] <= 0.02)
+    return rows
+
+
+def fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, r in enumerate(rows):
+        lines.append("| " + " | ".join(c.ljust(wd) for c, wd in zip(r, widths)) + " |")
+        if n == 0:
+            lines.append("|" + "|".join("-" * (wd + 2) for wd in widths) + "|")
+    return "\n".join(lines)
+
+
+def render(results: dict[str, Any]) -> str:
+    parts = []
+    for wname, wres in results["workloads"].items():
+        rows = [["loader", "samples/s", "ratio", "CPU ratio", "save p50/p99/max ms", "state",
+                 "restore/cold ms", "ratio", "bit-identical"]]
+        for d in wres["contenders"].values():
+            save = d.get("save_ms")
+            rows.append([
+                d["label"] + ("" if d.get("baseline") else " [baseline]"),
+                fmt(d.get("samples_per_s")),
+                fmt(d.get("throughput_ratio")),
+                fmt(d.get("cpu_ratio")),
+                "/".join(fmt(save[k], 2) for k in ("p50", "p99", "max")) if save else "-",
+                f"{d['state_bytes'] / 1024:,.1f} KiB" if "state_bytes" in d else "-",
+                f"{fmt(d['restore_ms'])} / {fmt(d['cold_ms'])}" if "restore_ms" in d else "-",
+                fmt(d.get("restore_ratio")),
+                fmt(d.get("bit_identical")),
+            ])
+        parts.append(f"### {wname}: {wres['what']} ({wres['samples']:,} samples)\n\n{table(rows)}")
+    sc = results.get("scaling")
+    if sc:
+        rows = [["workers", "drop-in throughput ratio", "drop-in save p50/p99 ms", "pipeline save p50/p99 ms",
+                 "drop-in restore ms", "pipeline restore ms"]]
+        for nw, r in sc["workers"].items():
+            rows.append([nw, fmt(r["dropin_throughput_ratio"]),
+                         f"{fmt(r['savable_save_ms']['p50'], 2)}/{fmt(r['savable_save_ms']['p99'], 2)}",
+                         f"{fmt(r['savable-pipe_save_ms']['p50'], 2)}/{fmt(r['savable-pipe_save_ms']['p99'], 2)}",
+                         fmt(r["savable_restore_ms"]), fmt(r["savable-pipe_restore_ms"])])
+        parts.append(f"### scaling with the number of workers (cpu workload)\n\n{table(rows)}")
+        pos = sc["restore_ms_vs_position"]
+        rows = [["loader", "restore at 10% (ms)", "50%", "90%"]]
+        for name in OURS:
+            if name in pos:
+                rows.append([CONTENDERS[name].label] + [fmt(pos[name][p]) for p in ("10", "50", "90")])
+        parts.append(f"### restore-to-first-batch against position in the epoch ({pos['workload']} workload)\n\n{table(rows)}")
+        rows = [["shuffle buffer", "state size", "bytes per buffered sample"]]
+        for buf, r in sc["state_bytes_vs_buffer"].items():
+            rows.append([f"{int(buf):,}", f"{r['state_bytes'] / 1024:,.1f} KiB", fmt(r["bytes_per_buffered_sample"])])
+        parts.append(f"### state size against shuffle-buffer size (pipeline, {results['parameters']['workers']} workers)\n\n{table(rows)}")
+    snap = results.get("snapshot_cost")
+    if snap:
+        parts.append(
+            f"Snapshot cost in a worker with a {snap['buffer']:,}-sample buffer: {snap['snapshots']} snapshots over "
+            f"{snap['items']} items, {snap['snapshot_s'] * 1e3:.1f} ms of {snap['worker_s'] * 1e3:,.0f} ms "
+            f"({snap['share'] * 100:.2f} % of worker time)."
+        )
+    rows = [["target", "value", "wanted", "result"]]
+    for t in results["targets"]:
+        rows.append([t["figure"], fmt(t["value"]), t["target"], "PASS" if t["pass"] else "MISS"])
+    parts.append(f"### targets (savable_loader)\n\n{table(rows)}")
+    if results["skipped"]:
+        parts.append("Skipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped"].items()))
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="savable_loader benchmark suite")
+    parser.add_argument("--quick", action="store_true", help="small sizes, one run each")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {WORKLOADS}")
+    parser.add_argument("--contenders", default="", help=f"comma list of {list(CONTENDERS)} (baselines added)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes per loader (default 2)")
+    parser.add_argument("--no-scaling", action="store_true", help="skip the scaling figures")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
+    parser.add_argument("--plot", metavar="PNG", help="write a PNG of save latency and restore time (matplotlib)")
+    args = parser.parse_args(argv)
+    args.runs = 1 if args.quick else 3
+    args.warmup = not args.quick
+    args.first_runs = 1 if args.quick else 3
+    args.scaling_workers = [1, 2] if args.quick else [1, 2, 4, 8]
+    args.buffers = [1_000, 10_000] if args.quick else [1_000, 10_000, 100_000]
+    started = time.perf_counter()
+
+    ws = make_workloads(args.quick, args.workers)
+    chosen = [s for s in args.workloads.split(",") if s]
+    for name in chosen:
+        if name not in ws:
+            parser.error(f"unknown workload {name!r}; choose from {WORKLOADS}")
+    names = [s for s in args.contenders.split(",") if s] or None
+    for name in names or ():
+        if name not in CONTENDERS:
+            parser.error(f"unknown contender {name!r}; choose from {list(CONTENDERS)}")
+    contenders, skipped = available_contenders(names)
+    for name, reason in skipped.items():
+        print(f"skipping {name}: {reason}", file=sys.stderr)
+
+    results: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mode": "quick" if args.quick else "full",
+        "machine": {
+            "cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_model(),
+            "python": platform.python_version(), "torch": torch.__version__, "savable_loader": sl.__version__,
+            "start_method": torch.multiprocessing.get_start_method(),
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        },
+        "parameters": {"workers": args.workers, "runs": args.runs, "first_batch_runs": args.first_runs},
+        "skipped": skipped,
+        "info": {},
+        "workloads": {},
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results["info"]["reseed_us"] = per_call_us(lambda i: seed_global(counter_seed(7, i)), 20_000)
+        results["info"]["derive_seed_us"] = per_call_us(lambda i: derive_seed(0, "sample", 0, i), 20_000)
+        for name in chosen:
+            results["info"][f"{name}_sample_us"] = per_call_us(ws[name].sample, 200 if name == "io" else 2_000)
+    finally:
+        torch.set_num_threads(threads)
+    for name in chosen:
+        results["workloads"][name] = run_workload(ws[name], contenders, args)
+    if "shuffle" in chosen and any(c.name == "savable-pipe" for c in contenders):
+        log("snapshot cost in a worker (shuffle buffer)")
+        results["snapshot_cost"] = snapshot_share(ws["shuffle"], args.workers)
+    if not args.no_scaling:
+        results["scaling"] = run_scaling(ws, args)
+    results["targets"] = targets(results)
+    results["elapsed_s"] = time.perf_counter() - started
+    results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    text = render(results)
+    print(text)
+    misses = [t for t in results["targets"] if not t["pass"]]
+    print(f"\n{len(misses)} of {len(results['targets'])} targets missed; run took {results['elapsed_s']:.0f} s "
+          f"({results['mode']})")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        log(f"wrote {path}")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(text + "\n")
+    if args.plot:
+        from bench.plot import plot
+
+        reason = plot(results, Path(args.plot))
+        log(reason)
+    return 0
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
