@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {WORKLOADS}")
     parser.add_argument("--contenders", default="", help=f"comma list of {list(CONTENDERS)} (baselines added)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes per loader (default 2)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the map-style workloads' sizes")
     parser.add_argument("--no-scaling", action="store_true", help="skip the scaling figures")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     args.buffers = [1_000, 10_000] if args.quick else [1_000, 10_000, 100_000]
     started = time.perf_counter()
 
-    ws = make_workloads(args.quick, args.workers)
+    ws = make_workloads(args.quick, args.workers, scale=args.scale)
     chosen = [s for s in args.workloads.split(",") if s]
     for name in chosen:
         if name not in ws:
@@ -344,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             "start_method": torch.multiprocessing.get_start_method(),
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         },
-        "parameters": {"workers": args.workers, "runs": args.runs, "first_batch_runs": args.first_runs},
+        "parameters": {"workers": args.workers, "runs": args.runs, "first_batch_runs": args.first_runs,
+                       "scale": args.scale},
         "skipped": skipped,
         "info": {},
         "workloads": {},

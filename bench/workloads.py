@@ -112,12 +112,12 @@ def sharded(n: int, worker: int, workers: int) -> Iterator[int]:
     return iter(range(worker, n, workers))
 
 
-def make_workloads(quick: bool, num_workers: int, buffer: int | None = None) -> dict[str, Workload]:
-    """The workloads at full or ``quick`` size."""
+def make_workloads(quick: bool, num_workers: int, buffer: int | None = None, scale: float = 1.0) -> dict[str, Workload]:
+    """The workloads at full or ``quick`` size; ``scale`` multiplies the map-style sizes."""
     buf = buffer if buffer is not None else (10_000 if quick else 100_000)
     # each worker must see more than its buffer, or the buffer only ever drains
     stream_n = num_workers * (buf + max(2_000, buf // 5))
-    return {
+    ws = {
         "tiny": Workload("tiny", "4 floats a sample, batch 64 (dispatch-bound)",
                          3_000 if quick else 40_000, 64, tiny_sample, save_steps=60 if quick else 200),
         "cpu": Workload("cpu", "3x128x128 augmented image (~0.5 ms), batch 32",
@@ -128,6 +128,10 @@ def make_workloads(quick: bool, num_workers: int, buffer: int | None = None) -> 
                             stream_n, 64, shuffle_map, style="stream", buffer=buf,
                             save_steps=30 if quick else 150),
     }
+    for w in ws.values():
+        if w.style == "map":
+            w.n = max(2 * w.batch_size, int(w.n * scale))
+    return ws
 
 
 WORKLOADS = ("tiny", "cpu", "io", "shuffle")
