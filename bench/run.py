@@ -84,8 +84,9 @@ def run_workload(w: Workload, contenders: list[Contender], args: argparse.Namesp
         if not c.savable:
             continue
         d = res[c.name]
-        log(f"{w.name}: {c.name}: save latency ({w.save_steps} steps)")
-        latencies, state = M.save_latencies(lambda c=c: c.make(w, nw), c.save, w.save_steps)
+        steps = min(w.save_steps, w.num_batches - 1)  # within one epoch (Energon does not restart)
+        log(f"{w.name}: {c.name}: save latency ({steps} steps)")
+        latencies, state = M.save_latencies(lambda c=c: c.make(w, nw), c.save, steps)
         d["save_ms"] = M.percentiles_ms(latencies)
         d["save_series_ms"] = [round(x * 1e3, 4) for x in latencies]
         size = len(c.encode(state))

@@ -16,6 +16,13 @@ from savable_loader.state.schema import ArrayValue, DatasetState
 __all__ = ["freeze", "from_plain", "plain_dataset_state", "to_plain"]
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
+_SCALAR_TYPES = frozenset(_SCALARS)
+
+
+def _all_scalars(values: list[Any] | tuple[Any, ...]) -> bool:
+    # exact types (subclasses such as NumPy scalars or IntEnum take the slow path); at C
+    # speed, so a 100k-entry buffer of ints is copied in about a millisecond
+    return set(map(type, values)) <= _SCALAR_TYPES
 _TORCH_DTYPES = {
     torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
     torch.int32: "int32", torch.int64: "int64", torch.float16: "float16",
@@ -40,6 +47,8 @@ def freeze(value: Any, path: str = "") -> Any:
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, (list, tuple)):
+        if _all_scalars(value):
+            return list(value)
         return [freeze(v, f"{path}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
         return {_check_key(k, path): freeze(v, f"{path}[{k!r}]") for k, v in value.items()}
@@ -77,6 +86,8 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, list):
+        if _all_scalars(value):
+            return list(value)
         return [to_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: to_plain(v) for k, v in value.items()}
@@ -100,6 +111,8 @@ def to_plain(value: Any) -> Any:
 def from_plain(value: Any) -> Any:
     """Inverse of :func:`to_plain`: ``ArrayValue`` back to tensors and arrays."""
     if isinstance(value, list):
+        if _all_scalars(value):
+            return list(value)
         return [from_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: from_plain(v) for k, v in value.items()}

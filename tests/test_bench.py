@@ -32,7 +32,7 @@ def test_quick_run_writes_json_with_every_figure(tmp_path):
         assert d["bit_identical"] is True, d["resume_detail"]
         assert d["samples_per_s"] > 0 and d["throughput_ratio"] > 0 and d["cpu_ratio"] > 0
         assert set(d["save_ms"]) == {"p50", "p99", "max"} and 0 < d["save_ms"]["p50"] <= d["save_ms"]["max"]
-        assert len(d["save_series_ms"]) == 60
+        assert len(d["save_series_ms"]) == min(60, -(-results["workloads"]["tiny"]["samples"] // 64) - 1)
         assert d["state_bytes"] > 0 and d["restore_ms"] > 0 and d["cold_ms"] > 0 and d["restore_ratio"] > 0
     assert tiny["torch-map"]["samples_per_s"] > 0 and "save_ms" not in tiny["torch-map"]
     figures = {t["figure"] for t in results["targets"]}

@@ -597,3 +597,20 @@ def test_newer_schema_inside_a_gathered_state_is_refused():
     with pytest.raises(StateVersionError, match="upgrade savable-loader"):
         decode(msgspec.msgpack.encode(plain))
     assert decode(encode([rank])) == [rank]
+
+
+def test_scalar_lists_take_the_fast_path_and_are_still_copies():
+    import numpy as np
+
+    from savable_loader._values import freeze, from_plain, to_plain
+
+    live = list(range(1000)) + [None, True, 1.5, "s", b"b"]
+    frozen = freeze(live)
+    assert frozen == live and frozen is not live
+    live.append(7)
+    assert len(frozen) == 1005  # later mutation of the live list does not reach the copy
+    assert to_plain(frozen) == frozen and to_plain(frozen) is not frozen
+    assert from_plain(frozen) == frozen and from_plain(frozen) is not frozen
+    # subclasses of scalars (NumPy scalars) still go through the element-wise conversion
+    mixed = freeze([1, np.int64(2), np.float32(0.5)])
+    assert mixed == [1, 2, 0.5] and [type(x) for x in mixed] == [int, int, float]
