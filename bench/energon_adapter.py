@@ -73,12 +73,11 @@ class _OnValue:
 
 
 def make_loader(w: Workload, num_workers: int, seed: int) -> SavableDataLoader:
-    """An Energon loader over ``w`` (checkpoints in the workers as often as Energon allows)."""
+    """An Energon loader over ``w`` with Energon's default checkpoint policy."""
     wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers, seed_offset=seed)
     ds: SavableDataset = IndexSource(w.n, wc)
     if w.buffer:
         ds = ShuffleBufferDataset(ds, w.buffer, worker_config=wc)
     ds = MapDataset(ds, _OnValue(w.sample), worker_config=wc)
     ds = BatchDataset(ds, w.batch_size, default_collate, worker_config=wc)
-    return SavableDataLoader(ds, checkpoint_every_sec=0, checkpoint_every_min_n_samples=1,
-                             n_checkpoints=2 * max(1, num_workers) + 2)
+    return SavableDataLoader(ds)  # Energon's defaults: a worker checkpoint every 60 s
