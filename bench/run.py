@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
     parser.add_argument("--docs", metavar="MD", help="replace the generated section of this docs page")
+    parser.add_argument("--from-json", metavar="PATH", help="render (--docs, --markdown, --plot) a saved run")
     parser.add_argument("--plot", metavar="PNG", help="write a PNG of save latency and restore time (matplotlib)")
     args = parser.parse_args(argv)
     args.runs = 1 if args.quick else 3
@@ -324,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     args.scaling_workers = [1, 2] if args.quick else [1, 2, 4, 8]
     args.buffers = [1_000, 10_000] if args.quick else [1_000, 10_000, 100_000]
     started = time.perf_counter()
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        return report(results, args)
 
     ws = make_workloads(args.quick, args.workers, scale=args.scale)
     chosen = [s for s in args.workloads.split(",") if s]
@@ -372,16 +376,21 @@ def main(argv: list[str] | None = None) -> int:
     results["targets"] = targets(results)
     results["elapsed_s"] = time.perf_counter() - started
     results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
-    text = render(results)
-    print(text)
-    misses = [t for t in results["targets"] if not t["pass"]]
-    print(f"\n{len(misses)} of {len(results['targets'])} targets missed; run took {results['elapsed_s']:.0f} s "
-          f"({results['mode']})")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1, default=str) + "\n")
         log(f"wrote {path}")
+    return report(results, args)
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print the tables; write Markdown, the docs section and the plot if asked."""
+    text = render(results)
+    print(text)
+    misses = [t for t in results["targets"] if not t["pass"]]
+    print(f"\n{len(misses)} of {len(results['targets'])} targets missed; run took {results['elapsed_s']:.0f} s "
+          f"({results['mode']})")
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(text + "\n")
