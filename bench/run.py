@@ -252,6 +252,10 @@ def table(rows: list[list[str]]) -> str:
 
 def render(results: dict[str, Any]) -> str:
     parts = []
+    info = results.get("info") or {}
+    if info:
+        costs = ", ".join(f"{k.removesuffix('_us').replace('_', ' ')} {v:,.1f} µs" for k, v in info.items())
+        parts.append(f"One-call costs in the main process (1 torch thread) at the start of the run: {costs}.")
     for wname, wres in results["workloads"].items():
         rows = [["loader", "samples/s", "ratio", "CPU ratio", "save p50/p99/max ms", "state",
                  "restore/cold ms", "ratio", "bit-identical"]]
