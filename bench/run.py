@@ -26,13 +26,13 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # `python bench/run.py` puts bench/ first, not the root
     sys.path.insert(0, str(_REPO))
 
-import torch  # noqa: E402
+import torch
 
-import savable_loader as sl  # noqa: E402
-from bench import measure as M  # noqa: E402
-from bench.contenders import CONTENDERS, Contender, available_contenders, savable_pipeline  # noqa: E402
-from bench.workloads import WORKLOADS, Workload, make_workloads  # noqa: E402
-from savable_loader.rng import counter_seed, derive_seed, seed_global  # noqa: E402
+import savable_loader as sl
+from bench import measure as M
+from bench.contenders import CONTENDERS, Contender, available_contenders, savable_pipeline
+from bench.workloads import WORKLOADS, Workload, make_workloads
+from savable_loader.rng import counter_seed, derive_seed, seed_global
 
 OURS = ("savable", "savable-pipe")
 
@@ -140,13 +140,11 @@ def run_scaling(ws: dict[str, Workload], args: argparse.Namespace) -> dict[str, 
     for nw in args.scaling_workers:
         log(f"scaling: {nw} worker(s)")
         row: dict[str, Any] = {}
-        base = M.epoch_run(lambda: torch_map.make(w, nw), w.n)[0]
-        base = max(base, M.epoch_run(lambda: torch_map.make(w, nw), w.n)[0])
-        rate = M.epoch_run(lambda: ours[0].make(w, nw), w.n)[0]
-        rate = max(rate, M.epoch_run(lambda: ours[0].make(w, nw), w.n)[0])
+        base = max(M.epoch_run(lambda nw=nw: torch_map.make(w, nw), w.n)[0] for _ in range(2))
+        rate = max(M.epoch_run(lambda nw=nw: ours[0].make(w, nw), w.n)[0] for _ in range(2))
         row["dropin_throughput_ratio"] = rate / base
         for c in ours:
-            latencies, _ = M.save_latencies(lambda c=c: c.make(w, nw), c.save, min(w.save_steps, 60))
+            latencies, _ = M.save_latencies(lambda c=c, nw=nw: c.make(w, nw), c.save, min(w.save_steps, 60))
             row[f"{c.name}_save_ms"] = M.percentiles_ms(latencies)
             row[f"{c.name}_restore_ms"] = restore_first_ms(c, w, nw, w.num_batches // 2, 1)
         workers[str(nw)] = row

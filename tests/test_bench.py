@@ -20,7 +20,7 @@ def test_quick_run_writes_json_with_every_figure(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--workloads", "tiny", "--contenders", "savable",
          "--scale", "0.4", "--no-scaling", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=110,
+        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -41,6 +41,6 @@ def test_quick_run_writes_json_with_every_figure(tmp_path):
 
 
 def test_unknown_workload_is_a_usage_error():
-    proc = subprocess.run([sys.executable, "-m", "bench", "--workloads", "nope"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "bench", "--workloads", "nope"], cwd=ROOT, capture_output=True, check=False,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "unknown workload 'nope'" in proc.stderr
