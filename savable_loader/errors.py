@@ -8,6 +8,7 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
     │   └── StateVersionError       written by a newer savable-loader: upgrade
     ├── ConfigMismatchError         restore under a configuration that cannot be honoured
     ├── LoaderUsageError            the loader was called in a way it does not support
+    ├── RestoreKeyError             a restore key cannot be rebuilt (foreign, malformed, unsupported)
     └── WorkerError                 a worker process failed (names the worker)
         ├── WorkerDiedError         the worker process exited
         └── WorkerTimeoutError      the worker did not answer in time
@@ -27,6 +28,7 @@ from typing import Any
 __all__ = [
     "ConfigMismatchError",
     "LoaderUsageError",
+    "RestoreKeyError",
     "SavableLoaderError",
     "StateError",
     "StateVersionError",
@@ -75,6 +77,15 @@ class ConfigMismatchError(SavableLoaderError):
 
 class LoaderUsageError(SavableLoaderError, ValueError):
     """An argument or a call sequence the loader does not support."""
+
+
+class RestoreKeyError(SavableLoaderError, ValueError):
+    """A restore key cannot be turned back into its batch.
+
+    The key is malformed, was made by a loader with another seed or dataset, or the
+    pipeline holds a dataset that cannot rebuild samples (``can_restore_sample()`` is
+    False; the message gives the reason).
+    """
 
 
 class WorkerError(SavableLoaderError, RuntimeError):

@@ -18,6 +18,7 @@ from savable_loader.state.schema import (
     LoaderConfig,
     PipelinePosition,
     RankState,
+    RestoreKey,
     WorkerState,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "LoaderConfig",
     "PipelinePosition",
     "RankState",
+    "RestoreKey",
     "WorkerState",
     "decode",
     "encode",

@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -25,6 +25,7 @@ __all__ = [
     "LoaderConfig",
     "PipelinePosition",
     "RankState",
+    "RestoreKey",
     "WorkerState",
 ]
 
@@ -147,3 +148,51 @@ class GlobalState(msgspec.Struct, kw_only=True, frozen=True, tag="global", tag_f
     ranks: list[RankState]
     schema_version: Positive = SCHEMA_VERSION
     library_version: str = ""
+
+
+class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """Names one batch a loader yielded, so that it can be rebuilt alone.
+
+    Read it as ``loader.restore_key`` right after a batch, keep it (``str(key)`` is a
+    line of JSON, ``RestoreKey.parse(text)`` reads it back) and hand it to
+    ``loader.restore_sample(key)`` to get the same batch again, bit for bit, without
+    iterating. ``kind`` is ``"index"`` (drop-in path: the batch's global sample
+    ``positions`` in the epoch's order, as ``(start, stop, step)`` ranges) or
+    ``"pipeline"`` (the logical ``worker``, its item ``index`` in the epoch and the
+    pipeline's own ``sample`` key). ``seed`` and ``fingerprint`` (of the dataset
+    configuration) let a loader refuse a key made by another one.
+
+    Example::
+
+        key = RestoreKey.parse('{"kind":"index","seed":0,"fingerprint":"ab","epoch":1,'
+                               '"rank":0,"positions":[[0,64,2]]}')
+        key.sample_positions()  # [0, 2, 4, ..., 62]
+    """
+
+    kind: Literal["index", "pipeline"]
+    seed: int
+    fingerprint: str
+    epoch: NonNeg
+    rank: NonNeg
+    positions: list[tuple[NonNeg, NonNeg, Positive]] = []
+    worker: NonNeg = 0
+    index: NonNeg = 0
+    sample: Any = None
+
+    def __str__(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def parse(cls, text: str | bytes) -> RestoreKey:
+        """A key from ``str(key)`` (one line of JSON)."""
+        from savable_loader.errors import RestoreKeyError
+
+        try:
+            return msgspec.json.decode(text, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:
+            shown = text if len(text) <= 80 else text[:77] + "..."
+            raise RestoreKeyError(f"not a restore key: {e} (got {shown!r})") from None
+
+    def sample_positions(self) -> list[int]:
+        """The global positions of an ``"index"`` key's samples, in batch order."""
+        return [p for start, stop, step in self.positions for p in range(start, stop, step)]
