@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -229,7 +230,7 @@ def render_text(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _adder(lines: list[str], indent: str):  # type: ignore[no-untyped-def]
+def _adder(lines: list[str], indent: str) -> Callable[[str, Any], None]:
     def add(label: str, value: Any) -> None:
         lines.append(f"{indent}{label:<{_WIDTH}}{value}")
     return add
