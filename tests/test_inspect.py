@@ -375,3 +375,11 @@ def test_new_rank_state_fields_are_reported_as_extra() -> None:
     doc = {"file": "f", "container": "raw", "file_size": 1, "encoded_size": 1, "kind": "rank",
            "schema_version": 1, "library_version": "", "world_size": 2, "num_ranks": 1, "ranks": [summary]}
     assert '  restore keys    ["a","b"]' in _inspect.render_text(doc).splitlines()
+
+
+def test_readme_documents_every_json_key() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Inspecting a state file"):]
+    section = section[:section.index("\n## ")]
+    for key in (*_inspect.DOCUMENT_KEYS, *RANK_KEYS, "extra", "skip", "dataset_size", "item_types"):
+        assert f"`{key}`" in section or f" {key}," in section or f"{key}?" in section, key
