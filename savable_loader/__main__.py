@@ -8,9 +8,16 @@ Commands:
     an uninterrupted run (worker-side random augmentations included); compare with what
     a plain ``torch.utils.data.DataLoader`` does. Exit code 0 if identical, 1 if not.
 
+``inspect FILE [--json]``
+    Summarise a state file (or raw encoded state bytes) without importing torch: kind,
+    schema version, ranks, workers, epoch, position, the configuration it was saved
+    under, sizes and an outline of each worker's dataset state. Exit code 2 if the file
+    is not a readable state.
+
 Example::
 
     python -m savable_loader demo --workers 2 --steps 60 --seed 0
+    python -m savable_loader inspect ckpt/loader.state --json
 
 This module imports neither torch nor the loader at import time: a command imports what
 it needs when it runs, so commands that only read state files work without torch. To add
@@ -101,6 +108,31 @@ def _run_demo(args: argparse.Namespace) -> int:
     return _demo.run(args)
 
 
+# -- inspect ----------------------------------------------------------------------------
+
+
+def _add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE",
+                        help="a state file from savable_loader.state.save_file, or raw encoded state "
+                             "bytes (savable_loader.state.encode, a loader.state_dict() value)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document instead of the text summary (keys: see README)")
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from savable_loader import _inspect
+    from savable_loader.errors import StateError
+
+    try:
+        doc = _inspect.summarize(_inspect.read_state(args.file), args.file)
+    except StateError as e:
+        return _usage_error("inspect", " ".join(str(e).split()))
+    print(json.dumps(doc, indent=2) if args.json else _inspect.render_text(doc))
+    return 0
+
+
 def _usage_error(command: str, message: str) -> int:
     print(f"savable-loader {command}: error: {message}", file=sys.stderr)
     return 2
@@ -122,6 +154,20 @@ _COMMANDS: tuple[_Command, ...] = (
         ),
         add_arguments=_add_demo_arguments,
         run=_run_demo,
+    ),
+    _Command(
+        name="inspect",
+        help="summarise a state file (no torch needed)",
+        description=(
+            "Print what a loader state file holds: one rank's state or the gathered states "
+            "of all ranks, schema version, world size, workers, epoch and position, the "
+            "configuration it was saved under, file and encoded sizes, and for savable "
+            "pipelines an outline of each worker's dataset state. Reads files written by "
+            "savable_loader.state.save_file and raw encoded state bytes. Exit code 2 if "
+            "FILE is not a readable state."
+        ),
+        add_arguments=_add_inspect_arguments,
+        run=_run_inspect,
     ),
 )
 
