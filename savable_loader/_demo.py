@@ -304,7 +304,7 @@ def _plain_stream(dataset: Any, args: argparse.Namespace, rank: int, epoch: int,
             random.seed(s)
             np.random.seed(s % 2**32)
             torch.manual_seed(s)
-        sampler = DistributedSampler(dataset, num_replicas=args.ranks, rank=rank, shuffle=True, seed=args.seed)
+        sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=args.ranks, rank=rank, shuffle=True, seed=args.seed)
         sampler.set_epoch(epoch)
         loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler, num_workers=args.workers,
                             generator=torch.Generator().manual_seed(s), timeout=60 if args.workers else 0)

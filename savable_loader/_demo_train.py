@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 import savable_loader as sl
+from savable_loader.state import IndexPosition
 
 __all__ = ["AugmentedImages", "TinyNet", "child_main", "digest", "steps_of"]
 
@@ -160,7 +161,7 @@ def _average_gradients(model: nn.Module, world: int) -> None:
     """Average gradients over ranks, summed in rank order (bit-reproducible)."""
     if world == 1:
         return
-    grads = [p.grad for p in model.parameters()]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     parts = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(parts, flat)
@@ -175,12 +176,12 @@ def _average_gradients(model: nn.Module, world: int) -> None:
 
 
 def _save_checkpoint(ckpt: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer,
-                     loader: sl.SavableDataLoader, rank: int) -> dict[str, float]:
+                     loader: sl.SavableDataLoader) -> dict[str, float]:
     """The checkpoint hook, on every rank. Rank 0 writes; returns timings (ms)."""
     t0 = time.perf_counter()
     states = loader.save_state_global(global_dst_rank=0)  # a collective: every rank calls it
     t1 = time.perf_counter()
-    if rank != 0:
+    if states is None:  # not rank 0
         return {}
     folder = ckpt / f"step-{step:06d}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -194,7 +195,9 @@ def _save_checkpoint(ckpt: Path, step: int, model: nn.Module, opt: torch.optim.O
     t2 = time.perf_counter()
     for old in sorted(ckpt.glob("step-*"))[:-2]:  # keep the last two
         shutil.rmtree(old, ignore_errors=True)
-    position = states[0].position  # type: ignore[index]
+    position = states[0].position
+    if not isinstance(position, IndexPosition):
+        raise TypeError(f"the demo uses the drop-in path, got a {type(position).__name__}")
     return {"state_ms": (t1 - t0) * 1e3, "ckpt_ms": (t2 - t0) * 1e3, "epoch": position.epoch,
             "consumed": position.consumed}
 
@@ -226,10 +229,12 @@ def train_rank(args: argparse.Namespace, rank: int, world: int) -> None:
         loader.restore_state_global(states, src_rank=0 if world > 1 else None)  # type: ignore[arg-type]
         t2 = time.perf_counter()
         position = loader.save_state_rank().position
+        if not isinstance(position, IndexPosition):
+            raise TypeError(f"the demo uses the drop-in path, got a {type(position).__name__}")
         log.write(event="restored", step=step, epoch=position.epoch, consumed=position.consumed,
                   checkpoint=folder.name, model_ms=(t1 - t0) * 1e3, loader_ms=(t2 - t1) * 1e3)
     elif role == "train":
-        log.write(event="save", step=0, initial=True, **_save_checkpoint(ckpt, 0, model, opt, loader, rank))
+        log.write(event="save", step=0, initial=True, **_save_checkpoint(ckpt, 0, model, opt, loader))
     t_first = time.perf_counter()
     first = step + 1
     for step, (x, y) in steps_of(loader, first, args.steps):
@@ -241,11 +246,11 @@ def train_rank(args: argparse.Namespace, rank: int, world: int) -> None:
         loss.backward()
         _average_gradients(model, world)
         opt.step()
-        log.write(step=step, digest=digest((x, y)), loss=loss.item().hex())
+        log.write(step=step, digest=digest((x, y)), loss=float(loss.item()).hex())
         if args.step_ms:
             time.sleep(args.step_ms / 1e3)  # the rest of a real training step
         if role == "train" and step % args.save_every == 0:
-            log.write(event="save", step=step, **_save_checkpoint(ckpt, step, model, opt, loader, rank))
+            log.write(event="save", step=step, **_save_checkpoint(ckpt, step, model, opt, loader))
     log.write(event="done")
 
 

@@ -101,7 +101,32 @@ class SavableDataset(IterableDataset):
     """Base class of sources and wrappers whose iteration state can be saved.
 
     Subclasses set ``_savable_fields``, implement ``__iter__``, ``reset_state_own`` and
-    ``config``; wrappers also return the datasets they wrap from ``children``.
+    ``config``; wrappers also return the datasets they wrap from ``children``. See the
+    module docstring and docs/custom_dataset.md.
+
+    Example::
+
+        class Range(SavableDataset):
+            _savable_fields = ("pos",)
+
+            def __init__(self, n, worker_config):
+                super().__init__(worker_config)
+                self.n = n
+                self.reset_state_own()
+
+            def reset_state_own(self):
+                self.pos = self.worker_config.rank_worker_id()
+
+            def __iter__(self):
+                while self.pos < self.n:
+                    value, self.pos = self.pos, self.pos + self.worker_config.workers_per_rank
+                    yield value
+
+            def config(self):
+                return {"n": self.n}
+
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=2, seed=0)
+        loader = SavableDataLoader(Range(100, worker_config=wc), batch_size=None, worker_config=wc)
     """
 
     _savable_fields: ClassVar[tuple[str, ...]] = ()

@@ -23,7 +23,6 @@ from savable_loader.state.schema import (
 )
 
 __all__ = [
-    "SCHEMA_VERSION",
     "ArrayValue",
     "DatasetState",
     "GlobalState",
@@ -32,6 +31,7 @@ __all__ = [
     "PipelinePosition",
     "RankState",
     "RestoreKey",
+    "SCHEMA_VERSION",
     "WorkerState",
     "decode",
     "encode",

@@ -42,6 +42,10 @@ class ArrayValue:
 
     Stored as a MessagePack extension (code 1), never as a pickle. A plain class rather
     than a Struct so that msgspec hands it to the codec's extension hook.
+
+    Example::
+
+        ArrayValue(library="numpy", dtype="int64", shape=(2,), data=np.arange(2).tobytes())
     """
 
     __slots__ = ("library", "dtype", "shape", "data")
@@ -70,6 +74,10 @@ class DatasetState(msgspec.Struct, kw_only=True):
 
     ``fields`` holds plain values (None, bool, int, float, str, bytes, lists, dicts,
     :class:`ArrayValue`); ``children`` the states of the datasets this one wraps.
+
+    Example::
+
+        DatasetState(type="mymodule.Lines", fields={"pos": 12}, children=[])
     """
 
     type: str
@@ -78,7 +86,13 @@ class DatasetState(msgspec.Struct, kw_only=True):
 
 
 class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """The configuration a state was saved under; a restore compares it field by field."""
+    """The configuration a state was saved under; a restore compares it field by field.
+
+    Example::
+
+        state = loader.save_state_rank()
+        state.config.seed, state.config.num_workers, state.config.dataset_config
+    """
 
     rank: NonNeg
     world_size: Positive
@@ -92,7 +106,12 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class IndexPosition(msgspec.Struct, kw_only=True, frozen=True, tag="index"):
-    """Drop-in path: ``consumed`` samples of this rank's share of ``epoch`` were yielded."""
+    """Drop-in path: ``consumed`` samples of this rank's share of ``epoch`` were yielded.
+
+    Example::
+
+        IndexPosition(epoch=1, consumed=224, dataset_len=250)
+    """
 
     epoch: NonNeg
     consumed: NonNeg
@@ -106,6 +125,11 @@ class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
     pipeline state captured after ``snapshot_index`` samples (None: the epoch's start,
     ``snapshot_index`` 0); a restore puts it back and replays ``index - snapshot_index``
     samples (the skip offset). ``exhausted``: the worker had no more data this epoch.
+
+    Example::
+
+        w = WorkerState(worker_id=0, index=10, snapshot_index=8, dataset=DatasetState(type="m.Lines"))
+        w.skip   # 2
     """
 
     worker_id: NonNeg
@@ -121,7 +145,13 @@ class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class PipelinePosition(msgspec.Struct, kw_only=True, frozen=True, tag="pipeline"):
-    """Savable-pipeline path: per-worker states and the logical worker that yields next."""
+    """Savable-pipeline path: per-worker states and the logical worker that yields next.
+
+    Example::
+
+        position = loader.save_state_rank().position
+        [w.skip for w in position.workers], position.next_worker
+    """
 
     epoch: NonNeg
     next_worker: NonNeg
@@ -129,7 +159,13 @@ class PipelinePosition(msgspec.Struct, kw_only=True, frozen=True, tag="pipeline"
 
 
 class RankState(msgspec.Struct, kw_only=True, frozen=True, tag="rank", tag_field="kind"):
-    """The whole state of one rank's loader."""
+    """The whole state of one rank's loader.
+
+    Example::
+
+        state = loader.save_state_rank()
+        state.epoch, state.position, state.config.world_size, state.schema_version
+    """
 
     config: LoaderConfig
     position: IndexPosition | PipelinePosition
@@ -143,7 +179,14 @@ class RankState(msgspec.Struct, kw_only=True, frozen=True, tag="rank", tag_field
 
 
 class GlobalState(msgspec.Struct, kw_only=True, frozen=True, tag="global", tag_field="kind"):
-    """The states of every data-parallel rank, ordered by rank."""
+    """The states of every data-parallel rank, ordered by rank.
+
+    The API hands gathered states around as ``list[RankState]``; this is their encoded
+    form. Example::
+
+        data = encode([state0, state1])   # a GlobalState on the wire
+        decode(data)                      # [state0, state1]
+    """
 
     ranks: list[RankState]
     schema_version: Positive = SCHEMA_VERSION
