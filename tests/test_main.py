@@ -66,10 +66,12 @@ def test_demo_rejects_kill_at_past_the_end():
 
 
 def _children_of(out_dir: Path) -> list[psutil.Process]:
+    """Live processes started for a demo run with ``--out out_dir``: its training runs
+    (forked or not), their ranks and loader workers. The demo itself has exited."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline", "status"]):
         cmdline = proc.info["cmdline"] or []
-        if "--_child" in cmdline and str(out_dir) in cmdline:
+        if any(str(out_dir) in part for part in cmdline) and proc.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(proc)
     return found
 
@@ -109,7 +111,7 @@ def test_demo_explicit_kill_at_keeps_its_files(tmp_path):
     assert saved in {5 * ((killed - 1) // 5), 5 * (killed // 5)}, (saved, killed)
     per_epoch = 16  # 250 samples in batches of 16
     assert (epoch, consumed) == (saved // per_epoch, saved % per_epoch * 16)
-    assert "loss after restart:     %d/%d equal" % (30 - saved, 30 - saved) in out.stdout
+    assert f"loss after restart:     {30 - saved}/{30 - saved} equal" in out.stdout
     latest = out_dir / "ckpt" / (out_dir / "ckpt" / "latest").read_text().strip()
     assert latest.name == f"step-{saved:06d}"
     states = load_file(latest / "loader.state")
