@@ -104,7 +104,7 @@ class PipelineMode:
             self.channels.close_worker_ends()
 
     def on_item(self, item: Any) -> Any:
-        worker_id, index, payload = item
+        worker_id, index, key, payload = item
         with self._lock:
             cur = self.current
             if cur is None:
@@ -112,6 +112,7 @@ class PipelineMode:
             cur.next_worker = (worker_id + 1) % self.workers
             if index != END:
                 cur.consumed[worker_id] = index + 1
+                self.last_item = (cur.epoch, worker_id, index, key)
                 return payload
             cur.exhausted[worker_id] = True
             epoch, physical = cur.epoch, self.physical(worker_id)

@@ -58,11 +58,11 @@ class _TaggedCollate:
     def __init__(self, collate: Callable[[Any], Any]) -> None:
         self.collate = collate
 
-    def __call__(self, item: tuple[int, int, Any]) -> tuple[int, int, Any]:
-        worker_id, index, payload = item
+    def __call__(self, item: tuple[int, int, Any, Any]) -> tuple[int, int, Any, Any]:
+        worker_id, index, key, payload = item
         if index == END:
             return item
-        return worker_id, index, self.collate(payload)
+        return worker_id, index, key, self.collate(payload)
 
 
 def _identity(batch: Any) -> Any:
