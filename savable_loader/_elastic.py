@@ -124,6 +124,8 @@ def elastic_position(states: Sequence[RankState]) -> IndexPosition:
         share = share_length(n, old_world, rank, stages)
         if count > share:
             raise StateError(f"rank {rank} consumed {count} samples of a share of {share}")
+    if not any(consumed):  # nothing consumed in this stage: it leaves what it was given
+        return IndexPosition(epoch=epoch, consumed=0, dataset_len=n, stages=stages)
     stages.append(IndexStage(world_size=old_world, consumed=consumed))
     if len(remaining_positions(n, stages)) == 0:
         return IndexPosition(epoch=epoch + 1, consumed=0, dataset_len=n)

@@ -38,7 +38,11 @@ __all__ = [
 
 
 class DataParallelGroup:
-    """This process's place in the data-parallel group of a ``WorkerConfig``."""
+    """This process's place in the data-parallel group of a ``WorkerConfig``.
+
+    Without torch.distributed the ``WorkerConfig``'s rank and world size are taken as
+    given (a world of one by default); collectives then need a world of one.
+    """
 
     def __init__(self, worker_config: WorkerConfig) -> None:
         self.initialized = dist.is_available() and dist.is_initialized()
@@ -47,17 +51,26 @@ class DataParallelGroup:
             self.rank = dist.get_rank(group=self.group)
             self.size = dist.get_world_size(group=self.group)
         else:
-            self.rank, self.size = 0, 1
+            self.rank, self.size = worker_config.rank, worker_config.world_size
         if (self.rank, self.size) != (worker_config.rank, worker_config.world_size):
             raise LoaderUsageError(
                 f"the loader's WorkerConfig says rank {worker_config.rank} of {worker_config.world_size}, "
                 f"but torch.distributed says rank {self.rank} of {self.size} in the data-parallel group"
             )
 
+    def require_collectives(self, what: str) -> None:
+        """LoaderUsageError if ``what`` would need torch.distributed and it is not there."""
+        if not self.initialized and self.size > 1:
+            raise LoaderUsageError(
+                f"{what} is a collective over {self.size} ranks and needs torch.distributed initialised; "
+                "without it, use save_state_rank() / restore_state_rank() per rank, or "
+                "restore_state_global(states) with the whole list"
+            )
+
     def global_ranks(self) -> list[int]:
         """Global ranks of the group's members, ordered by group rank."""
         if not self.initialized:
-            return [0]
+            return [self.rank]
         if self.group is None:
             return list(range(self.size))
         return list(dist.get_process_group_ranks(self.group))
@@ -72,6 +85,7 @@ class DataParallelGroup:
 
 def gather_states(group: DataParallelGroup, state: RankState, dst: int) -> list[RankState] | None:
     """Gather every rank's state to global rank ``dst``: the list there, None elsewhere."""
+    group.require_collectives("save_state_global")
     group.check_member(dst, "global_dst_rank")
     if not group.initialized:
         return [state]
@@ -143,6 +157,7 @@ def scatter_states(
     rank, nobody is left waiting. With ``allow_resize``, a list saved on another world
     size is broadcast whole (every rank needs all old states to take its share).
     """
+    group.require_collectives("restore_state_global(src_rank=...)")
     group.check_member(src, "src_rank")
     if not group.initialized:
         if allow_resize and is_resize(states, 1):

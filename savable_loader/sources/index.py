@@ -64,15 +64,16 @@ class IndexPlan:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self._cache: tuple[int, np.ndarray] | None = None
-        self._shares: dict[tuple[IndexStage, ...], range | np.ndarray] = {}
+        self._shares: dict[Any, range | np.ndarray] = {}
 
     def share(self, stages: tuple[IndexStage, ...] = ()) -> range | np.ndarray:
         """This rank's global positions of an epoch (after ``stages``), in order."""
         if not stages:
             return rank_share(self.dataset_len, self.world_size, self.rank, ())
-        if stages not in self._shares:
-            self._shares = {stages: rank_share(self.dataset_len, self.world_size, self.rank, stages)}
-        return self._shares[stages]
+        key = tuple((s.world_size, tuple(s.consumed)) for s in stages)
+        if key not in self._shares:
+            self._shares = {key: rank_share(self.dataset_len, self.world_size, self.rank, stages)}
+        return self._shares[key]
 
     def rank_len(self, stages: tuple[IndexStage, ...] = ()) -> int:
         """Samples of this rank's share of an epoch (after padding)."""
