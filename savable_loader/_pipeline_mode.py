@@ -267,7 +267,10 @@ class PipelineMode:
         if key.sample is None:
             raise RestoreKeyError("key.sample is None: the pipeline gave this item no key")
         if key.worker >= self.workers:
-            raise RestoreKeyError(f"key.worker is {key.worker}, expected a worker below {self.workers}")
+            raise RestoreKeyError(
+                f"key.worker is {key.worker}, expected a worker below {self.workers}: build the loader with "
+                "the num_workers the key was made with"
+            )
         wc = self.worker_config
         with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch):
             seed_global(derive_seed(derive_seed(wc.seed, "pipeline", key.rank, key.worker, key.epoch), key.index))
