@@ -252,6 +252,8 @@ def train_rank(args: argparse.Namespace, rank: int, world: int) -> None:
         if role == "train" and step % args.save_every == 0:
             log.write(event="save", step=step, **_save_checkpoint(ckpt, step, model, opt, loader))
     log.write(event="done")
+    if role == "train":  # the parent kills this run at --kill-at < --steps: wait for it
+        time.sleep(args.timeout)
 
 
 def _free_port() -> int:
