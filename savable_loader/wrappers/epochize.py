@@ -1,0 +1,149 @@
+"""EpochizeDataset: fixed-length epochs cut from one long stream."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from savable_loader.config import _ActiveWorker
+from savable_loader.dataset import SavableDataset
+from savable_loader.errors import LoaderUsageError
+from savable_loader.wrappers.base import BaseWrapperDataset
+
+__all__ = ["EpochizeDataset"]
+
+
+class EpochizeDataset(BaseWrapperDataset):
+    """Yields ``length`` samples per rank and epoch, continuing the same inner stream.
+
+    Unlike ``LimitDataset``, which starts its dataset over every epoch, epoch ``e + 1``
+    goes on where epoch ``e`` stopped: over an endless stream (``RepeatDataset``, a
+    long shard stream), epoch ``e`` is samples ``e * length`` to ``(e + 1) * length`` of
+    it. ``length`` is split across the rank's workers like ``LimitDataset``'s (worker
+    ``w`` of ``W`` takes ``length // W``, plus one if ``w < length % W``).
+
+    How the inner position crosses an epoch boundary: the loader resets the whole
+    pipeline at the start of every epoch (``reset_state_deep()``); this wrapper resets
+    only its own counter there and keeps the inner dataset, and its live iterator, as
+    they were at the end of the previous epoch, provided that the same object ran that
+    epoch for the same logical worker (in-process loading, persistent workers). Otherwise
+    (a fresh worker process: ``persistent_workers=False``; a restore at an epoch boundary;
+    a worker rotation after a restore) it rebuilds the inner position deterministically:
+    it resets the inner dataset as in epoch 0 and replays ``e`` epochs' worth of inner
+    samples, each under its own epoch, before yielding. The replay costs the inner
+    samples' loading time, so prefer ``persistent_workers=True`` with this wrapper. It is
+    exact when the inner pipeline's state does not depend on global random draws other
+    than those re-seeded by restore keys (keyed sources, the library's wrappers).
+    Mid-epoch states hold the inner state itself and need no replay.
+
+    If the inner stream ends, the epoch ends early and the next epoch starts the inner
+    dataset over (reset in that epoch); an inner stream that ends exactly at an epoch
+    boundary is started over at once, so an epoch is empty only if the inner dataset is.
+    Restore keys are the inner dataset's.
+
+    Example::
+
+        ds = EpochizeDataset(RepeatDataset(source), length=10_000)   # 10k-sample epochs
+    """
+
+    _savable_fields = ("count", "ended")
+
+    def __init__(self, dataset: SavableDataset, length: int) -> None:
+        super().__init__(dataset)
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            raise LoaderUsageError(f"EpochizeDataset length must be a non-negative int, got {length!r}")
+        self.length = length
+        self._inner_it: Iterator[Any] | None = None
+        # (logical worker, epoch) whose start the live inner state is at, if any.
+        self._carry: tuple[int, int] | None = None
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        self.count = 0
+        self.ended = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_inner_it"] = None  # a live generator does not cross processes
+        state["_carry"] = None
+        return state
+
+    def worker_length(self) -> int:
+        """The number of samples the calling worker yields per epoch."""
+        workers = self.worker_config.workers_per_rank
+        worker = self.worker_config.rank_worker_id()
+        return self.length // workers + (1 if worker < self.length % workers else 0)
+
+    # -- epoch boundaries ---------------------------------------------------------------
+
+    def reset_state_deep(self) -> None:
+        """Start the active epoch: keep the inner position if it is this epoch's start,
+        otherwise rebuild it (see the class docstring)."""
+        wc = self.worker_config
+        worker, epoch = wc.rank_worker_id(), wc.active_epoch()
+        if self._carry == (worker, epoch):
+            self._carry = None
+            self._begin_epoch()
+            return
+        self._carry = None
+        self._inner_it = None
+        with _ActiveWorker(worker, 0):
+            self.dataset.reset_state_deep()
+        self.reset_state_own()
+        for past in range(epoch):
+            with _ActiveWorker(worker, past):
+                self._begin_epoch()
+                for _ in self._run():
+                    pass
+        self._carry = None
+        self._begin_epoch()
+
+    def restore_state(self, state: Any) -> None:
+        self._inner_it = None
+        self._carry = None
+        super().restore_state(state)
+
+    def _begin_epoch(self) -> None:
+        if self.ended:  # the inner stream ended last epoch: start it over in this one
+            self._inner_it = None
+            self.dataset.reset_state_deep()
+        self.reset_state_own()
+
+    # -- iteration ----------------------------------------------------------------------
+
+    def _run(self) -> Iterator[Any]:
+        limit = self.worker_length()
+        inner = self.dataset
+        restarted = False
+        while self.count < limit and not self.ended:
+            if self._inner_it is None:
+                self._inner_it = iter(inner)
+            try:
+                sample = next(self._inner_it)
+            except StopIteration:
+                self._inner_it = None
+                if self.count == 0 and not restarted:
+                    restarted = True  # ended right at the boundary: start over now
+                    inner.reset_state_deep()
+                    continue
+                self.ended = True
+                break
+            self.count += 1
+            self.sample_key = inner.sample_key
+            if self.count >= limit:  # valid even if nobody pulls again after this sample
+                self._set_carry()
+            yield sample
+        self._set_carry()
+
+    def _set_carry(self) -> None:
+        wc = self.worker_config
+        self._carry = (wc.rank_worker_id(), wc.active_epoch() + 1)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._run()
+
+    def restore_sample(self, key: Any) -> Any:
+        return self.dataset.restore_sample(key)
+
+    def config(self) -> dict[str, Any]:
+        return {"length": self.length}

@@ -1,0 +1,131 @@
+"""EpochizeDataset: fixed-length epochs that continue one stream, across epoch boundaries,
+restores, fresh and persistent worker processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from savable_loader.errors import LoaderUsageError
+from savable_loader.wrappers import EpochizeDataset, MapDataset, RepeatDataset
+from tests.common import RangeSource, check_resume_everywhere, epochs_of
+from tests.wrapper_common import (
+    RESUME_CASES,
+    check_restore_samples,
+    make_loader,
+    make_wc,
+    set_snapshot_policy,
+    split_by_worker,
+    worker_values,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 6  # per worker: 3 values (2 workers) or 6 (in-process)
+LENGTH = 5  # 2 workers: 3 + 2 a epoch
+
+
+def epochized(num_workers: int, length: int = LENGTH, n: int = N, **kw):
+    wc = make_wc(num_workers)
+    return make_loader(EpochizeDataset(RepeatDataset(RangeSource(n, wc)), length), **kw)
+
+
+def ids(epoch) -> list[int]:
+    return [int(x[0]) for x in epoch]
+
+
+def worker_stream(n: int, worker: int, workers: int, count: int) -> list[int]:
+    """The first ``count`` values of a worker's endless repetition of its RangeSource share."""
+    mine = worker_values(n, worker, workers)
+    return [mine[i % len(mine)] for i in range(count)]
+
+
+@pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES)
+def test_resume_at_every_step_three_epochs(num_workers, policy, monkeypatch):
+    set_snapshot_policy(monkeypatch, policy)
+    steps = None if num_workers == 0 else [0, 1, LENGTH - 1, LENGTH, LENGTH + 2, 2 * LENGTH, 2 * LENGTH + 3, 3 * LENGTH]
+    assert check_resume_everywhere(lambda: epochized(num_workers), 3, steps=steps) >= 8
+
+
+def test_resume_persistent_workers():
+    factory = lambda: epochized(2, persistent_workers=True)  # noqa: E731
+    assert check_resume_everywhere(factory, 3, steps=[0, 3, LENGTH, 2 * LENGTH + 1, 3 * LENGTH]) == 7
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_epochs_continue_the_stream(num_workers, persistent):
+    if persistent and num_workers == 0:
+        pytest.skip("persistent workers need worker processes")
+    workers = max(num_workers, 1)
+    epochs = [ids(e) for e in epochs_of(epochized(num_workers, persistent_workers=persistent), 4)]
+    assert [len(e) for e in epochs] == [LENGTH] * 4
+    per_worker = [[] for _ in range(workers)]
+    for e in epochs:
+        for w, mine in enumerate(split_by_worker(e, workers)):
+            per_worker[w] += mine
+    for w in range(workers):
+        assert per_worker[w] == worker_stream(N, w, workers, len(per_worker[w]))
+
+
+def test_no_replay_in_process_and_replay_after_a_boundary_restore():
+    pulled: list[int] = []
+
+    def factory():
+        wc = make_wc(0)
+        inner = MapDataset(RepeatDataset(RangeSource(N, wc)), lambda x: pulled.append(int(x[0])) or x)
+        return make_loader(EpochizeDataset(inner, LENGTH))
+
+    loader = factory()
+    reference = epochs_of(loader, 3)
+    # the same inner iterator went on across epochs: every inner sample produced once
+    assert pulled == worker_stream(N, 0, 1, 3 * LENGTH)
+    state = loader.save_state_rank()  # between epochs: epoch 3 about to start
+    pulled.clear()
+    fresh = factory()
+    fresh.restore_state_rank(state)
+    it = iter(fresh)
+    nxt = [int(next(it)[0])]
+    del it
+    # a fresh object replays 3 epochs' worth of inner samples, then continues the stream
+    assert pulled == worker_stream(N, 0, 1, 3 * LENGTH + 1)
+    assert nxt == [worker_stream(N, 0, 1, 3 * LENGTH + 1)[-1]]
+    assert ids(reference[2])[-1] == worker_stream(N, 0, 1, 3 * LENGTH)[-1]
+
+
+@pytest.mark.parametrize(
+    ("n", "length", "want"),
+    [
+        (5, 3, [[0, 1, 2], [3, 4], [0, 1, 2], [3, 4]]),  # ends early, starts over next epoch
+        (6, 3, [[0, 1, 2], [3, 4, 5], [0, 1, 2], [3, 4, 5]]),  # ends on the boundary: at once
+        (2, 5, [[0, 1], [0, 1], [0, 1], [0, 1]]),
+        (4, 0, [[], [], [], []]),
+    ],
+)
+def test_finite_inner_stream(n, length, want):
+    wc = make_wc(0)
+    loader = make_loader(EpochizeDataset(RangeSource(n, wc), length))
+    assert [ids(e) for e in epochs_of(loader, 4)] == want
+
+
+def test_finite_inner_resumes():
+    wc = make_wc(0)
+    assert check_resume_everywhere(lambda: make_loader(EpochizeDataset(RangeSource(5, wc), 3)), 4) >= 15
+
+
+def test_restore_sample():
+    wc = make_wc(0)
+    assert check_restore_samples(lambda: EpochizeDataset(RepeatDataset(RangeSource(N, wc)), LENGTH), epochs=3) == 8
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "3", None])
+def test_bad_length(bad):
+    wc = make_wc(0)
+    with pytest.raises(LoaderUsageError, match=rf"EpochizeDataset length must be a non-negative int, got {bad!r}"):
+        EpochizeDataset(RangeSource(3, wc), bad)
+
+
+def test_config_and_can_restore():
+    ds = EpochizeDataset(RangeSource(3, make_wc(0)), 2)
+    assert ds.config() == {"length": 2}
+    assert ds.can_restore_sample()
+    assert not EpochizeDataset(RangeSource(3, make_wc(0), keyed=False), 2).can_restore_sample()
