@@ -13,7 +13,7 @@ from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers import BlendDataset, MapDataset, RepeatDataset
 from tests.common import RangeSource, assert_streams, check_resume_everywhere, epochs_of
 from tests.wrapper_common import (
-    RESUME_CASES,
+    RESUME_CASES_FAST,
     check_restore_samples,
     iterate_with_keys,
     make_loader,
@@ -41,7 +41,7 @@ def ids(epoch) -> list[int]:
     return [int(x[0]) for x in epoch]
 
 
-@pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES)
+@pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES_FAST)
 def test_resume_at_every_step(num_workers, policy, monkeypatch):
     set_snapshot_policy(monkeypatch, policy)
     steps = resume_steps(num_workers, 16)

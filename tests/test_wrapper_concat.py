@@ -8,7 +8,7 @@ from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers import ConcatDataset, MapDataset
 from tests.common import RangeSource, check_resume_everywhere, epochs_of
 from tests.wrapper_common import (
-    RESUME_CASES,
+    RESUME_CASES_FAST,
     check_restore_samples,
     make_loader,
     make_wc,
@@ -29,7 +29,7 @@ def concat_loader(num_workers: int):
     return make_loader(ConcatDataset(parts(make_wc(num_workers))))
 
 
-@pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES)
+@pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES_FAST)
 def test_resume_at_every_step(num_workers, policy, monkeypatch):
     set_snapshot_policy(monkeypatch, policy)
     steps = resume_steps(num_workers, 11)

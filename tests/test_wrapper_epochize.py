@@ -39,7 +39,9 @@ def worker_stream(n: int, worker: int, workers: int, count: int) -> list[int]:
     return [mine[i % len(mine)] for i in range(count)]
 
 
-@pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES)
+# With worker processes only the default policy: its rare snapshots make most restores
+# start from an epoch's start, which rebuilds the inner position (the interesting path).
+@pytest.mark.parametrize(("num_workers", "policy"), [c for c in RESUME_CASES if c.id != "w2-every"])
 def test_resume_at_every_step_three_epochs(num_workers, policy, monkeypatch):
     set_snapshot_policy(monkeypatch, policy)
     steps = None if num_workers == 0 else [0, 1, LENGTH - 1, LENGTH, LENGTH + 2, 2 * LENGTH, 2 * LENGTH + 3, 3 * LENGTH]

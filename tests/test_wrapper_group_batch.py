@@ -11,7 +11,7 @@ from savable_loader.state import decode, encode
 from savable_loader.wrappers import GroupBatchDataset
 from tests.common import RangeSource, check_resume_everywhere, epochs_of
 from tests.wrapper_common import (
-    RESUME_CASES,
+    RESUME_CASES_FAST,
     check_restore_samples,
     make_loader,
     make_wc,
@@ -54,7 +54,7 @@ def batch_ids(batch) -> list[int]:
     return [int(v) for v in batch[:, 0]]
 
 
-@pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES)
+@pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES_FAST)
 def test_resume_at_every_step(num_workers, policy, monkeypatch):
     set_snapshot_policy(monkeypatch, policy)
     factory = lambda: make_loader(grouped(num_workers))  # noqa: E731

@@ -13,7 +13,7 @@ from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers import BatchDataset, MapDataset, MicroBatchDataset
 from tests.common import RangeSource, assert_same, check_resume_everywhere, epochs_of
 from tests.wrapper_common import (
-    RESUME_CASES,
+    RESUME_CASES_FAST,
     check_restore_samples,
     make_loader,
     make_wc,
@@ -52,7 +52,7 @@ def micro_ids(item) -> list[int]:
     return [int(v) for v in x[:, 0]]
 
 
-@pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES)
+@pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES_FAST)
 def test_resume_at_every_step(num_workers, policy, monkeypatch):
     set_snapshot_policy(monkeypatch, policy)
     factory = lambda: make_loader(micro(num_workers, collate=as_dict))  # noqa: E731
