@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from savable_loader.errors import LoaderUsageError
-from savable_loader.wrappers import EpochizeDataset, MapDataset, RepeatDataset
+from savable_loader.wrappers import EpochizeDataset, EpochizeReplayWarning, LogSampleDataset, MapDataset, RepeatDataset
 from tests.common import RangeSource, check_resume_everywhere, epochs_of
 from tests.wrapper_common import (
     RESUME_CASES,
@@ -18,7 +18,7 @@ from tests.wrapper_common import (
     worker_values,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::savable_loader.wrappers.EpochizeReplayWarning")]
 
 N = 6  # per worker: 3 values (2 workers) or 6 (in-process)
 LENGTH = 5  # 2 workers: 3 + 2 a epoch
@@ -71,11 +71,13 @@ def test_epochs_continue_the_stream(num_workers, persistent):
 
 def test_no_replay_in_process_and_replay_after_a_boundary_restore():
     pulled: list[int] = []
+    built: list[EpochizeDataset] = []
 
     def factory():
         wc = make_wc(0)
         inner = MapDataset(RepeatDataset(RangeSource(N, wc)), lambda x: pulled.append(int(x[0])) or x)
-        return make_loader(EpochizeDataset(inner, LENGTH))
+        built.append(EpochizeDataset(inner, LENGTH))
+        return make_loader(built[-1])
 
     loader = factory()
     reference = epochs_of(loader, 3)
@@ -86,12 +88,28 @@ def test_no_replay_in_process_and_replay_after_a_boundary_restore():
     fresh = factory()
     fresh.restore_state_rank(state)
     it = iter(fresh)
-    nxt = [int(next(it)[0])]
+    with pytest.warns(EpochizeReplayWarning, match="replayed 15 inner samples to rebuild the start of epoch 3 for worker 0"):
+        nxt = [int(next(it)[0])]
     del it
+    assert built[1].replayed == 15 and built[0].replayed == 0
     # a fresh object replays 3 epochs' worth of inner samples, then continues the stream
     assert pulled == worker_stream(N, 0, 1, 3 * LENGTH + 1)
     assert nxt == [worker_stream(N, 0, 1, 3 * LENGTH + 1)[-1]]
     assert ids(reference[2])[-1] == worker_stream(N, 0, 1, 3 * LENGTH)[-1]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_inner_samples_produced_in_worker_processes(persistent, tmp_path):
+    # a log inside the wrapper records every inner sample a worker produces, replays too
+    wc = make_wc(2)
+    inner = LogSampleDataset(RepeatDataset(RangeSource(N, wc)), tmp_path)
+    loader = make_loader(EpochizeDataset(inner, LENGTH), persistent_workers=persistent)
+    epochs_of(loader, 3)
+    for w, per_epoch in enumerate((3, 2)):  # LENGTH 5 over 2 workers
+        with open(tmp_path / f"rank0-worker{w}.jsonl") as f:
+            produced = sum(1 for _ in f)
+        # persistent: each inner sample once; fresh processes: epoch e replays e epochs
+        assert produced == (3 * per_epoch if persistent else (1 + 2 + 3) * per_epoch)
 
 
 @pytest.mark.parametrize(

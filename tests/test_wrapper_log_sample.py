@@ -11,7 +11,12 @@ import pytest
 from savable_loader.errors import LoaderUsageError
 from savable_loader.wrappers import BatchDataset, LogSampleDataset
 from tests.common import RangeSource, check_resume_everywhere, epochs_of
-from tests.wrapper_common import check_restore_samples, make_loader, make_wc, worker_values
+from tests.wrapper_common import (
+    check_restore_samples,
+    make_loader,
+    make_wc,
+    worker_values,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

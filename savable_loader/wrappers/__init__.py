@@ -9,7 +9,7 @@ from savable_loader.wrappers.base import BaseWrapperDataset
 from savable_loader.wrappers.batch import BatchDataset
 from savable_loader.wrappers.blend import BlendDataset
 from savable_loader.wrappers.concat import ConcatDataset
-from savable_loader.wrappers.epochize import EpochizeDataset
+from savable_loader.wrappers.epochize import EpochizeDataset, EpochizeReplayWarning
 from savable_loader.wrappers.filter import FilterDataset
 from savable_loader.wrappers.gc import GcDataset
 from savable_loader.wrappers.group_batch import GroupBatchDataset
@@ -27,6 +27,7 @@ __all__ = [
     "BlendDataset",
     "ConcatDataset",
     "EpochizeDataset",
+    "EpochizeReplayWarning",
     "FilterDataset",
     "GcDataset",
     "GroupBatchDataset",

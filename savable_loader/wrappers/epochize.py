@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,7 +11,11 @@ from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError
 from savable_loader.wrappers.base import BaseWrapperDataset
 
-__all__ = ["EpochizeDataset"]
+__all__ = ["EpochizeDataset", "EpochizeReplayWarning"]
+
+
+class EpochizeReplayWarning(UserWarning):
+    """An ``EpochizeDataset`` replayed inner samples to rebuild an epoch's start."""
 
 
 class EpochizeDataset(BaseWrapperDataset):
@@ -31,7 +36,8 @@ class EpochizeDataset(BaseWrapperDataset):
     a worker rotation after a restore) it rebuilds the inner position deterministically:
     it resets the inner dataset as in epoch 0 and replays ``e`` epochs' worth of inner
     samples, each under its own epoch, before yielding. The replay costs the inner
-    samples' loading time, so prefer ``persistent_workers=True`` with this wrapper. It is
+    samples' loading time (``replayed`` counts them; an ``EpochizeReplayWarning`` says so),
+    so prefer ``persistent_workers=True`` with this wrapper. It is
     exact when the inner pipeline's state does not depend on global random draws other
     than those re-seeded by restore keys (keyed sources, the library's wrappers).
     Mid-epoch states hold the inner state itself and need no replay.
@@ -56,6 +62,8 @@ class EpochizeDataset(BaseWrapperDataset):
         self._inner_it: Iterator[Any] | None = None
         # (logical worker, epoch) whose start the live inner state is at, if any.
         self._carry: tuple[int, int] | None = None
+        #: Inner samples this object replayed to rebuild epoch starts (not state).
+        self.replayed = 0
         self.reset_state_own()
 
     def reset_state_own(self) -> None:
@@ -90,13 +98,23 @@ class EpochizeDataset(BaseWrapperDataset):
         with _ActiveWorker(worker, 0):
             self.dataset.reset_state_deep()
         self.reset_state_own()
+        replayed = 0
         for past in range(epoch):
             with _ActiveWorker(worker, past):
                 self._begin_epoch()
                 for _ in self._run():
-                    pass
+                    replayed += 1
         self._carry = None
         self._begin_epoch()
+        self.replayed += replayed
+        if replayed:
+            warnings.warn(
+                f"EpochizeDataset replayed {replayed} inner samples to rebuild the start of epoch {epoch} "
+                f"for worker {worker} (a fresh worker process or a restore at an epoch boundary); "
+                "with persistent_workers=True consecutive epochs go on without replaying",
+                EpochizeReplayWarning,
+                stacklevel=2,
+            )
 
     def restore_state(self, state: Any) -> None:
         self._inner_it = None

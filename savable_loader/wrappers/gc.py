@@ -61,9 +61,7 @@ class GcDataset(BaseWrapperDataset):
         self._start()
         inner = self.dataset
         every, generation = self.every_n_samples, self.generation
-        count = 0
-        for sample in inner:
-            count += 1
+        for count, sample in enumerate(inner, 1):
             if count % every == 0:
                 gc.collect(generation)
             self.sample_key = inner.sample_key
