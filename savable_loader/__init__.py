@@ -29,6 +29,8 @@ from savable_loader._version import __version__
 __all__ = [
     "ConfigMismatchError",
     "LoaderUsageError",
+    "RestoreKey",
+    "RestoreKeyError",
     "SavableDataLoader",
     "SavableDataset",
     "SavableLoaderError",
@@ -48,6 +50,8 @@ __all__ = [
 _LAZY = {
     "ConfigMismatchError": "savable_loader.errors",
     "LoaderUsageError": "savable_loader.errors",
+    "RestoreKey": "savable_loader.state.schema",
+    "RestoreKeyError": "savable_loader.errors",
     "SavableDataLoader": "savable_loader.loader",
     "SavableDataset": "savable_loader.dataset",
     "SavableLoaderError": "savable_loader.errors",
@@ -83,6 +87,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from savable_loader.errors import (
         ConfigMismatchError,
         LoaderUsageError,
+        RestoreKeyError,
         SavableLoaderError,
         StateError,
         StateVersionError,
@@ -91,3 +96,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         WorkerTimeoutError,
     )
     from savable_loader.loader import SavableDataLoader
+    from savable_loader.state.schema import RestoreKey
