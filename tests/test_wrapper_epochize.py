@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from savable_loader.errors import LoaderUsageError
-from savable_loader.wrappers import EpochizeDataset, EpochizeReplayWarning, LogSampleDataset, MapDataset, RepeatDataset
+from savable_loader.errors import LoaderUsageError, RestoreKeyError
+from savable_loader.wrappers import (
+    EpochizeDataset,
+    EpochizeReplayWarning,
+    LogSampleDataset,
+    MapDataset,
+    RepeatDataset,
+    ShuffleBufferDataset,
+)
 from tests.common import RangeSource, check_resume_everywhere, epochs_of
 from tests.wrapper_common import (
     RESUME_CASES,
+    EpochShuffledSource,
     check_restore_samples,
     make_loader,
     make_wc,
@@ -135,6 +143,24 @@ def test_finite_inner_resumes():
 def test_restore_sample():
     wc = make_wc(0)
     assert check_restore_samples(lambda: EpochizeDataset(RepeatDataset(RangeSource(N, wc)), LENGTH), epochs=3) == 8
+    with pytest.raises(RestoreKeyError, match=r"EpochizeDataset key must be \[inner pass, inner key\], got 3"):
+        EpochizeDataset(RangeSource(N, wc), 2).restore_sample(3)
+
+
+def test_restore_sample_of_samples_buffered_across_epochs():
+    # a shuffle buffer inside holds samples drawn in one loader epoch and yielded in the
+    # next: their keys must not depend on the loader epoch (the inner runs in its passes)
+    wc = make_wc(0)
+    factory = lambda: EpochizeDataset(ShuffleBufferDataset(RepeatDataset(RangeSource(N, wc)), 4), LENGTH)  # noqa: E731
+    assert check_restore_samples(factory, epochs=3, count=3 * LENGTH) == 3 * LENGTH
+
+
+def test_finite_inner_is_reshuffled_per_pass():
+    wc = make_wc(0)
+    loader = make_loader(EpochizeDataset(EpochShuffledSource(6, wc), 6))
+    passes = [[int(v) for v in e] for e in epochs_of(loader, 3)]
+    assert all(sorted(p) == list(range(6)) for p in passes)
+    assert passes[0] != passes[1] and passes[1] != passes[2]
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, True, "3", None])

@@ -154,3 +154,44 @@ def test_bad_sizes(bad):
 
 def test_config():
     assert micro(0, 5, 2).config() == {"micro_batch_size": 2, "batch_size": 5}
+
+
+def test_loader_restore_keys_through_the_new_wrappers(tmp_path):
+    """Keys of a 2-worker, 2-epoch run through every new wrapper rebuild the items the
+    loader yielded (``loader.restore_sample``), in the same and in a fresh loader."""
+    import random
+
+    import savable_loader as sl
+    from savable_loader.wrappers import (
+        BlendDataset,
+        ConcatDataset,
+        EpochizeDataset,
+        GcDataset,
+        GroupBatchDataset,
+        LogSampleDataset,
+        PackingDataset,
+        RepeatDataset,
+    )
+
+    def build():
+        wc = make_wc(2)
+
+        def docs(n, offset):
+            return MapDataset(RangeSource(n, wc), lambda x: offset + x[:1].repeat(1 + int(x[0]) % 5) + torch.randint(0, 9, (1,)))
+
+        mixed = BlendDataset([docs(12, 0), ConcatDataset([docs(6, 100), docs(8, 200)])], [1.0, 2.0])
+        rows = PackingDataset(mixed, 6, strategy="best_fit", buffer_size=3, bos=-1)
+        rows = EpochizeDataset(RepeatDataset(GcDataset(rows, 4, generation=0, freeze=False)), 24)
+        grouped = GroupBatchDataset(rows, 2, lambda r: int(r[1]) // 100, drop_last=True)
+        batches = MicroBatchDataset(BatchDataset(MapDataset(grouped, lambda b: b.float() + torch.rand(())), 2), 1)
+        return make_loader(LogSampleDataset(batches, tmp_path))
+
+    loader = build()
+    run = [(loader.restore_key, item) for _ in range(2) for item in loader]
+    assert {k.epoch for k, _ in run} == {0, 1} and {k.worker for k, _ in run} == {0, 1}
+    fresh = build()
+    assert len(run) >= 10
+    for i in random.Random(0).sample(range(len(run)), 10):
+        key, item = run[i]
+        assert_same(loader.restore_sample(key), item, f"item {i} ({key})")
+        assert_same(fresh.restore_sample(sl.RestoreKey.parse(str(key))), item, f"item {i} in a fresh loader")

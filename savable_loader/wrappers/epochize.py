@@ -8,10 +8,13 @@ from typing import Any
 
 from savable_loader.config import _ActiveWorker
 from savable_loader.dataset import SavableDataset
-from savable_loader.errors import LoaderUsageError
+from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["EpochizeDataset", "EpochizeReplayWarning"]
+
+
+_END = object()
 
 
 class EpochizeReplayWarning(UserWarning):
@@ -35,7 +38,7 @@ class EpochizeDataset(BaseWrapperDataset):
     (a fresh worker process: ``persistent_workers=False``; a restore at an epoch boundary;
     a worker rotation after a restore) it rebuilds the inner position deterministically:
     it resets the inner dataset as in epoch 0 and replays ``e`` epochs' worth of inner
-    samples, each under its own epoch, before yielding. The replay costs the inner
+    samples before yielding. The replay costs the inner
     samples' loading time (``replayed`` counts them; an ``EpochizeReplayWarning`` says so),
     so prefer ``persistent_workers=True`` with this wrapper. It is
     exact when the inner pipeline's state does not depend on global random draws other
@@ -43,16 +46,21 @@ class EpochizeDataset(BaseWrapperDataset):
     Mid-epoch states hold the inner state itself and need no replay.
 
     If the inner stream ends, the epoch ends early and the next epoch starts the inner
-    dataset over (reset in that epoch); an inner stream that ends exactly at an epoch
+    dataset over (a new pass); an inner stream that ends exactly at an epoch
     boundary is started over at once, so an epoch is empty only if the inner dataset is.
-    Restore keys are the inner dataset's.
+
+    The inner stream lives in its own epochs: it runs (and is reset, and rebuilds samples)
+    with the *pass number* as its active epoch (0, then 1 after it ended and started
+    over, ...), not the loader's epoch, because buffered samples of one stream cross
+    loader epochs. Sources seeded from ``epoch_seed()`` are thus shuffled anew per pass.
+    Restore keys are ``[inner pass, inner key]``.
 
     Example::
 
         ds = EpochizeDataset(RepeatDataset(source), length=10_000)   # 10k-sample epochs
     """
 
-    _savable_fields = ("count", "ended")
+    _savable_fields = ("count", "ended", "passes")
 
     def __init__(self, dataset: SavableDataset, length: int) -> None:
         super().__init__(dataset)
@@ -64,9 +72,11 @@ class EpochizeDataset(BaseWrapperDataset):
         self._carry: tuple[int, int] | None = None
         #: Inner samples this object replayed to rebuild epoch starts (not state).
         self.replayed = 0
+        self.passes = 0
         self.reset_state_own()
 
     def reset_state_own(self) -> None:
+        # ``passes`` is not reset here: it goes on across epochs (set in reset_state_deep)
         self.count = 0
         self.ended = False
 
@@ -82,6 +92,10 @@ class EpochizeDataset(BaseWrapperDataset):
         worker = self.worker_config.rank_worker_id()
         return self.length // workers + (1 if worker < self.length % workers else 0)
 
+    def _inner_context(self, passes: int | None = None) -> _ActiveWorker:
+        """The inner stream runs in its own epochs: its pass numbers, not the loader's."""
+        return _ActiveWorker(self.worker_config.rank_worker_id(), self.passes if passes is None else passes)
+
     # -- epoch boundaries ---------------------------------------------------------------
 
     def reset_state_deep(self) -> None:
@@ -95,7 +109,8 @@ class EpochizeDataset(BaseWrapperDataset):
             return
         self._carry = None
         self._inner_it = None
-        with _ActiveWorker(worker, 0):
+        self.passes = 0
+        with self._inner_context():
             self.dataset.reset_state_deep()
         self.reset_state_own()
         replayed = 0
@@ -121,10 +136,15 @@ class EpochizeDataset(BaseWrapperDataset):
         self._carry = None
         super().restore_state(state)
 
+    def _restart_inner(self) -> None:
+        self._inner_it = None
+        self.passes += 1
+        with self._inner_context():
+            self.dataset.reset_state_deep()
+
     def _begin_epoch(self) -> None:
         if self.ended:  # the inner stream ended last epoch: start it over in this one
-            self._inner_it = None
-            self.dataset.reset_state_deep()
+            self._restart_inner()
         self.reset_state_own()
 
     # -- iteration ----------------------------------------------------------------------
@@ -134,20 +154,24 @@ class EpochizeDataset(BaseWrapperDataset):
         inner = self.dataset
         restarted = False
         while self.count < limit and not self.ended:
-            if self._inner_it is None:
-                self._inner_it = iter(inner)
-            try:
-                sample = next(self._inner_it)
-            except StopIteration:
+            with self._inner_context():
+                if self._inner_it is None:
+                    self._inner_it = iter(inner)
+                try:
+                    sample = next(self._inner_it)
+                except StopIteration:
+                    sample = _END
+            if sample is _END:
                 self._inner_it = None
                 if self.count == 0 and not restarted:
                     restarted = True  # ended right at the boundary: start over now
-                    inner.reset_state_deep()
+                    self._restart_inner()
                     continue
                 self.ended = True
                 break
             self.count += 1
-            self.sample_key = inner.sample_key
+            key = inner.sample_key
+            self.sample_key = None if key is None else [self.passes, key]
             if self.count >= limit:  # valid even if nobody pulls again after this sample
                 self._set_carry()
             yield sample
@@ -161,7 +185,11 @@ class EpochizeDataset(BaseWrapperDataset):
         return self._run()
 
     def restore_sample(self, key: Any) -> Any:
-        return self.dataset.restore_sample(key)
+        """The sample of inner pass ``key[0]`` whose inner key is ``key[1]``."""
+        if not isinstance(key, (list, tuple)) or len(key) != 2 or not isinstance(key[0], int) or key[0] < 0:
+            raise RestoreKeyError(f"EpochizeDataset key must be [inner pass, inner key], got {key!r}")
+        with self._inner_context(key[0]):
+            return self.dataset.restore_sample(key[1])
 
     def config(self) -> dict[str, Any]:
         return {"length": self.length}
