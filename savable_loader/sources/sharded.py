@@ -236,22 +236,22 @@ class ShardedFileDataset(SavableDataset):
         if start >= end or self.total == 0:
             return
         layout = self._get_layout(tuple(self.epoch))
-        current = -1
-        rows = np.empty(0, dtype=np.int64)
+        previous = -1
         while start + self.position < end:
+            # Seek: the shard and the offset in it follow from the position.
             p = start + self.position
             lap, q = divmod(p, self.total)
             j, offset = layout.locate(q)
             shard = int(layout.order[j])
-            if shard != current:
-                if current in self._readers:
-                    self._readers.pop(current).close()
-                current = shard
-                rows = layout.sample_order(shard, int(self.counts[shard]))
-            index = int(rows[offset])
-            self.position += 1
-            self.mark_sample([shard, index, lap])
-            yield self._read(shard, index)
+            count = int(self.counts[shard])
+            if previous in self._readers and previous != shard:
+                self._readers.pop(previous).close()
+            previous = shard
+            rows = layout.sample_order(shard, count)[offset : offset + min(count - offset, end - p)].tolist()
+            for index in rows:
+                self.position += 1
+                self.mark_sample([shard, index, lap])
+                yield self._read(shard, index)
 
     # -- restore keys -----------------------------------------------------------------
 
