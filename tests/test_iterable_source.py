@@ -117,7 +117,7 @@ def test_restore_calls_seek(k):
     rest, want = _restored(source(wconf(0, 1, 2)), k)
     assert_streams(rest, want, f"after restore at {k}")
     assert CALLS[0] == ("seek", k) and ("fn", 0) not in CALLS
-    assert [c for c in CALLS if c[0] == "item"][0] == ("item", 2 * k)
+    assert next(c for c in CALLS if c[0] == "item") == ("item", 2 * k)
 
 
 @pytest.mark.parametrize("k", [1, 5, 11])
