@@ -420,3 +420,15 @@ def test_config_names_the_data(folders, tmp_path):
         "shards": 5, "samples": 30, "strategy": "exact", "shuffle": True}
     write_shards(tmp_path, npy_shards([7, 3, 10, 4, 5]))
     assert ShardedFileDataset(tmp_path, wconf()).config()["metadata"] != config["metadata"]
+
+
+def test_each_pass_of_a_repeat_is_reshuffled_and_resumes(folders, monkeypatch):
+    set_snapshot_policy(monkeypatch, "every")
+
+    def factory():
+        return make_loader(sl.wrappers.RepeatDataset(ShardedFileDataset(folders[".npy"], wconf(0, 2, 0)), repeats=2))
+
+    first = [sample_id(s) for s in factory()]
+    assert len(first) == 30 and first[:15] != first[15:]
+    assert sorted(first[:15]) != sorted(first[15:])  # each pass lays out the whole folder anew
+    assert check_resume_everywhere(factory, 1, steps=[0, 7, 14, 15, 16, 29, 30]) == 8
