@@ -356,25 +356,20 @@ def test_missing_metadata(tmp_path):
         ShardedFileDataset(tmp_path, wconf())
 
 
-def first_error(folder: Path, num_workers: int = 0) -> str:
-    ds = ShardedFileDataset(folder, wconf(0, 1, num_workers), shuffle=False)
+def first_error(folder: Path) -> str:
+    ds = ShardedFileDataset(folder, wconf(0, 1, 0), shuffle=False)
     with pytest.raises(DataError) as info:
         list(make_loader(ds))
     return str(info.value)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_shard_length_disagrees_with_metadata(tmp_path, num_workers):
+def test_shard_length_disagrees_with_metadata(tmp_path):
+    # (num_workers=0 only: a loader whose worker raised takes ~10 s to shut its workers
+    # down, whatever the dataset; the error text crosses the process boundary unchanged)
     write_shards(tmp_path, npy_shards([4, 4]))
     np.save(tmp_path / "shard-00001.npy", npy_shards([4, 3])[1])
-    if num_workers:
-        # both workers fail (a worker that finished its share would hold the loader's
-        # shutdown back until torch's join timeout: a loader matter, not a source one)
-        np.save(tmp_path / "shard-00000.npy", npy_shards([3])[0])
-    text = first_error(tmp_path, num_workers)
-    bad = 0 if num_workers and "shard-00000.npy" in text else 1
-    found = 3
-    assert f"{tmp_path / f'shard-0000{bad}.npy'}: the metadata says 4 samples, the shard holds {found}" in text
+    text = first_error(tmp_path)
+    assert f"{tmp_path / 'shard-00001.npy'}: the metadata says 4 samples, the shard holds 3" in text
 
 
 @pytest.mark.parametrize(
@@ -432,3 +427,11 @@ def test_each_pass_of_a_repeat_is_reshuffled_and_resumes(folders, monkeypatch):
     assert len(first) == 30 and first[:15] != first[15:]
     assert sorted(first[:15]) != sorted(first[15:])  # each pass lays out the whole folder anew
     assert check_resume_everywhere(factory, 1, steps=[0, 7, 14, 15, 16, 29, 30]) == 8
+
+
+def test_empty_shards_and_an_empty_folder(tmp_path):
+    write_shards(tmp_path / "a", npy_shards([0, 5, 0, 3, 0]))
+    got = [x for r in epoch_ids(tmp_path / "a", 2, 2, 0) for x in r]
+    assert sorted(got) == list(range(8))
+    write_shards(tmp_path / "b", npy_shards([0, 0]))
+    assert epoch_ids(tmp_path / "b", 2, 2, 0, strategy="oversampling") == [[], []]
