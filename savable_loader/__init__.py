@@ -30,6 +30,7 @@ __all__ = [
     "ConfigMismatchError",
     "DataError",
     "LoaderUsageError",
+    "RestoreKey",
     "RestoreKeyError",
     "SavableDataLoader",
     "SavableDataset",
@@ -52,6 +53,7 @@ _LAZY = {
     "ConfigMismatchError": "savable_loader.errors",
     "DataError": "savable_loader.errors",
     "LoaderUsageError": "savable_loader.errors",
+    "RestoreKey": "savable_loader.state.schema",
     "RestoreKeyError": "savable_loader.errors",
     "SavableDataLoader": "savable_loader.loader",
     "SavableDataset": "savable_loader.dataset",
@@ -98,3 +100,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         WorkerTimeoutError,
     )
     from savable_loader.loader import SavableDataLoader
+    from savable_loader.state.schema import RestoreKey

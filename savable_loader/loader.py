@@ -30,16 +30,26 @@ from savable_loader._version import __version__
 from savable_loader._worker import END
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
-from savable_loader.distributed import DataParallelGroup, gather_states, scatter_states, select_rank_state
+from savable_loader._elastic import elastic_position
+from savable_loader.distributed import (
+    DataParallelGroup,
+    check_gathered,
+    gather_states,
+    is_resize,
+    scatter_states,
+    select_rank_state,
+)
 from savable_loader.errors import (
+    ConfigMismatchError,
     LoaderUsageError,
+    RestoreKeyError,
     SavableLoaderError,
     StateError,
     WorkerDiedError,
     WorkerTimeoutError,
 )
 from savable_loader.state.codec import decode, encode
-from savable_loader.state.schema import IndexPosition, PipelinePosition, RankState
+from savable_loader.state.schema import IndexPosition, PipelinePosition, RankState, RestoreKey
 
 __all__ = ["SavableDataLoader"]
 
@@ -58,11 +68,11 @@ class _TaggedCollate:
     def __init__(self, collate: Callable[[Any], Any]) -> None:
         self.collate = collate
 
-    def __call__(self, item: tuple[int, int, Any]) -> tuple[int, int, Any]:
-        worker_id, index, payload = item
+    def __call__(self, item: tuple[int, int, Any, Any]) -> tuple[int, int, Any, Any]:
+        worker_id, index, key, payload = item
         if index == END:
             return item
-        return worker_id, index, self.collate(payload)
+        return worker_id, index, key, self.collate(payload)
 
 
 def _identity(batch: Any) -> Any:
@@ -212,7 +222,7 @@ class SavableDataLoader(DataLoader):
 
     def __len__(self) -> int:
         if self._mode.kind == "index":
-            return self._mode.plan.num_batches()  # type: ignore[union-attr]
+            return len(self._mode.sampler)  # type: ignore[union-attr]
         return super().__len__()
 
     def __iter__(self) -> Iterator[Any]:
@@ -329,20 +339,33 @@ class SavableDataLoader(DataLoader):
             )
         if not isinstance(state, RankState):
             raise StateError(f"restore_state_rank needs a RankState, got {type(state).__qualname__}")
+        self._restore(state, state.position, elastic=False)
+
+    def _restore(self, state: RankState, position: Any, elastic: bool) -> None:
         if self._torch_iter is not None:
             raise LoaderUsageError("cannot restore a loader while it is iterating; restore before iter()")
         if self.persistent_workers and self._iterator is not None:
             raise LoaderUsageError("cannot restore a loader whose persistent workers already run; build a new loader")
         mode = self._mode
-        position = state.position
         expected = IndexPosition if mode.kind == "index" else PipelinePosition
         if not isinstance(position, expected):
             raise StateError(
                 f"the state was saved by a {'pipeline' if isinstance(position, PipelinePosition) else 'drop-in'} "
                 f"loader, this loader is a {'drop-in' if mode.kind == 'index' else 'pipeline'} loader"
             )
-        mode.check(state.config, position, self.num_workers)  # type: ignore[arg-type]
+        if elastic:
+            position = mode.check(state.config, position, self.num_workers, elastic=True)  # type: ignore[call-arg, arg-type]
+        else:
+            position = mode.check(state.config, position, self.num_workers)  # type: ignore[arg-type]
         mode.restore(position)  # type: ignore[arg-type]
+
+    def _restore_resized(self, states: list[RankState], world_size: int) -> None:
+        if self._mode.kind != "index":
+            raise ConfigMismatchError(
+                "world_size", len(states), world_size,
+                "a savable pipeline's state is split per rank and worker: restore it on the same world size",
+            )
+        self._restore(states[0], elastic_position(states), elastic=True)
 
     def save_state_global(self, global_dst_rank: int) -> list[RankState] | None:
         """Gather every data-parallel rank's state to ``global_dst_rank``.
@@ -358,15 +381,72 @@ class SavableDataLoader(DataLoader):
         """Restore from a gathered list: every rank passes it (``src_rank=None``), or only
         global rank ``src_rank`` does and it is scattered (a collective then).
 
-        A list whose length is not the data-parallel world size, or states saved under
-        another world size, raise :class:`ConfigMismatchError` naming both sizes.
+        Drop-in path: states saved on ``W`` ranks restore on any other world size
+        ``W'``. The rest of the interrupted epoch — every sample no old rank had
+        consumed — is shared among the new ranks, each exactly once (shares differ by at
+        most one sample), and later epochs are ordinary ``W'``-rank epochs. A savable
+        pipeline refuses another world size with :class:`ConfigMismatchError`, as does a
+        list that does not hold one state per old rank.
         """
         group = DataParallelGroup(self.worker_config)
+        resize_ok = self._mode.kind == "index"
         if src_rank is None:
+            if is_resize(states, group.size):
+                self._restore_resized(check_gathered(states), group.size)
+                return
             state = select_rank_state(states, group.rank, group.size)
         else:
-            state = scatter_states(group, states, src_rank)
+            got = scatter_states(group, states, src_rank, allow_resize=resize_ok)
+            if isinstance(got, list):
+                self._restore_resized(got, group.size)
+                return
+            state = got
         self.restore_state_rank(state)
+
+    # -- restore keys -----------------------------------------------------------------
+
+    @property
+    def restore_key(self) -> RestoreKey | None:
+        """The :class:`~savable_loader.state.RestoreKey` of the batch yielded last.
+
+        None before the first batch (and right after a restore). Keep it, for example
+        beside a loss spike, and rebuild that batch later with :meth:`restore_sample`::
+
+            for batch in loader:
+                loss = step(batch)
+                if loss > threshold:
+                    print("spike at", loader.restore_key)   # one line of JSON
+        """
+        return self._mode.restore_key(self.seed)
+
+    def restore_sample(self, key: RestoreKey | str) -> Any:
+        """The batch ``key`` names, rebuilt bit for bit in this process, without iterating.
+
+        ``key`` is a :class:`~savable_loader.state.RestoreKey` from :attr:`restore_key`
+        or its ``str()``. The loader must be built like the one that made the key (same
+        dataset and seed; ``num_workers`` and world size may differ). Drop-in path:
+        always possible. Savable pipelines: when every dataset of the pipeline supports
+        it (``dataset.can_restore_sample()``; ``restore_sample_blocker()`` says why not).
+        Raises :class:`RestoreKeyError` otherwise. Example::
+
+            key = str(loader.restore_key)
+            again = loader.restore_sample(key)
+        """
+        if isinstance(key, (str, bytes)):
+            key = RestoreKey.parse(key)
+        if not isinstance(key, RestoreKey):
+            raise RestoreKeyError(f"restore_sample needs a RestoreKey or its str(), got {type(key).__qualname__}")
+        if key.seed != self.seed:
+            raise RestoreKeyError(f"key.seed is {key.seed}, this loader's seed is {self.seed}")
+        if key.fingerprint != self._mode.fingerprint:
+            raise RestoreKeyError(
+                f"key.fingerprint is {key.fingerprint!r}, this loader's dataset is {self._mode.fingerprint!r}: "
+                "the key was made by a loader over another dataset or configuration"
+            )
+        sample = self._mode.restore_sample(key)
+        if self._mode.kind == "pipeline":
+            sample = self.collate_fn.collate(sample)
+        return sample
 
     def _state_key(self) -> str:
         return f"dp_rank_{self.worker_config.rank}"

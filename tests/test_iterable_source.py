@@ -187,3 +187,17 @@ def test_bad_arguments():
     with pytest.raises(LoaderUsageError, match=r"fn test_bad_arguments.<locals>.<lambda> must return an iterable, got int"):
         list(IterableSource(lambda info: 3, wconf()))
     assert IterableSource(numbers, wconf()).config() == {"fn": numbers}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_restore_sample(num_workers):
+    def build(seek: bool = True):
+        return make_loader(sl.wrappers.BatchDataset(source(wconf(0, 1, num_workers), seek=seek), 3))
+
+    loader = build()
+    seen = [(batch, str(loader.restore_key)) for _ in range(2) for batch in loader]
+    other = build()
+    for batch, key in random.Random(3).sample(seen, 4) + [seen[-1]]:
+        assert_same(other.restore_sample(key), batch, key)
+    with pytest.raises(RestoreKeyError, match="no seek callback"):
+        build(seek=False).restore_sample(key)

@@ -435,3 +435,18 @@ def test_empty_shards_and_an_empty_folder(tmp_path):
     assert sorted(got) == list(range(8))
     write_shards(tmp_path / "b", npy_shards([0, 0]))
     assert epoch_ids(tmp_path / "b", 2, 2, 0, strategy="oversampling") == [[], []]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_restore_sample(folders, num_workers):
+    """Any batch of a 2-epoch run is rebuilt by ``loader.restore_sample`` from its key."""
+    def build():
+        ds = ShardedFileDataset(folders["uneven"], wconf(1, 2, num_workers), strategy="oversampling")
+        return make_loader(sl.wrappers.BatchDataset(sl.wrappers.MapDataset(ds, lambda x: x + torch.rand(3)), 4))
+
+    loader = build()
+    seen = [(batch, str(loader.restore_key)) for _ in range(2) for batch in loader]
+    assert len(seen) == 8
+    other = build()
+    for batch, key in random.Random(3).sample(seen, 4) + [seen[-1]]:
+        assert_same(other.restore_sample(key), batch, key)

@@ -22,6 +22,7 @@ __all__ = [
     "DatasetState",
     "GlobalState",
     "IndexPosition",
+    "IndexStage",
     "LoaderConfig",
     "PipelinePosition",
     "RankState",
@@ -91,12 +92,29 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     dataset_config: dict[str, Any] = {}
 
 
+class IndexStage(msgspec.Struct, kw_only=True, frozen=True):
+    """A finished part of an epoch on the drop-in path, ended by a world-size change.
+
+    ``consumed[r]`` samples of rank ``r``'s share had been yielded by the ``world_size``
+    ranks when the state was saved.
+    """
+
+    world_size: Positive
+    consumed: list[NonNeg]
+
+
 class IndexPosition(msgspec.Struct, kw_only=True, frozen=True, tag="index"):
-    """Drop-in path: ``consumed`` samples of this rank's share of ``epoch`` were yielded."""
+    """Drop-in path: ``consumed`` samples of this rank's share of ``epoch`` were yielded.
+
+    ``stages`` is empty unless the epoch was resumed on another world size: then the
+    rank's share is its part of the samples the earlier stages left (see
+    ``savable_loader/_elastic.py``).
+    """
 
     epoch: NonNeg
     consumed: NonNeg
     dataset_len: NonNeg
+    stages: list[IndexStage] = []
 
 
 class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
