@@ -9,6 +9,7 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
     ├── ConfigMismatchError         restore under a configuration that cannot be honoured
     ├── LoaderUsageError            the loader was called in a way it does not support
     ├── RestoreKeyError             a restore key cannot be rebuilt (foreign, malformed, unsupported)
+    ├── DataError                   data on disk is malformed (shard metadata, shard files)
     └── WorkerError                 a worker process failed (names the worker)
         ├── WorkerDiedError         the worker process exited
         └── WorkerTimeoutError      the worker did not answer in time
@@ -27,6 +28,7 @@ from typing import Any
 
 __all__ = [
     "ConfigMismatchError",
+    "DataError",
     "LoaderUsageError",
     "RestoreKeyError",
     "SavableLoaderError",
@@ -85,6 +87,14 @@ class RestoreKeyError(SavableLoaderError, ValueError):
     The key is malformed, was made by a loader with another seed or dataset, or the
     pipeline holds a dataset that cannot rebuild samples (``can_restore_sample()`` is
     False; the message gives the reason).
+    """
+
+
+class DataError(SavableLoaderError, ValueError):
+    """The data a source reads is malformed: missing or invalid shard metadata, a shard
+    whose length disagrees with it, an unreadable shard, a line that is not JSON.
+
+    The message names the file (and the field or line).
     """
 
 
