@@ -4,6 +4,7 @@ restores, fresh and persistent worker processes."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers import (
@@ -11,10 +12,11 @@ from savable_loader.wrappers import (
     EpochizeReplayWarning,
     LogSampleDataset,
     MapDataset,
+    PackingDataset,
     RepeatDataset,
     ShuffleBufferDataset,
 )
-from tests.common import RangeSource, check_resume_everywhere, epochs_of
+from tests.common import RangeSource, assert_same, check_resume_everywhere, epochs_of
 from tests.wrapper_common import (
     RESUME_CASES,
     EpochShuffledSource,
@@ -175,3 +177,29 @@ def test_config_and_can_restore():
     assert ds.config() == {"length": 2}
     assert ds.can_restore_sample()
     assert not EpochizeDataset(RangeSource(3, make_wc(0), keyed=False), 2).can_restore_sample()
+
+
+def _token_docs(info, start=0):
+    """This worker's documents from ``start`` on (also the seek callback)."""
+    for i in list(info.split(range(40)))[start:]:
+        yield torch.full((1 + i % 7,), i) + torch.randint(0, 3, (1 + i % 7,))
+
+
+def _packed_stream(num_workers: int):
+    from savable_loader.sources import IterableSource
+
+    wc = make_wc(num_workers)
+    ds = ShuffleBufferDataset(RepeatDataset(IterableSource(_token_docs, wc, seek=_token_docs)), 3)
+    return make_loader(EpochizeDataset(PackingDataset(ds, 8, strategy="best_fit", buffer_size=3, bos=-1), 6))
+
+
+def test_over_an_iterable_source_with_packing():
+    """Fixed-length epochs of packed rows from a generator source through a shuffle
+    buffer: resume everywhere in 3 epochs, and loader restore keys (2 workers)."""
+    assert check_resume_everywhere(lambda: _packed_stream(0), 3) >= 20
+    loader = _packed_stream(2)
+    run = [(loader.restore_key, row) for _ in range(3) for row in loader]
+    assert len(run) == 18
+    fresh = _packed_stream(2)
+    for key, row in run:
+        assert_same(fresh.restore_sample(str(key)), row, str(key))
