@@ -9,6 +9,7 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
     ├── ConfigMismatchError         restore under a configuration that cannot be honoured
     ├── LoaderUsageError            the loader was called in a way it does not support
     ├── RestoreKeyError             a restore key cannot be rebuilt (foreign, malformed, unsupported)
+    ├── DataError                   data on disk is malformed (shard metadata, shard files)
     └── WorkerError                 a worker process failed (names the worker)
         ├── WorkerDiedError         the worker process exited
         └── WorkerTimeoutError      the worker did not answer in time
@@ -27,6 +28,7 @@ from typing import Any
 
 __all__ = [
     "ConfigMismatchError",
+    "DataError",
     "LoaderUsageError",
     "RestoreKeyError",
     "SavableLoaderError",
@@ -127,6 +129,21 @@ class RestoreKeyError(SavableLoaderError, ValueError):
             batch = loader.restore_sample(RestoreKey.parse(line))
         except RestoreKeyError as e:
             print(e)
+    """
+
+
+class DataError(SavableLoaderError, ValueError):
+    """The data a source reads is malformed: missing or invalid shard metadata, a shard
+    whose length disagrees with it, an unreadable shard, a line that is not JSON.
+
+    The message names the file (and the field or line).
+
+    Also a ``ValueError``. Example::
+
+        try:
+            batch = next(it)
+        except DataError as e:
+            print(e)   # names the shard file and what is wrong with it
     """
 
 
