@@ -82,7 +82,7 @@ def _identity(batch: Any) -> Any:
 class SavableDataLoader(DataLoader):
     """A ``torch.utils.data.DataLoader`` whose position can be saved and restored exactly.
 
-    Drop-in path (map-style dataset)::
+    Example, drop-in path (map-style dataset)::
 
         loader = SavableDataLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=4)
         for batch in loader:

@@ -5,6 +5,13 @@
 * ``ShardedFileDataset``: a folder of ``.npy`` / ``.pt`` / ``.jsonl`` shards listed in a
   ``metadata.json`` (``write_shards`` writes one, ``read_metadata`` checks one).
 * ``IterableSource``: a user generator function with an explicit position.
+
+Example::
+
+    from savable_loader.sources import ShardedFileDataset, write_shards
+
+    write_shards("data", [np.arange(10)] * 4)           # 4 shards of 10 samples
+    ds = ShardedFileDataset("data", worker_config=wc)   # a savable pipeline source
 """
 
 from savable_loader.sources._shard_io import open_shard, read_metadata, write_shards

@@ -35,7 +35,12 @@ __all__ = ["BatchKey", "IndexPlan", "IndexedDataset", "IndexSampler"]
 
 @dataclass(frozen=True)
 class BatchKey:
-    """Everything a worker needs to build one batch: epoch and (position, index) pairs."""
+    """Everything a worker needs to build one batch: epoch and (position, index) pairs.
+
+    Example::
+
+        BatchKey(epoch=0, positions=(0, 2), indices=(17, 4))   # dataset[17], dataset[4]
+    """
 
     epoch: int
     positions: tuple[int, ...]
@@ -43,7 +48,13 @@ class BatchKey:
 
 
 class IndexPlan:
-    """The per-epoch order of one rank's samples and its cutting into batches."""
+    """The per-epoch order of one rank's samples and its cutting into batches.
+
+    Example::
+
+        plan = IndexPlan(10, seed=0, shuffle=True, rank=1, world_size=2, batch_size=2, drop_last=False)
+        [k.positions for k in plan.batches(epoch=0, start=0)]   # [(1, 3), (5, 7), (9,)]
+    """
 
     def __init__(
         self,
@@ -127,7 +138,13 @@ class IndexPlan:
 
 
 class IndexSampler(Sampler[BatchKey]):
-    """The sampler torch's DataLoader iterates: batch keys of the loader's current plan."""
+    """The sampler torch's DataLoader iterates: batch keys of the loader's current plan.
+
+    Example::
+
+        sampler = IndexSampler(plan)
+        sampler.epoch, sampler.start = 3, 4   # epoch 3 from this rank's 4th sample on
+    """
 
     def __init__(self, plan: IndexPlan) -> None:
         self.plan = plan
@@ -149,6 +166,11 @@ class IndexedDataset(Dataset):
     position)``; the collate function runs after re-seeding from the batch's first
     position. In the main process (``num_workers=0``) the caller's RNG streams are saved
     and put back around the batch. Attribute lookups fall through to the user's dataset.
+
+    Example::
+
+        ds = IndexedDataset(my_dataset, seed=0, collate_fn=default_collate, batched=True)
+        batch = ds[plan.key(0, [0, 1, 2, 3])]   # what a worker builds for these positions
     """
 
     def __init__(self, dataset: Any, seed: int, collate_fn: Callable[[Any], Any], batched: bool) -> None:

@@ -35,7 +35,12 @@ __all__ = ["IterableSource", "ReplayWarning", "StreamInfo"]
 
 
 class ReplayWarning(UserWarning):
-    """A source resumes by re-reading samples it had already produced (no way to seek)."""
+    """A source resumes by re-reading samples it had already produced (no way to seek).
+
+    Example::
+
+        warnings.simplefilter("error", ReplayWarning)   # refuse slow resumes in CI
+    """
 
 
 @dataclass(frozen=True)

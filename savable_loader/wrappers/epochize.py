@@ -18,7 +18,12 @@ _END = object()
 
 
 class EpochizeReplayWarning(UserWarning):
-    """An ``EpochizeDataset`` replayed inner samples to rebuild an epoch's start."""
+    """An ``EpochizeDataset`` replayed inner samples to rebuild an epoch's start.
+
+    Example::
+
+        warnings.filterwarnings("ignore", category=EpochizeReplayWarning)
+    """
 
 
 class EpochizeDataset(BaseWrapperDataset):
