@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, default_convert
 
+from savable_loader._feeder import WorkerInit
 from savable_loader._index_mode import IndexMode
 from savable_loader._pipeline_mode import SKIP, PipelineMode
 from savable_loader._sigchld import install, loader_call
@@ -178,7 +179,8 @@ class SavableDataLoader(DataLoader):
             num_workers=wc.num_workers,
             pin_memory=pin_memory,
             timeout=timeout,
-            worker_init_fn=worker_init_fn,
+            # in workers: an unpicklable sample becomes an error, not a hang (_feeder.py)
+            worker_init_fn=WorkerInit(worker_init_fn) if wc.num_workers > 0 else worker_init_fn,
             multiprocessing_context=multiprocessing_context,
             generator=torch.Generator().manual_seed(wc.seed & 0x7FFF_FFFF_FFFF_FFFF),
             prefetch_factor=prefetch_factor,
