@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import io
 import re
+import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,6 +53,8 @@ _UNSUPPORTED = {
     "in_order": "out-of-order delivery cannot be resumed exactly",
 }
 _DEFAULT_SAVE_TIMEOUT = 60.0
+#: Seconds to wait for a worker that broke a pipe to be seen dead.
+_DEATH_GRACE = 1.0
 
 
 class _TaggedCollate:
@@ -197,6 +201,11 @@ class SavableDataLoader(DataLoader):
         self._prefetch = prefetch
         self._torch_iter: Any = None
         self._live: weakref.ref[Iterator[Any]] | None = None
+        # Held by a save for its whole duration and by the iterating thread while it books
+        # an item, so that a save from another thread sees one consistent position.
+        self._state_lock = threading.RLock()
+        # Why the last iteration failed (a save cannot know its position any more).
+        self._failed: str | None = None
 
     @staticmethod
     def _resolve_worker_config(wc: WorkerConfig | None, num_workers: int | None, seed: int | None) -> WorkerConfig:
@@ -231,9 +240,12 @@ class SavableDataLoader(DataLoader):
         mode = self._mode
         persistent = self.persistent_workers and self.num_workers > 0
         while True:
-            resumed = mode.begin(self._mp_context(), reuse_workers=persistent and self._iterator is not None)
+            with self._state_lock:
+                resumed = mode.begin(self._mp_context(), reuse_workers=persistent and self._iterator is not None)
+                self._failed = None
             produced = 0
             finished = False
+            torch_iter = None
             try:
                 with loader_call():
                     torch_iter = super().__iter__()
@@ -247,20 +259,49 @@ class SavableDataLoader(DataLoader):
                             item = next(torch_iter)
                     except StopIteration:
                         break
-                    except RuntimeError as e:
-                        raise self._translate(e, torch_iter) from e
-                    payload = mode.on_item(item)
+                    except Exception as e:
+                        self._failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        translated = self._translate(e, torch_iter)
+                        if isinstance(translated, WorkerTimeoutError):
+                            self._terminate(torch_iter, translated.worker_id)
+                        if translated is e:
+                            raise
+                        raise translated from e
+                    with self._state_lock:
+                        payload = mode.on_item(item)
                     if payload is not SKIP:
                         produced += 1
                         yield payload
                 finished = True
             finally:
                 self._torch_iter = None
-                mode.end(keep_channels=persistent)
+                failed = self._failed is not None
+                with self._state_lock:
+                    mode.end(keep_channels=persistent and not failed)
+                if failed:
+                    self._shutdown(torch_iter)
             # A restored epoch that had nothing left: go on with the next epoch, as the
             # uninterrupted run would have.
             if not (finished and resumed and produced == 0):
                 return
+
+    def _shutdown(self, torch_iter: Any) -> None:
+        """Stop the workers of a failed iteration now: the error's traceback holds the
+        torch iterator in a reference cycle, and when the cycle collector finally frees
+        it, its queues may be finalised before it, so that its workers never get the
+        stop signal and are killed after a 5 s join timeout each."""
+        shutdown = getattr(torch_iter, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        if self._iterator is torch_iter:
+            self._iterator = None  # persistent workers: start new ones next time
+
+    def _terminate(self, torch_iter: Any, worker_id: int | None) -> None:
+        """A hung worker would not stop on request: end it (SIGTERM) so that the shutdown
+        does not wait for it."""
+        for physical, process in enumerate(getattr(torch_iter, "_workers", None) or []):
+            if self._logical(physical) == worker_id and process.is_alive():
+                process.terminate()
 
     def _mp_context(self) -> Any:
         ctx = self.multiprocessing_context
@@ -268,9 +309,15 @@ class SavableDataLoader(DataLoader):
             return torch.multiprocessing.get_context()
         return ctx
 
-    def _translate(self, error: RuntimeError, torch_iter: Any) -> Exception:
+    def _translate(self, error: Exception, torch_iter: Any) -> Exception:
         text = str(error)
         workers = getattr(torch_iter, "_workers", None) or []
+        if isinstance(error, (EOFError, OSError)) and workers and "DataLoader worker process" not in text:
+            # A worker killed after queueing a tensor: receiving the tensor's shared memory
+            # from the dead worker fails with a bare EOFError / ConnectionResetError.
+            return self._dead_worker_error(error, workers)
+        if not isinstance(error, RuntimeError):
+            return error
         if "timed out" in text:
             logical = self._next_worker(torch_iter)
             return WorkerTimeoutError(
@@ -283,6 +330,23 @@ class SavableDataLoader(DataLoader):
             name = f"worker {ids[0]}" if len(ids) == 1 else f"workers {ids}"
             return WorkerDiedError(f"{name} exited unexpectedly ({text})", worker_id=ids[0] if ids else None)
         return error
+
+    def _dead_worker_error(self, error: Exception, workers: list[Any]) -> Exception:
+        deadline = time.monotonic() + _DEATH_GRACE
+        while True:
+            dead = [(i, w) for i, w in enumerate(workers) if not w.is_alive()]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        if not dead:
+            return error
+        ids = [self._logical(i) for i, _ in dead]
+        name = f"worker {ids[0]}" if len(ids) == 1 else f"workers {ids}"
+        codes = ", ".join(f"pid {w.pid} exit code {w.exitcode}" for _, w in dead)
+        return WorkerDiedError(
+            f"{name} exited unexpectedly ({codes}; {type(error).__name__} while receiving a sample it had sent)",
+            worker_id=ids[0],
+        )
 
     def _next_worker(self, torch_iter: Any) -> int | None:
         info = getattr(torch_iter, "_task_info", {}).get(getattr(torch_iter, "_rcvd_idx", -1))
@@ -299,20 +363,38 @@ class SavableDataLoader(DataLoader):
         Before the first batch, mid-epoch, after the last batch of an epoch, between
         epochs and right after a restore. Saving twice without iterating gives equal
         states.
+
+        Thread-safe: a checkpoint thread may save while the training thread iterates. The
+        state is the position between two yielded items (all items yielded before the
+        save started, possibly some yielded while it ran); while a save runs, the
+        iterating thread waits before booking its next item. Example::
+
+            threading.Thread(target=lambda: save_file(path, loader.save_state_rank())).start()
+
+        After an iteration failed (a worker died, hung or raised), its position is lost
+        with it: saving raises :class:`LoaderUsageError` until the next ``iter()``; restore
+        a new loader from a state saved before the failure.
         """
-        mode = self._mode
-        position: IndexPosition | PipelinePosition
-        if mode.kind == "pipeline":  # asks workers: deliver worker-death signals here
-            torch_iter = self._torch_iter
-            try:
-                with loader_call():
-                    position = mode.save(getattr(torch_iter, "_workers", None), self.save_timeout)
-            except RuntimeError as e:
-                if isinstance(e, SavableLoaderError):
-                    raise
-                raise self._translate(e, torch_iter) from e
-        else:  # main-process bookkeeping only: microseconds
-            position = mode.save()
+        with self._state_lock:
+            if self._failed is not None:
+                raise LoaderUsageError(
+                    f"cannot save: the loader's last iteration failed ({self._failed}) and its position was "
+                    "lost with it; restore a new loader from a state saved before the failure "
+                    "(or call iter() to start the next epoch)"
+                )
+            mode = self._mode
+            position: IndexPosition | PipelinePosition
+            if mode.kind == "pipeline":  # asks workers: deliver worker-death signals here
+                torch_iter = self._torch_iter
+                try:
+                    with loader_call():
+                        position = mode.save(getattr(torch_iter, "_workers", None), self.save_timeout)
+                except RuntimeError as e:
+                    if isinstance(e, SavableLoaderError):
+                        raise
+                    raise self._translate(e, torch_iter) from e
+            else:  # main-process bookkeeping only: microseconds
+                position = mode.save()
         return RankState(
             config=mode.loader_config(self.num_workers), position=position, library_version=__version__
         )
@@ -333,6 +415,7 @@ class SavableDataLoader(DataLoader):
             raise StateError(f"restore_state_rank needs a RankState, got {type(state).__qualname__}")
         if self._torch_iter is not None:
             raise LoaderUsageError("cannot restore a loader while it is iterating; restore before iter()")
+        self._failed = None
         if self.persistent_workers and self._iterator is not None:
             raise LoaderUsageError("cannot restore a loader whose persistent workers already run; build a new loader")
         mode = self._mode
