@@ -55,6 +55,11 @@ _UNSUPPORTED = {
 _DEFAULT_SAVE_TIMEOUT = 60.0
 #: Seconds to wait for a worker that broke a pipe to be seen dead.
 _DEATH_GRACE = 1.0
+#: torch iterators of running iterations. Keeping them reachable from here means that an
+#: iteration abandoned inside a reference cycle does not take torch's worker queues into
+#: the cycle collector, which would finalise them before the iteration's ``finally`` could
+#: send the workers their stop signal (then each worker is killed after a 5 s timeout).
+_RUNNING: dict[int, Any] = {}
 
 
 class _TaggedCollate:
@@ -238,6 +243,7 @@ class SavableDataLoader(DataLoader):
 
     def _iterate(self) -> Iterator[Any]:
         mode = self._mode
+        owner = weakref.ref(self)  # cleared first when a garbage cycle holds the loader
         persistent = self.persistent_workers and self.num_workers > 0
         while True:
             with self._state_lock:
@@ -252,6 +258,7 @@ class SavableDataLoader(DataLoader):
                 if self.num_workers > 0:
                     install()
                 self._torch_iter = torch_iter
+                _RUNNING[id(torch_iter)] = torch_iter
                 mode.workers_started()
                 while True:
                     try:
@@ -278,7 +285,10 @@ class SavableDataLoader(DataLoader):
                 failed = self._failed is not None
                 with self._state_lock:
                     mode.end(keep_channels=persistent and not failed)
-                if failed:
+                _RUNNING.pop(id(torch_iter), None)
+                # Stop the workers of a failed or abandoned iteration now (persistent ones
+                # stay for the next epoch unless the loader itself is being collected).
+                if failed or (not finished and (not persistent or owner() is None)):
                     self._shutdown(torch_iter)
             # A restored epoch that had nothing left: go on with the next epoch, as the
             # uninterrupted run would have.
