@@ -19,7 +19,15 @@ from typing import Any
 
 import pytest
 
-from savable_loader.state import DatasetState, LoaderConfig, PipelinePosition, RankState, WorkerState, load_file, save_file
+from savable_loader.state import (
+    DatasetState,
+    LoaderConfig,
+    PipelinePosition,
+    RankState,
+    WorkerState,
+    load_file,
+    save_file,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -42,7 +42,7 @@ def test_kept_state_decodes_and_restores_exactly(name: str) -> None:
     assert decode(encode(loaded)) == loaded
     factory = FACTORIES[entry["loader"]]
     for rank, state in enumerate(states):
-        make = (lambda: factory(rank, len(states))) if len(states) > 1 else factory
+        make = (lambda r=rank: factory(r, len(states))) if len(states) > 1 else factory
         reference = epochs_of(make(), 2)
         flat = [x for e in reference for x in e]
         k = entry["steps"]

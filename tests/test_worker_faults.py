@@ -182,7 +182,7 @@ def _trial(path: str, kind: str, rng: random.Random, reference: list[Any]) -> st
                 t0 = time.monotonic()
                 if rng.random() < 0.5:
                     time.sleep(0.2)  # the signal arrives outside a loader call
-    except Exception as e:  # the fault, expected
+    except Exception as e:  # noqa: BLE001 - the injected fault, checked below
         error = e
     elapsed = time.monotonic() - t0
     if error is None:
@@ -232,3 +232,32 @@ def test_save_during_a_worker_death_names_the_worker() -> None:
     assert time.monotonic() - t0 < DEADLINE
     assert info.value.worker_id == 1
     del it
+
+
+@pytest.mark.parametrize("path", ["pipeline", "dropin"])
+def test_persistent_loader_starts_new_workers_after_a_worker_death(path: str) -> None:
+    def make() -> sl.SavableDataLoader:
+        if path == "dropin":
+            return sl.SavableDataLoader(
+                FaultyMap(N), batch_size=None, shuffle=True, seed=5, num_workers=WORKERS,
+                multiprocessing_context="fork", persistent_workers=True,
+            )
+        wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=WORKERS, seed=5)
+        return sl.SavableDataLoader(
+            MapDataset(FaultySource(N, wc), FaultyFn(None, None)), batch_size=None, worker_config=wc,
+            multiprocessing_context="fork", persistent_workers=True,
+        )
+
+    ref_loader = make()
+    reference = [list(ref_loader), list(ref_loader)]
+    del ref_loader
+    loader = make()
+    it = iter(loader)
+    next(it), next(it)
+    os.kill(loader._torch_iter._workers[1].pid, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError):
+        for _ in it:
+            pass
+    del it
+    # the next iter() starts the next epoch with new workers
+    assert_streams(list(loader), reference[1], f"{path}: epoch after a worker death")

@@ -23,7 +23,7 @@ import msgspec
 
 import savable_loader as sl
 from savable_loader.state import SCHEMA_VERSION, encode, save_file
-from savable_loader.state.files import FILE_FORMAT, MAGIC, _digest, _HEADER
+from savable_loader.state.files import _HEADER, FILE_FORMAT, MAGIC, _digest
 from savable_loader.wrappers import BatchDataset, MapDataset, ShuffleBufferDataset
 from tests.common import RandomMapDataset, RangeSource
 
