@@ -296,10 +296,10 @@ class SavableDataLoader(DataLoader):
                 return
 
     def _shutdown(self, torch_iter: Any) -> None:
-        """Stop the workers of a failed iteration now: the error's traceback holds the
-        torch iterator in a reference cycle, and when the cycle collector finally frees
-        it, its queues may be finalised before it, so that its workers never get the
-        stop signal and are killed after a 5 s join timeout each."""
+        """Stop the workers of a failed or abandoned iteration now, rather than when the
+        torch iterator is freed: an error's traceback holds it in a reference cycle, and
+        when the cycle collector frees it, its queues may be finalised first, so that its
+        workers never get the stop signal and are killed after a 5 s join timeout each."""
         shutdown = getattr(torch_iter, "_shutdown_workers", None)
         if callable(shutdown):
             shutdown()
@@ -392,19 +392,22 @@ class SavableDataLoader(DataLoader):
                     "lost with it; restore a new loader from a state saved before the failure "
                     "(or call iter() to start the next epoch)"
                 )
-            mode = self._mode
-            position: IndexPosition | PipelinePosition
-            if mode.kind == "pipeline":  # asks workers: deliver worker-death signals here
-                torch_iter = self._torch_iter
-                try:
-                    with loader_call():
-                        position = mode.save(getattr(torch_iter, "_workers", None), self.save_timeout)
-                except RuntimeError as e:
-                    if isinstance(e, SavableLoaderError):
-                        raise
-                    raise self._translate(e, torch_iter) from e
-            else:  # main-process bookkeeping only: microseconds
-                position = mode.save()
+            return self._save_state_rank()
+
+    def _save_state_rank(self) -> RankState:
+        mode = self._mode
+        position: IndexPosition | PipelinePosition
+        if mode.kind == "pipeline":  # asks workers: deliver worker-death signals here
+            torch_iter = self._torch_iter
+            try:
+                with loader_call():
+                    position = mode.save(getattr(torch_iter, "_workers", None), self.save_timeout)
+            except RuntimeError as e:
+                if isinstance(e, SavableLoaderError):
+                    raise
+                raise self._translate(e, torch_iter) from e
+        else:  # main-process bookkeeping only: microseconds
+            position = mode.save()
         return RankState(
             config=mode.loader_config(self.num_workers), position=position, library_version=__version__
         )
