@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 from torch._utils import ExceptionWrapper
 from torch.utils.data import get_worker_info
 
@@ -54,7 +55,7 @@ def install_feeder_hook() -> None:
 
 class WorkerInit:
     """The worker init function the loader hands torch: installs the hook, then runs the
-    user's ``worker_init_fn``.
+    user's ``worker_init_fn`` (cloudpickled, so that lambdas cross ``spawn``).
 
     Example::
 
@@ -63,6 +64,13 @@ class WorkerInit:
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
         self.user_fn = user_fn
+
+    def __getstate__(self) -> dict[str, Any]:
+        # cloudpickle carries a lambda or local function to spawn/forkserver workers
+        return {"user_fn": cloudpickle.dumps(self.user_fn)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.user_fn = cloudpickle.loads(state["user_fn"])
 
     def __call__(self, worker_id: int) -> None:
         install_feeder_hook()
