@@ -41,7 +41,15 @@ def _on_feeder_error(queue: Any, error: BaseException, obj: Any) -> None:
     )
     if isinstance(obj[1], ExceptionWrapper):  # even the error could not be sent: plain text
         wrapper.exc_type = RuntimeError
-    queue.put((obj[0], wrapper))
+    try:
+        # Straight into the feeder's buffer, as ``put`` would, but also when the worker is
+        # already closing the queue (``put`` refuses then): the feeder sends it next.
+        queue._sem.acquire(False)  # balances the release the receiving ``get`` does
+        with queue._notempty:
+            queue._buffer.appendleft((obj[0], wrapper))  # in the place of the dropped item
+            queue._notempty.notify()
+    except Exception:  # never let the hook end the feeder thread
+        traceback.print_exc()
 
 
 def install_feeder_hook() -> None:
