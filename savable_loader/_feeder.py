@@ -48,7 +48,7 @@ def _on_feeder_error(queue: Any, error: BaseException, obj: Any) -> None:
         with queue._notempty:
             queue._buffer.appendleft((obj[0], wrapper))  # in the place of the dropped item
             queue._notempty.notify()
-    except Exception:  # never let the hook end the feeder thread
+    except Exception:  # noqa: BLE001 - never let the hook end the feeder thread
         traceback.print_exc()
 
 
