@@ -45,6 +45,8 @@ def test_unpicklable_result_becomes_an_exception_wrapper() -> None:
 
 
 def test_worker_init_round_trips_a_lambda_and_calls_it() -> None:
+    # torch pickles the worker init function for spawn/forkserver workers with the
+    # standard pickler: WorkerInit carries the user's function by cloudpickle
     calls: list[int] = []
     init = pickle.loads(pickle.dumps(WorkerInit(lambda worker_id: calls.append(worker_id))))
     init(5)  # the unpickled copy appends to its own copy of `calls`

@@ -262,15 +262,3 @@ def test_persistent_loader_starts_new_workers_after_a_worker_death(path: str) ->
     # the next iter() starts the next epoch with new workers
     assert_streams(list(loader), reference[1], f"{path}: epoch after a worker death")
 
-
-def test_unpicklable_sample_under_spawn_with_a_lambda_worker_init_fn() -> None:
-    # the feeder hook is installed by the loader's worker init function, which also
-    # carries the user's (here: lambda) worker_init_fn to spawned workers
-    fn = FaultyFn("unpicklable", 9)
-    loader = sl.SavableDataLoader(
-        FaultyMap(12), batch_size=None, num_workers=WORKERS, multiprocessing_context="spawn",
-        collate_fn=fn, worker_init_fn=lambda worker_id: None,
-    )
-    with pytest.raises(TypeError, match="worker process 1 .*cannot be pickled") as info:
-        list(loader)
-    assert "Original Traceback" in str(info.value)
