@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import io
 import re
+import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, default_convert
 
+from savable_loader._feeder import WorkerInit
 from savable_loader._index_mode import IndexMode
 from savable_loader._pipeline_mode import SKIP, PipelineMode
 from savable_loader._sigchld import install, loader_call
@@ -60,6 +63,13 @@ _UNSUPPORTED = {
     "in_order": "out-of-order delivery cannot be resumed exactly",
 }
 _DEFAULT_SAVE_TIMEOUT = 60.0
+#: Seconds to wait for a worker that broke a pipe to be seen dead.
+_DEATH_GRACE = 1.0
+#: torch iterators of running iterations. Keeping them reachable from here means that an
+#: iteration abandoned inside a reference cycle does not take torch's worker queues into
+#: the cycle collector, which would finalise them before the iteration's ``finally`` could
+#: send the workers their stop signal (then each worker is killed after a 5 s timeout).
+_RUNNING: dict[int, Any] = {}
 
 
 class _TaggedCollate:
@@ -188,7 +198,8 @@ class SavableDataLoader(DataLoader):
             num_workers=wc.num_workers,
             pin_memory=pin_memory,
             timeout=timeout,
-            worker_init_fn=worker_init_fn,
+            # in workers: an unpicklable sample becomes an error, not a hang (_feeder.py)
+            worker_init_fn=WorkerInit(worker_init_fn) if wc.num_workers > 0 else worker_init_fn,
             multiprocessing_context=multiprocessing_context,
             generator=torch.Generator().manual_seed(wc.seed & 0x7FFF_FFFF_FFFF_FFFF),
             prefetch_factor=prefetch_factor,
@@ -205,6 +216,11 @@ class SavableDataLoader(DataLoader):
         self._prefetch = prefetch
         self._torch_iter: Any = None
         self._live: weakref.ref[Iterator[Any]] | None = None
+        # Held by a save for its whole duration and by the iterating thread while it books
+        # an item, so that a save from another thread sees one consistent position.
+        self._state_lock = threading.RLock()
+        # Why the last iteration failed (a save cannot know its position any more).
+        self._failed: str | None = None
 
     @staticmethod
     def _resolve_worker_config(wc: WorkerConfig | None, num_workers: int | None, seed: int | None) -> WorkerConfig:
@@ -237,17 +253,22 @@ class SavableDataLoader(DataLoader):
 
     def _iterate(self) -> Iterator[Any]:
         mode = self._mode
+        owner = weakref.ref(self)  # cleared first when a garbage cycle holds the loader
         persistent = self.persistent_workers and self.num_workers > 0
         while True:
-            resumed = mode.begin(self._mp_context(), reuse_workers=persistent and self._iterator is not None)
+            with self._state_lock:
+                resumed = mode.begin(self._mp_context(), reuse_workers=persistent and self._iterator is not None)
+                self._failed = None
             produced = 0
             finished = False
+            torch_iter = None
             try:
                 with loader_call():
                     torch_iter = super().__iter__()
                 if self.num_workers > 0:
                     install()
                 self._torch_iter = torch_iter
+                _RUNNING[id(torch_iter)] = torch_iter
                 mode.workers_started()
                 while True:
                     try:
@@ -255,20 +276,52 @@ class SavableDataLoader(DataLoader):
                             item = next(torch_iter)
                     except StopIteration:
                         break
-                    except RuntimeError as e:
-                        raise self._translate(e, torch_iter) from e
-                    payload = mode.on_item(item)
+                    except Exception as e:
+                        self._failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        translated = self._translate(e, torch_iter)
+                        if isinstance(translated, WorkerTimeoutError):
+                            self._terminate(torch_iter, translated.worker_id)
+                        if translated is e:
+                            raise
+                        raise translated from e
+                    with self._state_lock:
+                        payload = mode.on_item(item)
                     if payload is not SKIP:
                         produced += 1
                         yield payload
                 finished = True
             finally:
                 self._torch_iter = None
-                mode.end(keep_channels=persistent)
+                failed = self._failed is not None
+                with self._state_lock:
+                    mode.end(keep_channels=persistent and not failed)
+                _RUNNING.pop(id(torch_iter), None)
+                # Stop the workers of a failed or abandoned iteration now (persistent ones
+                # stay for the next epoch unless the loader itself is being collected).
+                if failed or (not finished and (not persistent or owner() is None)):
+                    self._shutdown(torch_iter)
             # A restored epoch that had nothing left: go on with the next epoch, as the
             # uninterrupted run would have.
             if not (finished and resumed and produced == 0):
                 return
+
+    def _shutdown(self, torch_iter: Any) -> None:
+        """Stop the workers of a failed or abandoned iteration now, rather than when the
+        torch iterator is freed: an error's traceback holds it in a reference cycle, and
+        when the cycle collector frees it, its queues may be finalised first, so that its
+        workers never get the stop signal and are killed after a 5 s join timeout each."""
+        shutdown = getattr(torch_iter, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        if self._iterator is torch_iter:
+            self._iterator = None  # persistent workers: start new ones next time
+
+    def _terminate(self, torch_iter: Any, worker_id: int | None) -> None:
+        """A hung worker would not stop on request: end it (SIGTERM) so that the shutdown
+        does not wait for it."""
+        for physical, process in enumerate(getattr(torch_iter, "_workers", None) or []):
+            if self._logical(physical) == worker_id and process.is_alive():
+                process.terminate()
 
     def _mp_context(self) -> Any:
         ctx = self.multiprocessing_context
@@ -276,9 +329,15 @@ class SavableDataLoader(DataLoader):
             return torch.multiprocessing.get_context()
         return ctx
 
-    def _translate(self, error: RuntimeError, torch_iter: Any) -> Exception:
+    def _translate(self, error: Exception, torch_iter: Any) -> Exception:
         text = str(error)
         workers = getattr(torch_iter, "_workers", None) or []
+        if isinstance(error, (EOFError, OSError)) and workers and "DataLoader worker process" not in text:
+            # A worker killed after queueing a tensor: receiving the tensor's shared memory
+            # from the dead worker fails with a bare EOFError / ConnectionResetError.
+            return self._dead_worker_error(error, workers)
+        if not isinstance(error, RuntimeError):
+            return error
         if "timed out" in text:
             logical = self._next_worker(torch_iter)
             return WorkerTimeoutError(
@@ -291,6 +350,23 @@ class SavableDataLoader(DataLoader):
             name = f"worker {ids[0]}" if len(ids) == 1 else f"workers {ids}"
             return WorkerDiedError(f"{name} exited unexpectedly ({text})", worker_id=ids[0] if ids else None)
         return error
+
+    def _dead_worker_error(self, error: Exception, workers: list[Any]) -> Exception:
+        deadline = time.monotonic() + _DEATH_GRACE
+        while True:
+            dead = [(i, w) for i, w in enumerate(workers) if not w.is_alive()]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        if not dead:
+            return error
+        ids = [self._logical(i) for i, _ in dead]
+        name = f"worker {ids[0]}" if len(ids) == 1 else f"workers {ids}"
+        codes = ", ".join(f"pid {w.pid} exit code {w.exitcode}" for _, w in dead)
+        return WorkerDiedError(
+            f"{name} exited unexpectedly ({codes}; {type(error).__name__} while receiving a sample it had sent)",
+            worker_id=ids[0],
+        )
 
     def _next_worker(self, torch_iter: Any) -> int | None:
         info = getattr(torch_iter, "_task_info", {}).get(getattr(torch_iter, "_rcvd_idx", -1))
@@ -307,7 +383,28 @@ class SavableDataLoader(DataLoader):
         Before the first batch, mid-epoch, after the last batch of an epoch, between
         epochs and right after a restore. Saving twice without iterating gives equal
         states.
+
+        Thread-safe: a checkpoint thread may save while the training thread iterates. The
+        state is the position between two yielded items (all items yielded before the
+        save started, possibly some yielded while it ran); while a save runs, the
+        iterating thread waits before booking its next item. Example::
+
+            threading.Thread(target=lambda: save_file(path, loader.save_state_rank())).start()
+
+        After an iteration failed (a worker died, hung or raised), its position is lost
+        with it: saving raises :class:`LoaderUsageError` until the next ``iter()``; restore
+        a new loader from a state saved before the failure.
         """
+        with self._state_lock:
+            if self._failed is not None:
+                raise LoaderUsageError(
+                    f"cannot save: the loader's last iteration failed ({self._failed}) and its position was "
+                    "lost with it; restore a new loader from a state saved before the failure "
+                    "(or call iter() to start the next epoch)"
+                )
+            return self._save_state_rank()
+
+    def _save_state_rank(self) -> RankState:
         mode = self._mode
         position: IndexPosition | PipelinePosition
         if mode.kind == "pipeline":  # asks workers: deliver worker-death signals here
@@ -344,6 +441,7 @@ class SavableDataLoader(DataLoader):
     def _restore(self, state: RankState, position: Any, elastic: bool) -> None:
         if self._torch_iter is not None:
             raise LoaderUsageError("cannot restore a loader while it is iterating; restore before iter()")
+        self._failed = None
         if self.persistent_workers and self._iterator is not None:
             raise LoaderUsageError("cannot restore a loader whose persistent workers already run; build a new loader")
         mode = self._mode
