@@ -28,7 +28,10 @@ from savable_loader._version import __version__
 
 __all__ = [
     "ConfigMismatchError",
+    "DataError",
     "LoaderUsageError",
+    "RestoreKey",
+    "RestoreKeyError",
     "SavableDataLoader",
     "SavableDataset",
     "SavableLoaderError",
@@ -41,13 +44,17 @@ __all__ = [
     "__version__",
     "errors",
     "rng",
+    "sources",
     "state",
     "wrappers",
 ]
 
 _LAZY = {
     "ConfigMismatchError": "savable_loader.errors",
+    "DataError": "savable_loader.errors",
     "LoaderUsageError": "savable_loader.errors",
+    "RestoreKey": "savable_loader.state.schema",
+    "RestoreKeyError": "savable_loader.errors",
     "SavableDataLoader": "savable_loader.loader",
     "SavableDataset": "savable_loader.dataset",
     "SavableLoaderError": "savable_loader.errors",
@@ -58,7 +65,7 @@ _LAZY = {
     "WorkerError": "savable_loader.errors",
     "WorkerTimeoutError": "savable_loader.errors",
 }
-_SUBMODULES = {"errors", "rng", "state", "wrappers"}
+_SUBMODULES = {"errors", "rng", "sources", "state", "wrappers"}
 
 
 def __getattr__(name: str) -> Any:
@@ -77,12 +84,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from savable_loader import errors, rng, state, wrappers
+    from savable_loader import errors, rng, sources, state, wrappers
     from savable_loader.config import WorkerConfig
     from savable_loader.dataset import SavableDataset
     from savable_loader.errors import (
         ConfigMismatchError,
+        DataError,
         LoaderUsageError,
+        RestoreKeyError,
         SavableLoaderError,
         StateError,
         StateVersionError,
@@ -91,3 +100,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         WorkerTimeoutError,
     )
     from savable_loader.loader import SavableDataLoader
+    from savable_loader.state.schema import RestoreKey

@@ -1,7 +1,8 @@
 """Bookkeeping of the drop-in path: which epoch, how many of this rank's samples yielded.
 
-The state is two numbers. Saving reads them (microseconds, no worker involved);
-restoring sets them, and the next iteration's sampler starts at that sample.
+The state is two numbers (plus the stages of an epoch resumed on another world size).
+Saving reads them (microseconds, no worker involved); restoring sets them, and the next
+iteration's sampler starts at that sample.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ import threading
 from typing import Any
 
 from savable_loader.dataset import config_fingerprint, plain_config, type_name
-from savable_loader.errors import ConfigMismatchError
+from savable_loader.errors import ConfigMismatchError, RestoreKeyError
 from savable_loader.sources.index import IndexedDataset, IndexPlan, IndexSampler
-from savable_loader.state.schema import IndexPosition, LoaderConfig
+from savable_loader.state.schema import IndexPosition, IndexStage, LoaderConfig, RestoreKey
 
 __all__ = ["IndexMode", "map_dataset_config"]
 
@@ -54,7 +55,11 @@ class IndexMode:
         self._lock = threading.Lock()
         self.epoch = 0  # the next epoch to start
         self.pending: IndexPosition | None = None
-        self.current: tuple[int, int] | None = None  # (epoch, consumed) while iterating
+        # (epoch, consumed, stages) while iterating
+        self.current: tuple[int, int, tuple[IndexStage, ...]] | None = None
+        # (epoch, stages, first, last): the rank-share slice of the batch yielded last
+        self.last_item: tuple[int, tuple[IndexStage, ...], int, int] | None = None
+        self._epoch_len = self.plan.epoch_len()
 
     def loader_config(self, num_workers: int) -> LoaderConfig:
         p = self.plan
@@ -72,20 +77,24 @@ class IndexMode:
         (The arguments serve the pipeline path; the index path has no worker plan.)
         """
         resumed = self.pending is not None
+        stages: tuple[IndexStage, ...] = ()
         if self.pending is not None:
-            epoch, start = self.pending.epoch, self.pending.consumed
+            epoch, start, stages = self.pending.epoch, self.pending.consumed, tuple(self.pending.stages)
         else:
             epoch, start = self.epoch, 0
-        self.sampler.epoch, self.sampler.start = epoch, start
+        self.sampler.epoch, self.sampler.start, self.sampler.stages = epoch, start, stages
+        self._epoch_len = self.plan.epoch_len(stages)
         with self._lock:
-            self.current = (epoch, start)
+            self.current = (epoch, start, stages)
             self.pending = None
         return resumed
 
     def on_item(self, item: Any) -> Any:
         with self._lock:
-            epoch, consumed = self.current  # type: ignore[misc]
-            self.current = (epoch, min(consumed + self.plan.step, self.plan.epoch_len))
+            epoch, consumed, stages = self.current  # type: ignore[misc]
+            done = min(consumed + self.plan.step, self._epoch_len)
+            self.current = (epoch, done, stages)
+            self.last_item = (epoch, stages, consumed, done)
         return item
 
     def workers_started(self) -> None:
@@ -107,32 +116,118 @@ class IndexMode:
         """The position (never asks a worker; the arguments serve the pipeline path)."""
         with self._lock:
             if self.current is not None:
-                epoch, consumed = self.current
+                epoch, consumed, stages = self.current
             elif self.pending is not None:
-                epoch, consumed = self.pending.epoch, self.pending.consumed
+                epoch, consumed, stages = self.pending.epoch, self.pending.consumed, tuple(self.pending.stages)
             else:
-                epoch, consumed = self.epoch, 0
-        if consumed >= self.plan.epoch_len:
+                epoch, consumed, stages = self.epoch, 0, ()
+        if consumed >= self.plan.epoch_len(stages):
             # The epoch is over: the next sample is the first of the next epoch.
-            epoch, consumed = epoch + 1, 0
-        return IndexPosition(epoch=epoch, consumed=consumed, dataset_len=self.plan.dataset_len)
+            epoch, consumed, stages = epoch + 1, 0, ()
+        return IndexPosition(epoch=epoch, consumed=consumed, dataset_len=self.plan.dataset_len, stages=list(stages))
 
-    def check(self, saved: LoaderConfig, position: IndexPosition, num_workers: int) -> None:
-        """Raise ConfigMismatchError for a change the drop-in path cannot honour."""
+    def check(
+        self, saved: LoaderConfig, position: IndexPosition, num_workers: int, elastic: bool = False
+    ) -> IndexPosition:
+        """Raise ConfigMismatchError for a change the drop-in path cannot honour; the
+        position to restore.
+
+        ``elastic``: the position was made for this world size from all old ranks'
+        states (rank and world size are not compared).
+        """
         current = self.loader_config(num_workers)
         if position.dataset_len != self.plan.dataset_len:
             raise ConfigMismatchError("len(dataset)", position.dataset_len, self.plan.dataset_len)
         check_dataset_config(saved, current)
-        for name in ("seed", "shuffle", "rank", "world_size", "batch_size", "drop_last"):
+        for name in ("seed", "shuffle", "drop_last"):
             if getattr(saved, name) != getattr(current, name):
                 raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name))
-        if position.consumed > self.plan.epoch_len:
-            raise ConfigMismatchError("position.consumed", position.consumed, f"<= {self.plan.epoch_len}")
+        if not elastic and saved.world_size != current.world_size:
+            raise ConfigMismatchError(
+                "world_size", saved.world_size, current.world_size,
+                "a drop-in state can move to another world size: pass every old rank's state to "
+                "restore_state_global(states)",
+            )
+        if not elastic and saved.rank != current.rank:
+            raise ConfigMismatchError("rank", saved.rank, current.rank)
+        check_batch_size(saved.batch_size, current.batch_size)
+        stages = tuple(position.stages)
+        for stage in stages:
+            if len(stage.consumed) != stage.world_size:
+                raise ConfigMismatchError(
+                    "position.stages.consumed", len(stage.consumed), stage.world_size, "one count per rank of the stage"
+                )
+        if position.consumed > self.plan.epoch_len(stages):
+            raise ConfigMismatchError("position.consumed", position.consumed, f"<= {self.plan.epoch_len(stages)}")
+        if current.batch_size and position.consumed % current.batch_size and position.consumed != self.plan.rank_len(stages):
+            raise ConfigMismatchError(
+                "position.consumed", position.consumed, f"a multiple of batch_size={current.batch_size}"
+            )
+        return position
+
+    # -- restore keys -----------------------------------------------------------------
+
+    def restore_key(self, seed: int) -> RestoreKey | None:
+        """The key of the batch yielded last (None before the first)."""
+        if self.last_item is None:
+            return None
+        epoch, stages, first, last = self.last_item
+        share = self.plan.share(stages)[first:last]
+        return RestoreKey(
+            kind="index", seed=seed, fingerprint=self.fingerprint, epoch=epoch, rank=self.plan.rank,
+            positions=_ranges([int(p) for p in share]),
+        )
+
+    def restore_sample(self, key: RestoreKey) -> Any:
+        """The batch ``key`` names, rebuilt in this process."""
+        if key.kind != "index":
+            raise RestoreKeyError(f"key.kind is {key.kind!r}, this drop-in loader expects 'index'")
+        positions = key.sample_positions()
+        if not positions:
+            raise RestoreKeyError("key.positions is empty, expected the positions of at least one sample")
+        limit = self.plan.dataset_len + self.plan.world_size
+        bad = [p for p in positions if p >= limit]
+        if bad:
+            raise RestoreKeyError(f"key.positions has {bad[0]}, expected positions below {limit}")
+        return self.torch_dataset[self.plan.key(key.epoch, positions)]
 
     def restore(self, position: IndexPosition) -> None:
         with self._lock:
             self.pending = position
             self.epoch = position.epoch
+            self.last_item = None
+
+
+def check_batch_size(saved: int | None, current: int | None) -> None:
+    """A restore may keep the batch size or divide it (drop-in: the same sample order)."""
+    if saved == current:
+        return
+    if saved is None or current is None or current > saved or saved % current:
+        raise ConfigMismatchError(
+            "batch_size", saved, current, "a restore may keep the batch size or use one that divides it"
+        )
+
+
+def _ranges(positions: list[int]) -> list[tuple[int, int, int]]:
+    """Positions as few ``(start, stop, step)`` runs (one for an ordinary batch)."""
+    runs: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(positions):
+        start = positions[i]
+        if i + 1 == len(positions):
+            runs.append((start, start + 1, 1))
+            break
+        step = positions[i + 1] - start
+        if step <= 0:
+            runs.append((start, start + 1, 1))
+            i += 1
+            continue
+        j = i + 1
+        while j + 1 < len(positions) and positions[j + 1] - positions[j] == step:
+            j += 1
+        runs.append((start, positions[j] + 1, step))
+        i = j + 1
+    return runs
 
 
 def check_dataset_config(saved: LoaderConfig, current: LoaderConfig) -> None:

@@ -13,14 +13,18 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import msgspec
+
 from savable_loader._channels import WorkerChannels
+from savable_loader._elastic import batch_rescale_factor
 from savable_loader._index_mode import check_dataset_config
 from savable_loader._worker import END, PipelineWorkerDataset
-from savable_loader.config import WorkerConfig
+from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset, config_fingerprint
-from savable_loader.errors import ConfigMismatchError, StateError
+from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
+from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
 from savable_loader.state.codec import decode_part
-from savable_loader.state.schema import DatasetState, LoaderConfig, PipelinePosition, WorkerState
+from savable_loader.state.schema import DatasetState, LoaderConfig, PipelinePosition, RestoreKey, WorkerState
 
 __all__ = ["SKIP", "PipelineMode"]
 
@@ -67,6 +71,8 @@ class PipelineMode:
         # at the same position returns it, so that saving twice without iterating gives
         # equal states even when a worker took a newer snapshot in between.
         self._last_save: tuple[Any, PipelinePosition] | None = None
+        # (epoch, logical worker, index, key) of the item yielded last
+        self.last_item: tuple[int, int, int, Any] | None = None
 
     def loader_config(self, num_workers: int) -> LoaderConfig:
         wc = self.worker_config
@@ -109,8 +115,8 @@ class PipelineMode:
             self.channels.close_worker_ends()
 
     def on_item(self, item: Any) -> Any:
-        # (worker_id, index, payload) in process; worker processes add a snapshot
-        worker_id, index, payload, *snapshot = item
+        # (worker_id, index, key, payload) in process; worker processes add a snapshot
+        worker_id, index, key, payload, *snapshot = item
         with self._lock:
             cur = self.current
             if cur is None:
@@ -122,6 +128,7 @@ class PipelineMode:
                     cur.held[worker_id] = [*snapshot[0], None]
             if index != END:
                 cur.consumed[worker_id] = index + 1
+                self.last_item = (cur.epoch, worker_id, index, key)
                 return payload
             cur.exhausted[worker_id] = True
             epoch, physical = cur.epoch, self.physical(worker_id)
@@ -223,7 +230,12 @@ class PipelineMode:
             decoded = held[2] = decode_part(data, DatasetState)
         return WorkerState(worker_id=w, index=index, snapshot_index=snap_index, dataset=decoded)
 
-    def check(self, saved: LoaderConfig, position: PipelinePosition, num_workers: int) -> None:
+    def check(self, saved: LoaderConfig, position: PipelinePosition, num_workers: int) -> PipelinePosition:
+        """Raise for a change the pipeline cannot honour; the position to restore.
+
+        A ``BatchDataset`` batch size divided by ``k`` (nothing else changed) is honoured:
+        worker positions and skip offsets are multiplied by ``k``.
+        """
         current = self.loader_config(num_workers)
         if saved.num_workers != current.num_workers:
             raise ConfigMismatchError(
@@ -232,8 +244,16 @@ class PipelineMode:
             )
         for name in ("rank", "world_size", "seed"):
             if getattr(saved, name) != getattr(current, name):
-                raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name))
-        check_dataset_config(saved, current)
+                hint = (
+                    "a savable pipeline's state is split per rank and worker: restore it on the same world size"
+                    if name == "world_size" else ""
+                )
+                raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name), hint)
+        factor = None
+        if saved.dataset_fingerprint != current.dataset_fingerprint:
+            factor = batch_rescale_factor(saved.dataset_config, current.dataset_config)
+        if factor is None:
+            check_dataset_config(saved, current)
         ids = sorted(ws.worker_id for ws in position.workers)
         if ids != list(range(self.workers)) or position.next_worker >= self.workers:
             raise StateError(
@@ -245,9 +265,53 @@ class PipelineMode:
                 raise StateError(
                     f"worker {ws.worker_id}: snapshot index {ws.snapshot_index} is after index {ws.index}"
                 )
+        if factor is None or factor == 1:
+            return position
+        workers = [
+            msgspec.structs.replace(ws, index=ws.index * factor, snapshot_index=ws.snapshot_index * factor)
+            for ws in position.workers
+        ]
+        return msgspec.structs.replace(position, workers=workers)
+
+    # -- restore keys -----------------------------------------------------------------
+
+    def restore_key(self, seed: int) -> RestoreKey | None:
+        """The key of the item yielded last (None before the first)."""
+        if self.last_item is None:
+            return None
+        epoch, worker, index, key = self.last_item
+        try:
+            sample = msgspec.to_builtins(key)
+        except TypeError as e:
+            raise RestoreKeyError(f"the pipeline's sample key {key!r} is not plain data: {e}") from None
+        return RestoreKey(
+            kind="pipeline", seed=seed, fingerprint=self.fingerprint, epoch=epoch,
+            rank=self.worker_config.rank, worker=worker, index=index, sample=sample,
+        )
+
+    def restore_sample(self, key: RestoreKey) -> Any:
+        """The item ``key`` names, rebuilt in this process (before the loader's collate)."""
+        if key.kind != "pipeline":
+            raise RestoreKeyError(f"key.kind is {key.kind!r}, this pipeline loader expects 'pipeline'")
+        dataset = self.torch_dataset.dataset
+        reason = dataset.restore_sample_blocker()
+        if reason is not None:
+            raise RestoreKeyError(f"this pipeline cannot rebuild samples: {reason}")
+        if key.sample is None:
+            raise RestoreKeyError("key.sample is None: the pipeline gave this item no key")
+        if key.worker >= self.workers:
+            raise RestoreKeyError(
+                f"key.worker is {key.worker}, expected a worker below {self.workers}: build the loader with "
+                "the num_workers the key was made with"
+            )
+        wc = self.worker_config
+        with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch):
+            seed_global(counter_seed(derive_seed(wc.seed, "pipeline", key.rank, key.worker, key.epoch), key.index))
+            return dataset.restore_sample(key.sample)
 
     def restore(self, position: PipelinePosition) -> None:
         with self._lock:
             self.pending = position
             self._last_save = None
+            self.last_item = None
             self.epoch = position.epoch

@@ -96,7 +96,12 @@ def to_plain(value: Any) -> Any:
         name = _TORCH_DTYPES.get(t.dtype)
         if name is None:
             raise StateError(f"a state cannot hold a tensor of dtype {t.dtype}")
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        # A size-1 dimension may keep any stride through contiguous() and reshape():
+        # force unit stride before viewing the memory as bytes.
+        flat = t.reshape(-1)
+        if flat.numel() and flat.stride(0) != 1:
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        raw = flat.view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return ArrayValue(library="torch", dtype=name, shape=tuple(t.shape), data=raw)
     if isinstance(value, ArrayValue):
         return value

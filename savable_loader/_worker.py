@@ -131,9 +131,9 @@ class WorkerRuntime:
 
     # -- iterating thread -------------------------------------------------------------
 
-    def run(self, epoch: int, worker_id: int, start: WorkerState | None) -> Iterator[tuple[int, int, Any]]:
-        """Yield ``(worker_id, index, sample)`` for the epoch, from ``start`` on, then the
-        end marker ``(worker_id, END, samples produced)``."""
+    def run(self, epoch: int, worker_id: int, start: WorkerState | None) -> Iterator[tuple[int, int, Any, Any]]:
+        """Yield ``(worker_id, index, restore key, sample)`` for the epoch, from ``start``
+        on, then the end marker ``(worker_id, END, None, samples produced)``."""
         if start is not None and start.exhausted:
             return
         wc = self.worker_config
@@ -172,10 +172,10 @@ class WorkerRuntime:
             if skip:
                 skip -= 1
                 continue
-            yield worker_id, index - 1, sample
+            yield worker_id, index - 1, self.dataset.sample_key, sample
         # Tell the main process this worker is done before torch retires it, so that a
         # later save knows its final state without asking a process that may be gone.
-        yield worker_id, END, index
+        yield worker_id, END, None, index
         # Torch retires a worker when it receives the worker's end of iteration, which may
         # overtake this worker's last samples (prefetch): keep serving checkpoints for
         # them until the main process has taken the end marker.
@@ -322,7 +322,7 @@ class PipelineWorkerDataset(IterableDataset):
         self.dataset = cloudpickle.loads(state["dataset"])
         self.worker_config = self.dataset.worker_config
 
-    def __iter__(self) -> Iterator[tuple[int, int, Any]]:
+    def __iter__(self) -> Iterator[tuple[int, int, Any, Any]]:
         info = get_worker_info()
         workers = self.worker_config.workers_per_rank
         physical = 0 if info is None else info.id
@@ -348,10 +348,10 @@ class PipelineWorkerDataset(IterableDataset):
         return _with_snapshots(runtime, items)
 
 
-def _with_snapshots(runtime: WorkerRuntime, items: Iterator[tuple[int, int, Any]]) -> Iterator[tuple[Any, ...]]:
-    """Items as ``(worker_id, index, sample, snapshot)``: ``snapshot`` is None or the
+def _with_snapshots(runtime: WorkerRuntime, items: Iterator[tuple[int, int, Any, Any]]) -> Iterator[tuple[Any, ...]]:
+    """Items as ``(worker_id, index, key, sample, snapshot)``: ``snapshot`` is None or the
     ``(index, encoded DatasetState)`` taken since the previous item (see ``_snapshot``)."""
-    for worker_id, index, sample in items:
+    for worker_id, index, key, sample in items:
         outbox = runtime.outbox
         runtime.outbox = None
-        yield worker_id, index, sample, outbox
+        yield worker_id, index, key, sample, outbox

@@ -117,7 +117,7 @@ class WorkerConfig:
         """
         return derive_seed(
             self.seed, "worker-epoch", self.rank, self.rank_worker_id(), self.active_epoch(),
-            *getattr(_active, "repetitions", ()),
+            *active_repetitions(),
         )
 
     def fingerprint(self) -> dict[str, int]:
@@ -128,6 +128,11 @@ class WorkerConfig:
             "num_workers": self.num_workers,
             "seed": self.seed,
         }
+
+
+def active_repetitions() -> tuple[int, ...]:
+    """The ``RepeatDataset`` pass numbers the calling code runs in (outermost first)."""
+    return getattr(_active, "repetitions", ())
 
 
 class _Repetition:

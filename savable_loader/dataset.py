@@ -28,6 +28,25 @@ Example::
 
         def config(self):
             return {"n": self.n}
+
+Restore keys: a dataset that can rebuild one sample alone gives every sample a key.
+Sources call ``self.mark_sample(key)`` before building each sample (it records
+``self.sample_key`` and re-seeds the global RNGs from the key, so the sample's own
+random draws follow from it too) and implement ``restore_sample(key)``, which calls
+``mark_sample(key)`` and builds the same sample. Wrappers derive their key from ``self.dataset.sample_key`` and rebuild
+through ``self.dataset.restore_sample``. The loader sends the outermost key with every
+item, so any batch can be rebuilt in the main process (``loader.restore_sample``).
+Keys are plain data (ints, strings, lists); they may come back as lists after a trip
+through JSON. In the example above::
+
+        def __iter__(self):
+            ...
+                self.mark_sample(value)
+                yield value   # or a sample built from value, random draws included
+
+        def restore_sample(self, key):
+            self.mark_sample(key)
+            return key
 """
 
 from __future__ import annotations
@@ -40,9 +59,9 @@ import msgspec
 from torch.utils.data import IterableDataset
 
 from savable_loader._values import freeze, from_plain
-from savable_loader.config import WorkerConfig
-from savable_loader.errors import LoaderUsageError, StateError
-from savable_loader.rng import capture_kind, restore_generator
+from savable_loader.config import WorkerConfig, active_repetitions
+from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
+from savable_loader.rng import capture_kind, derive_seed, restore_generator, seed_global
 from savable_loader.state.schema import DatasetState
 
 __all__ = ["SavableDataset", "config_fingerprint", "plain_config", "type_name"]
@@ -82,10 +101,38 @@ class SavableDataset(IterableDataset):
     """Base class of sources and wrappers whose iteration state can be saved.
 
     Subclasses set ``_savable_fields``, implement ``__iter__``, ``reset_state_own`` and
-    ``config``; wrappers also return the datasets they wrap from ``children``.
+    ``config``; wrappers also return the datasets they wrap from ``children``. See the
+    module docstring and docs/custom_dataset.md.
+
+    Example::
+
+        class Range(SavableDataset):
+            _savable_fields = ("pos",)
+
+            def __init__(self, n, worker_config):
+                super().__init__(worker_config)
+                self.n = n
+                self.reset_state_own()
+
+            def reset_state_own(self):
+                self.pos = self.worker_config.rank_worker_id()
+
+            def __iter__(self):
+                while self.pos < self.n:
+                    value, self.pos = self.pos, self.pos + self.worker_config.workers_per_rank
+                    yield value
+
+            def config(self):
+                return {"n": self.n}
+
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=2, seed=0)
+        loader = SavableDataLoader(Range(100, worker_config=wc), batch_size=None, worker_config=wc)
     """
 
     _savable_fields: ClassVar[tuple[str, ...]] = ()
+
+    #: The restore key of the sample this dataset yielded last (None: it gives no keys).
+    sample_key: Any = None
 
     def __init__(self, worker_config: WorkerConfig) -> None:
         if not isinstance(worker_config, WorkerConfig):
@@ -99,6 +146,49 @@ class SavableDataset(IterableDataset):
 
     def reset_state_own(self) -> None:
         """Set this dataset's own ``_savable_fields`` to the start of an epoch."""
+
+    # -- restore keys -----------------------------------------------------------------
+
+    def mark_sample(self, key: Any) -> None:
+        """Record ``key`` as the key of the sample about to be yielded, and re-seed.
+
+        Python ``random``, NumPy's and torch's global RNGs are re-seeded from
+        ``(seed, epoch, repetition, dataset type, key)``, so whatever runs downstream of
+        this yield (a random map, say) draws the same numbers when ``restore_sample``
+        rebuilds the sample and calls ``mark_sample(key)`` at the same point. Sources call
+        it for every sample; wrappers that reorder samples (buffers) call it too.
+        """
+        self.sample_key = key
+        wc = self.worker_config
+        text = msgspec.json.encode(key).decode()
+        seed_global(derive_seed(wc.seed, "key", wc.active_epoch(), *active_repetitions(), type(self).__name__, text))
+
+    def restore_sample(self, key: Any) -> Any:
+        """The sample ``key`` names, built alone in the calling process.
+
+        Must not change the iteration state. The default refuses with the reason.
+        """
+        raise RestoreKeyError(self.restore_sample_blocker() or f"{type(self).__name__} cannot restore samples")
+
+    def restore_sample_blocker(self) -> str | None:
+        """Why ``restore_sample`` cannot work here (this dataset or one it wraps), or None."""
+        if type(self).restore_sample is SavableDataset.restore_sample:
+            return (
+                f"{type(self).__name__} does not implement restore_sample() "
+                "(give samples keys with mark_sample() and implement restore_sample())"
+            )
+        for child in self.children():
+            reason = child.restore_sample_blocker()
+            if reason is not None:
+                return reason
+        return None
+
+    def can_restore_sample(self) -> bool:
+        """True if every dataset of this pipeline can rebuild a sample from its key.
+
+        ``restore_sample_blocker()`` says why not.
+        """
+        return self.restore_sample_blocker() is None
 
     def config(self) -> dict[str, Any]:
         """A dict that describes this dataset; a changed config refuses a restore."""

@@ -27,11 +27,22 @@ from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StateEr
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import RankState
 
-__all__ = ["DataParallelGroup", "gather_states", "scatter_states", "select_rank_state"]
+__all__ = [
+    "DataParallelGroup",
+    "check_gathered",
+    "gather_states",
+    "is_resize",
+    "scatter_states",
+    "select_rank_state",
+]
 
 
 class DataParallelGroup:
-    """This process's place in the data-parallel group of a ``WorkerConfig``."""
+    """This process's place in the data-parallel group of a ``WorkerConfig``.
+
+    Without torch.distributed the ``WorkerConfig``'s rank and world size are taken as
+    given (a world of one by default); collectives then need a world of one.
+    """
 
     def __init__(self, worker_config: WorkerConfig) -> None:
         self.initialized = dist.is_available() and dist.is_initialized()
@@ -40,17 +51,26 @@ class DataParallelGroup:
             self.rank = dist.get_rank(group=self.group)
             self.size = dist.get_world_size(group=self.group)
         else:
-            self.rank, self.size = 0, 1
+            self.rank, self.size = worker_config.rank, worker_config.world_size
         if (self.rank, self.size) != (worker_config.rank, worker_config.world_size):
             raise LoaderUsageError(
                 f"the loader's WorkerConfig says rank {worker_config.rank} of {worker_config.world_size}, "
                 f"but torch.distributed says rank {self.rank} of {self.size} in the data-parallel group"
             )
 
+    def require_collectives(self, what: str) -> None:
+        """LoaderUsageError if ``what`` would need torch.distributed and it is not there."""
+        if not self.initialized and self.size > 1:
+            raise LoaderUsageError(
+                f"{what} is a collective over {self.size} ranks and needs torch.distributed initialised; "
+                "without it, use save_state_rank() / restore_state_rank() per rank, or "
+                "restore_state_global(states) with the whole list"
+            )
+
     def global_ranks(self) -> list[int]:
         """Global ranks of the group's members, ordered by group rank."""
         if not self.initialized:
-            return [0]
+            return [self.rank]
         if self.group is None:
             return list(range(self.size))
         return list(dist.get_process_group_ranks(self.group))
@@ -65,6 +85,7 @@ class DataParallelGroup:
 
 def gather_states(group: DataParallelGroup, state: RankState, dst: int) -> list[RankState] | None:
     """Gather every rank's state to global rank ``dst``: the list there, None elsewhere."""
+    group.require_collectives("save_state_global")
     group.check_member(dst, "global_dst_rank")
     if not group.initialized:
         return [state]
@@ -75,6 +96,32 @@ def gather_states(group: DataParallelGroup, state: RankState, dst: int) -> list[
     if not is_dst:
         return None
     return [_decode_rank(item, i) for i, item in enumerate(gathered or [])]
+
+
+def check_gathered(states: Any) -> list[RankState]:
+    """A gathered list checked for itself: RankStates of ranks 0..W-1, all saved on W ranks."""
+    if isinstance(states, RankState):
+        states = [states]
+    if not isinstance(states, (list, tuple)) or not states:
+        raise StateError(f"restore_state_global needs a non-empty list of RankState, got {states!r:.80}")
+    for i, s in enumerate(states):
+        if not isinstance(s, RankState):
+            raise StateError(f"entry {i} of the gathered state is a {type(s).__qualname__}, not a RankState")
+        if s.config.rank != i:
+            raise StateError(f"entry {i} of the gathered state was saved by rank {s.config.rank}")
+        if s.config.world_size != len(states):
+            raise StateError(
+                f"entry {i} was saved on {s.config.world_size} ranks, but the gathered list holds {len(states)}"
+            )
+    return list(states)
+
+
+def is_resize(states: Any, world_size: int) -> bool:
+    """True if ``states`` is a consistent gathered list made on another world size."""
+    try:
+        return len(check_gathered(states)) != world_size
+    except StateError:
+        return False
 
 
 def select_rank_state(states: Any, rank: int, world_size: int) -> RankState:
@@ -101,27 +148,40 @@ def select_rank_state(states: Any, rank: int, world_size: int) -> RankState:
     return states[rank]
 
 
-def scatter_states(group: DataParallelGroup, states: Any, src: int) -> RankState:
+def scatter_states(
+    group: DataParallelGroup, states: Any, src: int, allow_resize: bool = False
+) -> RankState | list[RankState]:
     """Give every rank its entry of the list ``states`` held by global rank ``src``.
 
     ``src`` checks the list and broadcasts its verdict first: a bad list raises on every
-    rank, nobody is left waiting.
+    rank, nobody is left waiting. With ``allow_resize``, a list saved on another world
+    size is broadcast whole (every rank needs all old states to take its share).
     """
+    group.require_collectives("restore_state_global(src_rank=...)")
     group.check_member(src, "src_rank")
     if not group.initialized:
+        if allow_resize and is_resize(states, 1):
+            return check_gathered(states)
         return select_rank_state(states, 0, 1)
     is_src = dist.get_rank() == src
     verdict: list[Any] = [None]
     payload: list[bytes] | None = None
     if is_src:
         try:
-            for i in range(group.size):
-                select_rank_state(states, i, group.size)
+            if allow_resize and is_resize(states, group.size):
+                verdict = [["resize"]]
+            else:
+                for i in range(group.size):
+                    select_rank_state(states, i, group.size)
             payload = [encode(s) for s in states]
         except (StateError, ConfigMismatchError) as e:
             verdict = [[type(e).__name__, str(e), getattr(e, "field", None), getattr(e, "saved", None),
                         getattr(e, "current", None), getattr(e, "hint", "")]]
     dist.broadcast_object_list(verdict, src=src, group=group.group)
+    if verdict[0] == ["resize"]:
+        whole: list[Any] = [payload]
+        dist.broadcast_object_list(whole, src=src, group=group.group)
+        return [_decode_rank(item, i) for i, item in enumerate(whole[0])]
     if verdict[0] is not None:
         kind, message, field, saved, current, hint = verdict[0]
         if kind == "ConfigMismatchError":

@@ -8,6 +8,8 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
     │   └── StateVersionError       written by a newer savable-loader: upgrade
     ├── ConfigMismatchError         restore under a configuration that cannot be honoured
     ├── LoaderUsageError            the loader was called in a way it does not support
+    ├── RestoreKeyError             a restore key cannot be rebuilt (foreign, malformed, unsupported)
+    ├── DataError                   data on disk is malformed (shard metadata, shard files)
     └── WorkerError                 a worker process failed (names the worker)
         ├── WorkerDiedError         the worker process exited
         └── WorkerTimeoutError      the worker did not answer in time
@@ -26,7 +28,9 @@ from typing import Any
 
 __all__ = [
     "ConfigMismatchError",
+    "DataError",
     "LoaderUsageError",
+    "RestoreKeyError",
     "SavableLoaderError",
     "StateError",
     "StateVersionError",
@@ -37,7 +41,15 @@ __all__ = [
 
 
 class SavableLoaderError(Exception):
-    """Base class of every error savable_loader raises on purpose."""
+    """Base class of every error savable_loader raises on purpose.
+
+    Example::
+
+        try:
+            loader.restore_state_rank(sl.state.load_file("loader.state"))
+        except SavableLoaderError as e:
+            print(f"cannot resume the data, starting over: {e}")
+    """
 
 
 class StateError(SavableLoaderError):
@@ -45,11 +57,26 @@ class StateError(SavableLoaderError):
 
     Raised by :func:`savable_loader.state.decode`, :func:`savable_loader.state.load_file`
     and by restores handed an object of the wrong kind.
+
+    Example::
+
+        try:
+            state = sl.state.load_file("loader.state")
+        except StateError as e:   # missing, truncated, bad checksum, not a state
+            print(e)              # names the file and the problem
     """
 
 
 class StateVersionError(StateError):
-    """The state was written with a newer schema version than this library knows."""
+    """The state was written with a newer schema version than this library knows.
+
+    Example::
+
+        try:
+            state = sl.state.decode(data)
+        except StateVersionError:
+            raise SystemExit("this checkpoint needs a newer savable-loader: pip install -U savable-loader")
+    """
 
 
 class ConfigMismatchError(SavableLoaderError):
@@ -57,6 +84,13 @@ class ConfigMismatchError(SavableLoaderError):
 
     ``field`` names the configuration entry, ``saved`` is its value in the state and
     ``current`` its value in the loader being restored.
+
+    Example::
+
+        try:
+            loader.restore_state_rank(state)
+        except ConfigMismatchError as e:
+            print(e.field, e.saved, e.current)   # e.g. seed 7 8
     """
 
     def __init__(self, field: str, saved: Any, current: Any, hint: str = "") -> None:
@@ -74,11 +108,55 @@ class ConfigMismatchError(SavableLoaderError):
 
 
 class LoaderUsageError(SavableLoaderError, ValueError):
-    """An argument or a call sequence the loader does not support."""
+    """An argument or a call sequence the loader does not support.
+
+    Also a ``ValueError``. Example::
+
+        SavableDataLoader(dataset, sampler=my_sampler)   # LoaderUsageError: says why and what to use
+    """
+
+
+class RestoreKeyError(SavableLoaderError, ValueError):
+    """A restore key cannot be turned back into its batch.
+
+    The key is malformed, was made by a loader with another seed or dataset, or the
+    pipeline holds a dataset that cannot rebuild samples (``can_restore_sample()`` is
+    False; the message gives the reason).
+
+    Example::
+
+        try:
+            batch = loader.restore_sample(RestoreKey.parse(line))
+        except RestoreKeyError as e:
+            print(e)
+    """
+
+
+class DataError(SavableLoaderError, ValueError):
+    """The data a source reads is malformed: missing or invalid shard metadata, a shard
+    whose length disagrees with it, an unreadable shard, a line that is not JSON.
+
+    The message names the file (and the field or line).
+
+    Also a ``ValueError``. Example::
+
+        try:
+            batch = next(it)
+        except DataError as e:
+            print(e)   # names the shard file and what is wrong with it
+    """
 
 
 class WorkerError(SavableLoaderError, RuntimeError):
-    """A worker process failed; ``worker_id`` is its logical id within this rank."""
+    """A worker process failed; ``worker_id`` is its logical id within this rank.
+
+    Also a ``RuntimeError``. Example::
+
+        try:
+            batch = next(it)
+        except WorkerError as e:
+            print(f"worker {e.worker_id} failed: {e}")
+    """
 
     def __init__(self, message: str, worker_id: int | None = None) -> None:
         self.worker_id = worker_id
@@ -89,8 +167,23 @@ class WorkerError(SavableLoaderError, RuntimeError):
 
 
 class WorkerDiedError(WorkerError):
-    """A worker process exited (killed, crashed) while the loader still needed it."""
+    """A worker process exited (killed, crashed) while the loader still needed it.
+
+    Raised by the next loader call (``next``, ``save_state_rank``), never from a signal
+    handler. Example::
+
+        try:
+            state = loader.save_state_rank()
+        except WorkerDiedError as e:
+            print(e.worker_id)   # the logical worker that died
+    """
 
 
 class WorkerTimeoutError(WorkerError):
-    """A worker did not produce a sample or answer a command within the timeout."""
+    """A worker did not produce a sample or answer a command within the timeout.
+
+    ``timeout=`` bounds the wait for a sample, ``save_timeout=`` the wait for a save.
+    Example::
+
+        loader = SavableDataLoader(dataset, batch_size=8, num_workers=2, timeout=30, save_timeout=10)
+    """

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import io
 import re
+import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, default_convert
 
+from savable_loader._feeder import WorkerInit
 from savable_loader._index_mode import IndexMode
 from savable_loader._pipeline_mode import SKIP, PipelineMode
 from savable_loader._sigchld import install, loader_call
@@ -30,16 +33,26 @@ from savable_loader._version import __version__
 from savable_loader._worker import END
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
-from savable_loader.distributed import DataParallelGroup, gather_states, scatter_states, select_rank_state
+from savable_loader._elastic import elastic_position
+from savable_loader.distributed import (
+    DataParallelGroup,
+    check_gathered,
+    gather_states,
+    is_resize,
+    scatter_states,
+    select_rank_state,
+)
 from savable_loader.errors import (
+    ConfigMismatchError,
     LoaderUsageError,
+    RestoreKeyError,
     SavableLoaderError,
     StateError,
     WorkerDiedError,
     WorkerTimeoutError,
 )
 from savable_loader.state.codec import decode, encode
-from savable_loader.state.schema import IndexPosition, PipelinePosition, RankState
+from savable_loader.state.schema import IndexPosition, PipelinePosition, RankState, RestoreKey
 
 __all__ = ["SavableDataLoader"]
 
@@ -50,6 +63,13 @@ _UNSUPPORTED = {
     "in_order": "out-of-order delivery cannot be resumed exactly",
 }
 _DEFAULT_SAVE_TIMEOUT = 60.0
+#: Seconds to wait for a worker that broke a pipe to be seen dead.
+_DEATH_GRACE = 1.0
+#: torch iterators of running iterations. Keeping them reachable from here means that an
+#: iteration abandoned inside a reference cycle does not take torch's worker queues into
+#: the cycle collector, which would finalise them before the iteration's ``finally`` could
+#: send the workers their stop signal (then each worker is killed after a 5 s timeout).
+_RUNNING: dict[int, Any] = {}
 
 
 class _TaggedCollate:
@@ -59,10 +79,10 @@ class _TaggedCollate:
         self.collate = collate
 
     def __call__(self, item: tuple[Any, ...]) -> tuple[Any, ...]:
-        # (worker_id, index, payload) or, from worker processes, (..., snapshot)
+        # (worker_id, index, key, payload) or, from worker processes, (..., snapshot)
         if item[1] == END:
             return item
-        return (item[0], item[1], self.collate(item[2]), *item[3:])
+        return (item[0], item[1], item[2], self.collate(item[3]), *item[4:])
 
 
 def _identity(batch: Any) -> Any:
@@ -72,7 +92,7 @@ def _identity(batch: Any) -> Any:
 class SavableDataLoader(DataLoader):
     """A ``torch.utils.data.DataLoader`` whose position can be saved and restored exactly.
 
-    Drop-in path (map-style dataset)::
+    Example, drop-in path (map-style dataset)::
 
         loader = SavableDataLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=4)
         for batch in loader:
@@ -178,7 +198,8 @@ class SavableDataLoader(DataLoader):
             num_workers=wc.num_workers,
             pin_memory=pin_memory,
             timeout=timeout,
-            worker_init_fn=worker_init_fn,
+            # in workers: an unpicklable sample becomes an error, not a hang (_feeder.py)
+            worker_init_fn=WorkerInit(worker_init_fn) if wc.num_workers > 0 else worker_init_fn,
             multiprocessing_context=multiprocessing_context,
             generator=torch.Generator().manual_seed(wc.seed & 0x7FFF_FFFF_FFFF_FFFF),
             prefetch_factor=prefetch_factor,
@@ -195,6 +216,11 @@ class SavableDataLoader(DataLoader):
         self._prefetch = prefetch
         self._torch_iter: Any = None
         self._live: weakref.ref[Iterator[Any]] | None = None
+        # Held by a save for its whole duration and by the iterating thread while it books
+        # an item, so that a save from another thread sees one consistent position.
+        self._state_lock = threading.RLock()
+        # Why the last iteration failed (a save cannot know its position any more).
+        self._failed: str | None = None
 
     @staticmethod
     def _resolve_worker_config(wc: WorkerConfig | None, num_workers: int | None, seed: int | None) -> WorkerConfig:
@@ -212,7 +238,7 @@ class SavableDataLoader(DataLoader):
 
     def __len__(self) -> int:
         if self._mode.kind == "index":
-            return self._mode.plan.num_batches()  # type: ignore[union-attr]
+            return len(self._mode.sampler)  # type: ignore[union-attr]
         return super().__len__()
 
     def __iter__(self) -> Iterator[Any]:
@@ -227,17 +253,22 @@ class SavableDataLoader(DataLoader):
 
     def _iterate(self) -> Iterator[Any]:
         mode = self._mode
+        owner = weakref.ref(self)  # cleared first when a garbage cycle holds the loader
         persistent = self.persistent_workers and self.num_workers > 0
         while True:
-            resumed = mode.begin(self._mp_context(), reuse_workers=persistent and self._iterator is not None)
+            with self._state_lock:
+                resumed = mode.begin(self._mp_context(), reuse_workers=persistent and self._iterator is not None)
+                self._failed = None
             produced = 0
             finished = False
+            torch_iter = None
             try:
                 with loader_call():
                     torch_iter = super().__iter__()
                 if self.num_workers > 0:
                     install()
                 self._torch_iter = torch_iter
+                _RUNNING[id(torch_iter)] = torch_iter
                 mode.workers_started()
                 while True:
                     try:
@@ -245,20 +276,52 @@ class SavableDataLoader(DataLoader):
                             item = next(torch_iter)
                     except StopIteration:
                         break
-                    except RuntimeError as e:
-                        raise self._translate(e, torch_iter) from e
-                    payload = mode.on_item(item)
+                    except Exception as e:
+                        self._failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        translated = self._translate(e, torch_iter)
+                        if isinstance(translated, WorkerTimeoutError):
+                            self._terminate(torch_iter, translated.worker_id)
+                        if translated is e:
+                            raise
+                        raise translated from e
+                    with self._state_lock:
+                        payload = mode.on_item(item)
                     if payload is not SKIP:
                         produced += 1
                         yield payload
                 finished = True
             finally:
                 self._torch_iter = None
-                mode.end(keep_channels=persistent)
+                failed = self._failed is not None
+                with self._state_lock:
+                    mode.end(keep_channels=persistent and not failed)
+                _RUNNING.pop(id(torch_iter), None)
+                # Stop the workers of a failed or abandoned iteration now (persistent ones
+                # stay for the next epoch unless the loader itself is being collected).
+                if failed or (not finished and (not persistent or owner() is None)):
+                    self._shutdown(torch_iter)
             # A restored epoch that had nothing left: go on with the next epoch, as the
             # uninterrupted run would have.
             if not (finished and resumed and produced == 0):
                 return
+
+    def _shutdown(self, torch_iter: Any) -> None:
+        """Stop the workers of a failed or abandoned iteration now, rather than when the
+        torch iterator is freed: an error's traceback holds it in a reference cycle, and
+        when the cycle collector frees it, its queues may be finalised first, so that its
+        workers never get the stop signal and are killed after a 5 s join timeout each."""
+        shutdown = getattr(torch_iter, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        if self._iterator is torch_iter:
+            self._iterator = None  # persistent workers: start new ones next time
+
+    def _terminate(self, torch_iter: Any, worker_id: int | None) -> None:
+        """A hung worker would not stop on request: end it (SIGTERM) so that the shutdown
+        does not wait for it."""
+        for physical, process in enumerate(getattr(torch_iter, "_workers", None) or []):
+            if self._logical(physical) == worker_id and process.is_alive():
+                process.terminate()
 
     def _mp_context(self) -> Any:
         ctx = self.multiprocessing_context
@@ -266,9 +329,15 @@ class SavableDataLoader(DataLoader):
             return torch.multiprocessing.get_context()
         return ctx
 
-    def _translate(self, error: RuntimeError, torch_iter: Any) -> Exception:
+    def _translate(self, error: Exception, torch_iter: Any) -> Exception:
         text = str(error)
         workers = getattr(torch_iter, "_workers", None) or []
+        if isinstance(error, (EOFError, OSError)) and workers and "DataLoader worker process" not in text:
+            # A worker killed after queueing a tensor: receiving the tensor's shared memory
+            # from the dead worker fails with a bare EOFError / ConnectionResetError.
+            return self._dead_worker_error(error, workers)
+        if not isinstance(error, RuntimeError):
+            return error
         if "timed out" in text:
             logical = self._next_worker(torch_iter)
             return WorkerTimeoutError(
@@ -281,6 +350,23 @@ class SavableDataLoader(DataLoader):
             name = f"worker {ids[0]}" if len(ids) == 1 else f"workers {ids}"
             return WorkerDiedError(f"{name} exited unexpectedly ({text})", worker_id=ids[0] if ids else None)
         return error
+
+    def _dead_worker_error(self, error: Exception, workers: list[Any]) -> Exception:
+        deadline = time.monotonic() + _DEATH_GRACE
+        while True:
+            dead = [(i, w) for i, w in enumerate(workers) if not w.is_alive()]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        if not dead:
+            return error
+        ids = [self._logical(i) for i, _ in dead]
+        name = f"worker {ids[0]}" if len(ids) == 1 else f"workers {ids}"
+        codes = ", ".join(f"pid {w.pid} exit code {w.exitcode}" for _, w in dead)
+        return WorkerDiedError(
+            f"{name} exited unexpectedly ({codes}; {type(error).__name__} while receiving a sample it had sent)",
+            worker_id=ids[0],
+        )
 
     def _next_worker(self, torch_iter: Any) -> int | None:
         info = getattr(torch_iter, "_task_info", {}).get(getattr(torch_iter, "_rcvd_idx", -1))
@@ -297,7 +383,28 @@ class SavableDataLoader(DataLoader):
         Before the first batch, mid-epoch, after the last batch of an epoch, between
         epochs and right after a restore. Saving twice without iterating gives equal
         states.
+
+        Thread-safe: a checkpoint thread may save while the training thread iterates. The
+        state is the position between two yielded items (all items yielded before the
+        save started, possibly some yielded while it ran); while a save runs, the
+        iterating thread waits before booking its next item. Example::
+
+            threading.Thread(target=lambda: save_file(path, loader.save_state_rank())).start()
+
+        After an iteration failed (a worker died, hung or raised), its position is lost
+        with it: saving raises :class:`LoaderUsageError` until the next ``iter()``; restore
+        a new loader from a state saved before the failure.
         """
+        with self._state_lock:
+            if self._failed is not None:
+                raise LoaderUsageError(
+                    f"cannot save: the loader's last iteration failed ({self._failed}) and its position was "
+                    "lost with it; restore a new loader from a state saved before the failure "
+                    "(or call iter() to start the next epoch)"
+                )
+            return self._save_state_rank()
+
+    def _save_state_rank(self) -> RankState:
         mode = self._mode
         position: IndexPosition | PipelinePosition
         if mode.kind == "pipeline":  # asks workers: deliver worker-death signals here
@@ -329,20 +436,34 @@ class SavableDataLoader(DataLoader):
             )
         if not isinstance(state, RankState):
             raise StateError(f"restore_state_rank needs a RankState, got {type(state).__qualname__}")
+        self._restore(state, state.position, elastic=False)
+
+    def _restore(self, state: RankState, position: Any, elastic: bool) -> None:
         if self._torch_iter is not None:
             raise LoaderUsageError("cannot restore a loader while it is iterating; restore before iter()")
+        self._failed = None
         if self.persistent_workers and self._iterator is not None:
             raise LoaderUsageError("cannot restore a loader whose persistent workers already run; build a new loader")
         mode = self._mode
-        position = state.position
         expected = IndexPosition if mode.kind == "index" else PipelinePosition
         if not isinstance(position, expected):
             raise StateError(
                 f"the state was saved by a {'pipeline' if isinstance(position, PipelinePosition) else 'drop-in'} "
                 f"loader, this loader is a {'drop-in' if mode.kind == 'index' else 'pipeline'} loader"
             )
-        mode.check(state.config, position, self.num_workers)  # type: ignore[arg-type]
+        if elastic:
+            position = mode.check(state.config, position, self.num_workers, elastic=True)  # type: ignore[call-arg, arg-type]
+        else:
+            position = mode.check(state.config, position, self.num_workers)  # type: ignore[arg-type]
         mode.restore(position)  # type: ignore[arg-type]
+
+    def _restore_resized(self, states: list[RankState], world_size: int) -> None:
+        if self._mode.kind != "index":
+            raise ConfigMismatchError(
+                "world_size", len(states), world_size,
+                "a savable pipeline's state is split per rank and worker: restore it on the same world size",
+            )
+        self._restore(states[0], elastic_position(states), elastic=True)
 
     def save_state_global(self, global_dst_rank: int) -> list[RankState] | None:
         """Gather every data-parallel rank's state to ``global_dst_rank``.
@@ -358,15 +479,72 @@ class SavableDataLoader(DataLoader):
         """Restore from a gathered list: every rank passes it (``src_rank=None``), or only
         global rank ``src_rank`` does and it is scattered (a collective then).
 
-        A list whose length is not the data-parallel world size, or states saved under
-        another world size, raise :class:`ConfigMismatchError` naming both sizes.
+        Drop-in path: states saved on ``W`` ranks restore on any other world size
+        ``W'``. The rest of the interrupted epoch — every sample no old rank had
+        consumed — is shared among the new ranks, each exactly once (shares differ by at
+        most one sample), and later epochs are ordinary ``W'``-rank epochs. A savable
+        pipeline refuses another world size with :class:`ConfigMismatchError`, as does a
+        list that does not hold one state per old rank.
         """
         group = DataParallelGroup(self.worker_config)
+        resize_ok = self._mode.kind == "index"
         if src_rank is None:
+            if is_resize(states, group.size):
+                self._restore_resized(check_gathered(states), group.size)
+                return
             state = select_rank_state(states, group.rank, group.size)
         else:
-            state = scatter_states(group, states, src_rank)
+            got = scatter_states(group, states, src_rank, allow_resize=resize_ok)
+            if isinstance(got, list):
+                self._restore_resized(got, group.size)
+                return
+            state = got
         self.restore_state_rank(state)
+
+    # -- restore keys -----------------------------------------------------------------
+
+    @property
+    def restore_key(self) -> RestoreKey | None:
+        """The :class:`~savable_loader.state.RestoreKey` of the batch yielded last.
+
+        None before the first batch (and right after a restore). Keep it, for example
+        beside a loss spike, and rebuild that batch later with :meth:`restore_sample`::
+
+            for batch in loader:
+                loss = step(batch)
+                if loss > threshold:
+                    print("spike at", loader.restore_key)   # one line of JSON
+        """
+        return self._mode.restore_key(self.seed)
+
+    def restore_sample(self, key: RestoreKey | str) -> Any:
+        """The batch ``key`` names, rebuilt bit for bit in this process, without iterating.
+
+        ``key`` is a :class:`~savable_loader.state.RestoreKey` from :attr:`restore_key`
+        or its ``str()``. The loader must be built like the one that made the key (same
+        dataset and seed; ``num_workers`` and world size may differ). Drop-in path:
+        always possible. Savable pipelines: when every dataset of the pipeline supports
+        it (``dataset.can_restore_sample()``; ``restore_sample_blocker()`` says why not).
+        Raises :class:`RestoreKeyError` otherwise. Example::
+
+            key = str(loader.restore_key)
+            again = loader.restore_sample(key)
+        """
+        if isinstance(key, (str, bytes)):
+            key = RestoreKey.parse(key)
+        if not isinstance(key, RestoreKey):
+            raise RestoreKeyError(f"restore_sample needs a RestoreKey or its str(), got {type(key).__qualname__}")
+        if key.seed != self.seed:
+            raise RestoreKeyError(f"key.seed is {key.seed}, this loader's seed is {self.seed}")
+        if key.fingerprint != self._mode.fingerprint:
+            raise RestoreKeyError(
+                f"key.fingerprint is {key.fingerprint!r}, this loader's dataset is {self._mode.fingerprint!r}: "
+                "the key was made by a loader over another dataset or configuration"
+            )
+        sample = self._mode.restore_sample(key)
+        if self._mode.kind == "pipeline":
+            sample = self.collate_fn.collate(sample)
+        return sample
 
     def _state_key(self) -> str:
         return f"dp_rank_{self.worker_config.rank}"

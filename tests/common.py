@@ -159,14 +159,16 @@ class RandomMapDataset:
 
 class RangeSource(sl.SavableDataset):
     """Savable source: the integers below ``n`` (worker w of W takes w, w+W, ...),
-    each with a draw from the three global RNGs; optional per-sample delay."""
+    each with a draw from the three global RNGs; optional per-sample delay. With
+    ``keyed`` (the default) every sample has a restore key (its value)."""
 
     _savable_fields = ("pos",)
 
-    def __init__(self, n: int, worker_config: sl.WorkerConfig, delay: float = 0.0) -> None:
+    def __init__(self, n: int, worker_config: sl.WorkerConfig, delay: float = 0.0, keyed: bool = True) -> None:
         super().__init__(worker_config)
         self.n = n
         self.delay = delay
+        self.keyed = keyed
         self.reset_state_own()
 
     def reset_state_own(self) -> None:
@@ -179,9 +181,24 @@ class RangeSource(sl.SavableDataset):
             self.pos += step
             if self.delay:
                 time.sleep(self.delay)
-            yield torch.tensor(
-                [value, random.randint(0, 10**6), int(np.random.randint(0, 10**6)), int(torch.randint(0, 10**6, ()))]
-            )
+            if self.keyed:
+                self.mark_sample(value)
+            yield self._build(value)
+
+    @staticmethod
+    def _build(value: int) -> torch.Tensor:
+        return torch.tensor(
+            [value, random.randint(0, 10**6), int(np.random.randint(0, 10**6)), int(torch.randint(0, 10**6, ()))]
+        )
+
+    def restore_sample(self, key: Any) -> torch.Tensor:
+        if not self.keyed:
+            return super().restore_sample(key)
+        self.mark_sample(key)
+        return self._build(key)
+
+    def restore_sample_blocker(self) -> str | None:
+        return None if self.keyed else "RangeSource(keyed=False) gives no keys"
 
     def config(self) -> dict[str, Any]:
         return {"n": self.n}

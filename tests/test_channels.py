@@ -142,7 +142,7 @@ def test_answers_are_worker_states_that_resume_exactly(workers):
     assert (a.worker_id, a.index, b.worker_id, b.index) == (1, 3, 0, 5)
     assert a.snapshot_index <= 3 and b.snapshot_index <= 5 and not a.exhausted
     ref1, ref0 = reference(1), reference(0)
-    assert ref1[-1] == (1, END, 6) and ref0[-1] == (0, END, 6)
+    assert ref1[-1] == (1, END, None, 6) and ref0[-1] == (0, END, None, 6)
     assert_streams(restored(1, a), ref1[3:], "logical 1 from 3")
     assert_streams(restored(0, b), ref0[5:], "logical 0 from 5")
     # a second round on the same pipes
@@ -257,7 +257,7 @@ def test_release_lets_a_runtime_worker_end(workers):
         rt = WorkerRuntime(ds, ds.worker_config, max_in_flight=100, in_process=False)
         rt.serve(cmd, res)
         items = list(rt.run(EPOCH, 0, None))  # returns only after the release
-        if items[-1] == (0, END, 6):
+        if items[-1] == (0, END, None, 6):
             done.set()
 
     p = w.start(0, worker)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import savable_loader as sl
-from tests.common import RandomMapDataset, assert_streams
+from tests.common import RandomMapDataset, RangeSource, assert_streams
 from tests.dist_harness import run_ranks, values
 
 pytestmark = pytest.mark.timeout(300)
@@ -126,8 +126,13 @@ def test_dcp_round_trip(tmp_path):
         assert_streams(got[rank], refs[rank][k:], f"rank {rank} after DCP load")
 
 
+def make_pipeline() -> sl.SavableDataLoader:
+    wc = sl.WorkerConfig(num_workers=0, seed=11)
+    return sl.SavableDataLoader(sl.wrappers.BatchDataset(RangeSource(N, wc), BATCH), batch_size=None, worker_config=wc)
+
+
 def _restore_into(rank, world, out, form):
-    loader = make(0)
+    loader = make_pipeline()
     path = Path(out) / "loader.state"
     if form == "full":
         loader.restore_state_global(sl.state.load_file(path))
@@ -136,13 +141,14 @@ def _restore_into(rank, world, out, form):
 
 
 def _save_at_start(rank, world, out):
-    states = make(0).save_state_global(0)
+    states = make_pipeline().save_state_global(0)
     if rank == 0:
         sl.state.save_file(Path(out) / "loader.state", states)
 
 
 @pytest.mark.parametrize("form", ["full", "scatter"])
-def test_world_size_mismatch_is_an_error_on_every_rank(tmp_path, form):
+def test_pipeline_world_size_change_is_an_error_on_every_rank(tmp_path, form):
+    # (the drop-in path honours a world-size change: tests/test_elastic.py)
     values(run_ranks(_save_at_start, 2, str(tmp_path)))
     results = run_ranks(_restore_into, 3, str(tmp_path), form, timeout=90)
     for r in results:

@@ -12,7 +12,9 @@ import savable_loader
 from savable_loader import errors
 from savable_loader.errors import (
     ConfigMismatchError,
+    DataError,
     LoaderUsageError,
+    RestoreKeyError,
     SavableLoaderError,
     StateError,
     StateVersionError,
@@ -27,6 +29,8 @@ TREE = {
     StateVersionError: StateError,
     ConfigMismatchError: SavableLoaderError,
     LoaderUsageError: SavableLoaderError,
+    RestoreKeyError: SavableLoaderError,
+    DataError: SavableLoaderError,
     WorkerError: SavableLoaderError,
     WorkerDiedError: WorkerError,
     WorkerTimeoutError: WorkerError,
@@ -76,6 +80,7 @@ def test_direct_parents() -> None:
 
 def test_builtin_bases() -> None:
     assert issubclass(LoaderUsageError, ValueError)
+    assert issubclass(DataError, ValueError) and issubclass(RestoreKeyError, ValueError)
     assert issubclass(WorkerError, RuntimeError)
     assert issubclass(WorkerDiedError, RuntimeError) and issubclass(WorkerTimeoutError, RuntimeError)
     assert not issubclass(StateError, ValueError)

@@ -47,7 +47,7 @@ def test_padding_wraps_around_like_distributed_sampler(n, world_size):
     all_indices: list[int] = []
     for rank in range(world_size):
         p = plan(n, rank=rank, world_size=world_size, batch_size=None)
-        assert p.rank_len == per_rank
+        assert p.rank_len() == per_rank
         positions, indices = flat(p.batches(0, 0))
         assert len(indices) == per_rank
         assert positions == list(range(rank, per_rank * world_size, world_size))
@@ -91,7 +91,7 @@ def test_padding_repeats_the_start_of_the_shuffled_order():
 def test_epoch_len_and_num_batches(n, world_size, batch_size, drop_last, epoch_len, num_batches):
     for rank in range(world_size):
         p = plan(n, rank=rank, world_size=world_size, batch_size=batch_size, drop_last=drop_last)
-        assert p.epoch_len == epoch_len
+        assert p.epoch_len() == epoch_len
         assert p.num_batches() == num_batches
         keys = list(p.batches(0, 0))
         assert len(keys) == num_batches
@@ -122,7 +122,7 @@ def test_batches_from_mid_epoch_start_are_the_tail(batch_size, drop_last):
     step = batch_size or 1
     for b in range(len(full) + 1):
         assert list(p.batches(3, b * step)) == full[b:], f"start {b * step}"
-    assert list(p.batches(3, p.epoch_len)) == []
+    assert list(p.batches(3, p.epoch_len())) == []
 
 
 def test_sampler_iterates_its_epoch_from_its_start():

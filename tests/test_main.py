@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from savable_loader import _demo
 from savable_loader.__main__ import main
 from savable_loader.state import RankState, load_file
 
@@ -64,21 +66,29 @@ def test_demo_rejects_kill_at_past_the_end():
 
 
 def _children_of(out_dir: Path) -> list[psutil.Process]:
+    """Live processes started for a demo run with ``--out out_dir``: its training runs
+    (forked or not), their ranks and loader workers. The demo itself has exited."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline", "status"]):
         cmdline = proc.info["cmdline"] or []
-        if "--_child" in cmdline and str(out_dir) in cmdline:
+        if any(str(out_dir) in part for part in cmdline) and proc.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(proc)
     return found
 
 
-def test_demo_default_kill_point():
-    out = run_cli("demo", "--steps", "30", "--workers", "2", "--seed", "1", timeout=DEMO_TIMEOUT)
+def test_demo_two_ranks_default_kill_point():
+    out = run_cli("demo", "--ranks", "2", "--steps", "12", "--workers", "1", "--seed", "1", "--save-every", "3",
+                  "--step-ms", "5", timeout=DEMO_TIMEOUT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "identical: yes" in out.stdout
+    assert "on 2 ranks (gloo on 127.0.0.1)" in out.stdout
     killed = int(re.search(r"after step (\d+) \(--kill-at (\d+)\)", out.stdout).group(2))
-    assert 10 <= killed <= 20  # the middle third of 30 steps
-    assert "plain torch DataLoader:" in out.stdout
+    assert 4 <= killed <= 8  # the middle third of 12 steps
+    restored = re.search(r"-> continues at step (\d+)", out.stdout)
+    after = 12 - int(restored.group(1)) + 1
+    assert f"batches after restart:  {2 * after}/{2 * after} equal" in out.stdout
+    assert f"loss after restart:     {2 * after}/{2 * after} equal" in out.stdout
+    assert "plain torch DataLoader: restarts epoch" in out.stdout
     assert "reference run" in out.stderr  # progress lines, plain (no TTY)
     assert "\r" not in out.stderr
 
@@ -86,21 +96,52 @@ def test_demo_default_kill_point():
 def test_demo_explicit_kill_at_keeps_its_files(tmp_path):
     out_dir = tmp_path / "demo"
     out = run_cli("demo", "--steps", "30", "--workers", "2", "--seed", "1", "--kill-at", "17",
-                  "--out", str(out_dir), timeout=DEMO_TIMEOUT)
+                  "--out", str(out_dir), "--step-ms", "10", timeout=DEMO_TIMEOUT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "identical: yes" in out.stdout
     killed = int(re.search(r"after step (\d+) \(--kill-at 17\)", out.stdout).group(1))
     assert killed >= 17
-    restored = re.search(r"restored: +epoch (\d+), (\d+) samples consumed -> continues at step (\d+)", out.stdout)
+    restored = re.search(r"restored: +step-(\d+): rank 0 at epoch (\d+), (\d+) samples consumed "
+                         r"-> continues at step (\d+)", out.stdout)
     assert restored is not None, out.stdout
-    epoch, consumed, next_step = map(int, restored.groups())
-    # Saves come every 5 steps, after the step's training; the kill lands during a step.
+    ckpt_step, epoch, consumed, next_step = map(int, restored.groups())
+    # Checkpoints come every 5 steps, after the step's training; the kill lands during a step.
     saved = next_step - 1
+    assert saved == ckpt_step
     assert saved in {5 * ((killed - 1) // 5), 5 * (killed // 5)}, (saved, killed)
     per_epoch = 16  # 250 samples in batches of 16
     assert (epoch, consumed) == (saved // per_epoch, saved % per_epoch * 16)
-    state = load_file(out_dir / "loader.state")
-    assert isinstance(state, RankState)
-    assert (state.position.epoch, state.position.consumed) == (epoch, consumed)
-    assert (out_dir / "train.log").stat().st_size > 0 and (out_dir / "resume.log").stat().st_size > 0
+    assert f"loss after restart:     {30 - saved}/{30 - saved} equal" in out.stdout
+    latest = out_dir / "ckpt" / (out_dir / "ckpt" / "latest").read_text().strip()
+    assert latest.name == f"step-{saved:06d}"
+    states = load_file(latest / "loader.state")
+    assert isinstance(states, list) and len(states) == 1 and isinstance(states[0], RankState)
+    assert (states[0].position.epoch, states[0].position.consumed) == (epoch, consumed)
+    assert (latest / "model.pt").stat().st_size > 0
+    for role in ("reference", "train", "resume"):
+        assert (out_dir / f"{role}.rank0.log").stat().st_size > 0
     assert _children_of(out_dir) == []  # the killed process group left nothing behind
+
+
+def _log(tmp_path, name, records):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tail = _demo._LogTail(path)
+    tail.poll()
+    return tail
+
+
+def test_demo_comparison_can_fail(tmp_path):
+    """The comparison behind "identical" reports a changed batch, a changed loss and a missing step."""
+    ref = [{"step": s, "digest": f"d{s}", "loss": f"l{s}"} for s in range(1, 6)]
+    reference = [_log(tmp_path, "ref", ref)]
+    same = [_log(tmp_path, "same", ref[2:])]
+    assert _demo._compare(reference, [same], range(3, 6)) == (3, 3, [])
+    changed = [dict(r) for r in ref[2:]]
+    changed[0]["digest"] = "other"
+    changed[1]["loss"] = "other"
+    del changed[2]
+    bad = [_log(tmp_path, "bad", changed)]
+    batches, losses, problems = _demo._compare(reference, [bad], range(3, 6))
+    assert (batches, losses) == (1, 1)
+    assert problems == ["rank 0 step 3: batch differs", "rank 0 step 4: loss differs", "rank 0 step 5 missing"]

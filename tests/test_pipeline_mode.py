@@ -100,7 +100,7 @@ def test_end_marker_marks_the_worker_exhausted():
     payloads = [d.next_payload() for _ in range(N)]
     assert len(payloads) == N
     end_item = next(d.it)
-    assert end_item == (0, END, N)
+    assert end_item == (0, END, None, N)
     assert m.on_item(end_item) is SKIP
     assert m.save(None, 1.0) == PipelinePosition(
         epoch=0, next_worker=0, workers=[WorkerState(worker_id=0, index=N, snapshot_index=N, exhausted=True)]
@@ -149,14 +149,14 @@ def test_save_restore_continues_exactly(k):
 def test_save_before_the_in_process_runtime_started_is_an_error():
     m = make()
     m.begin(None, reuse_workers=False)
-    m.on_item((0, 0, "x"))  # an item the runtime never produced
+    m.on_item((0, 0, None, "x"))  # an item the runtime never produced
     with pytest.raises(StateError, match="in-process pipeline has not started"):
         m.save(None, 1.0)
 
 
 def test_item_outside_an_iteration_is_an_error():
     with pytest.raises(RuntimeError, match="outside an iteration"):
-        make().on_item((0, 0, "x"))
+        make().on_item((0, 0, None, "x"))
 
 
 # -- several workers: rotation, releases, exhausted workers -------------------------------
@@ -181,17 +181,17 @@ def test_next_worker_and_release_follow_the_rotation():
         # physical p plays logical (p + 1) % 3
         assert [m.logical(p) for p in (0, 1, 2)] == [1, 2, 0]
         assert [m.physical(w) for w in (0, 1, 2)] == [2, 0, 1]
-        assert m.on_item((1, 0, "a")) == "a"
+        assert m.on_item((1, 0, None, "a")) == "a"
         assert m.current.next_worker == 2 and m.current.consumed == [3, 1, 0]
-        assert m.on_item((2, 0, "b")) == "b"
+        assert m.on_item((2, 0, None, "b")) == "b"
         assert m.current.next_worker == 0 and m.current.consumed == [3, 1, 1]
         # logical 1 ends (it is physical 0): its release goes to physical 0 only
-        assert m.on_item((1, END, 1)) is SKIP
+        assert m.on_item((1, END, None, 1)) is SKIP
         assert m.current.next_worker == 2
         assert read_release(m, 0) == ["release", -1, 4, 0]
         assert not any(m.channels.worker_ends()[p][0].poll(0.05) for p in (1, 2))
         # logical 2 ends (physical 1)
-        assert m.on_item((2, END, 1)) is SKIP
+        assert m.on_item((2, END, None, 1)) is SKIP
         assert read_release(m, 1) == ["release", -1, 4, 0]
         # worker 0 has yielded nothing since its start, 1 and 2 are done: no worker is asked
         position = m.save(None, 1.0)
@@ -204,7 +204,7 @@ def test_next_worker_and_release_follow_the_rotation():
             ],
         )
         # logical 0 ends (physical 2)
-        assert m.on_item((0, END, 3)) is SKIP
+        assert m.on_item((0, END, None, 3)) is SKIP
         assert read_release(m, 2) == ["release", -1, 4, 0]
         assert m.save(None, 1.0).workers[0] == WorkerState(worker_id=0, index=3, snapshot_index=3, exhausted=True)
         assert m.save(None, 1.0).next_worker == 1
@@ -221,7 +221,7 @@ def test_next_worker_and_release_follow_the_rotation():
 def test_save_with_closed_channels_is_an_error():
     m = make(num_workers=2)
     m.begin(CTX, reuse_workers=False)
-    m.on_item((0, 0, "a"))
+    m.on_item((0, 0, None, "a"))
     m.close_channels()
     with pytest.raises(StateError, match="worker channels are closed"):
         m.save(None, 1.0)
@@ -316,10 +316,10 @@ def test_attached_snapshots_answer_a_save_without_the_workers():
     m.begin(CTX, reuse_workers=False)
     snap = DatasetState(type="x", fields={"pos": 5})
     try:
-        assert m.on_item((0, 0, "a", None)) == "a"
-        assert m.on_item((1, 0, "b", (1, encode_part(snap)))) == "b"
-        assert m.on_item((0, 1, "c", (2, encode_part(snap)))) == "c"
-        assert m.on_item((1, 1, "d", None)) == "d"
+        assert m.on_item((0, 0, None, "a", None)) == "a"
+        assert m.on_item((1, 0, None, "b", (1, encode_part(snap)))) == "b"
+        assert m.on_item((0, 1, None, "c", (2, encode_part(snap)))) == "c"
+        assert m.on_item((1, 1, None, "d", None)) == "d"
         m.close_channels()  # nobody to ask: the main process answers alone
         position = m.save(None, 1.0)
         assert position.workers == [
@@ -328,7 +328,7 @@ def test_attached_snapshots_answer_a_save_without_the_workers():
         ]
         assert m.save(None, 1.0) is position
         # a worker whose items carry no snapshot slot is asked (here: channels closed)
-        m.on_item((0, 2, "e"))
+        m.on_item((0, 2, None, "e"))
         m.current.attaching[0] = False
         with pytest.raises(StateError, match="worker channels are closed"):
             m.save(None, 1.0)
@@ -342,7 +342,7 @@ def test_attached_snapshot_before_any_yield_uses_the_start_state():
     m.restore(PipelinePosition(epoch=0, next_worker=0, workers=[start, fresh(1)]))
     m.begin(CTX, reuse_workers=False)
     try:
-        m.on_item((0, 4, "a", None))
+        m.on_item((0, 4, None, "a", None))
         m.close_channels()
         ws = m.save(None, 1.0).workers[0]
         assert ws == WorkerState(worker_id=0, index=5, snapshot_index=2, dataset=None)

@@ -30,6 +30,15 @@ def test_ci_runs_the_readme_test_command():
     assert "python -m savable_loader demo" in README
 
 
+def test_ci_runs_a_part_of_the_suite_under_python_O():
+    ci = (ROOT / ".ci/run").read_text()
+    step = next(line for line in ci.splitlines() if "python -O -m pytest" in line)
+    assert "python -O -m pytest" in README
+    for module in re.findall(r"tests/\S+\.py", step):
+        assert (ROOT / module).is_file(), module
+    assert "tests/test_optimize.py" in step
+
+
 def test_readme_pipeline_example_runs_and_resumes():
     source_block = next(b for b in _python_blocks() if "class MySource" in b)
     pipeline_block = next(b for b in _python_blocks() if "ShuffleBufferDataset(ds, size=1000)" in b)

@@ -240,6 +240,15 @@ def test_scalar_and_empty_tensors_round_trip() -> None:
     assert np.array_equal(from_plain(npz), np.zeros((1, 2)))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16])
+def test_size_one_tensor_with_odd_stride_round_trips(dtype: torch.dtype) -> None:
+    # x[:1, 2] of a (2, 4) tensor: one element with stride 4, which contiguous() keeps
+    t = torch.arange(8).reshape(2, 4).to(dtype)[:1, 2]
+    assert t.stride() == (4,) and t.is_contiguous()
+    back = from_plain(to_plain(t))
+    assert back.dtype == dtype and torch.equal(back, torch.tensor([2]).to(dtype))
+
+
 def test_hand_made_array_value_round_trip() -> None:
     value = ArrayValue(library="numpy", dtype="int16", shape=(2, 2), data=b"\x01\x00\x02\x00\x03\x00\xff\xff")
     back = decode_part(encode_part(DatasetState(type="t", fields={"a": value})), DatasetState)

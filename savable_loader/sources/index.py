@@ -5,7 +5,9 @@ For epoch ``e`` the global order is a permutation of ``range(len(dataset))`` dra
 over ``world_size`` ranks, the order is padded by wrapping around to its start, as
 ``torch.utils.data.DistributedSampler`` does, so every rank gets ``ceil(N / world_size)``
 samples; rank ``r`` takes global positions ``r, r + W, r + 2W, ...``. The rank's share
-is cut into batches; with ``drop_last`` the last, shorter batch is dropped.
+is cut into batches; with ``drop_last`` the last, shorter batch is dropped. An epoch
+resumed on another world size continues with the samples no rank had consumed
+(``stages``, see ``savable_loader/_elastic.py``).
 
 A sample is identified by its **position** in the epoch's global order. Before loading
 it, the worker re-seeds Python ``random``, NumPy's and torch's global RNGs from
@@ -24,14 +26,21 @@ import cloudpickle
 import numpy as np
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
+from savable_loader._elastic import rank_share, share_length
 from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
+from savable_loader.state.schema import IndexStage
 
 __all__ = ["BatchKey", "IndexPlan", "IndexedDataset", "IndexSampler"]
 
 
 @dataclass(frozen=True)
 class BatchKey:
-    """Everything a worker needs to build one batch: epoch and (position, index) pairs."""
+    """Everything a worker needs to build one batch: epoch and (position, index) pairs.
+
+    Example::
+
+        BatchKey(epoch=0, positions=(0, 2), indices=(17, 4))   # dataset[17], dataset[4]
+    """
 
     epoch: int
     positions: tuple[int, ...]
@@ -39,7 +48,13 @@ class BatchKey:
 
 
 class IndexPlan:
-    """The per-epoch order of one rank's samples and its cutting into batches."""
+    """The per-epoch order of one rank's samples and its cutting into batches.
+
+    Example::
+
+        plan = IndexPlan(10, seed=0, shuffle=True, rank=1, world_size=2, batch_size=2, drop_last=False)
+        [k.positions for k in plan.batches(epoch=0, start=0)]   # [(1, 3), (5, 7), (9,)]
+    """
 
     def __init__(
         self,
@@ -60,29 +75,39 @@ class IndexPlan:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self._cache: tuple[int, np.ndarray] | None = None
+        self._shares: dict[Any, range | np.ndarray] = {}
 
-    @property
-    def rank_len(self) -> int:
-        """Samples per rank and epoch (after padding)."""
-        return math.ceil(self.dataset_len / self.world_size) if self.dataset_len else 0
+    def share(self, stages: tuple[IndexStage, ...] = ()) -> range | np.ndarray:
+        """This rank's global positions of an epoch (after ``stages``), in order."""
+        if not stages:
+            return rank_share(self.dataset_len, self.world_size, self.rank, ())
+        key = tuple((s.world_size, tuple(s.consumed)) for s in stages)
+        if key not in self._shares:
+            self._shares = {key: rank_share(self.dataset_len, self.world_size, self.rank, stages)}
+        return self._shares[key]
+
+    def rank_len(self, stages: tuple[IndexStage, ...] = ()) -> int:
+        """Samples of this rank's share of an epoch (after padding)."""
+        if not stages:
+            return share_length(self.dataset_len, self.world_size, self.rank, ())
+        return len(self.share(stages))
 
     @property
     def step(self) -> int:
         """Samples per yielded item (the batch size, or 1 when unbatched)."""
         return self.batch_size or 1
 
-    @property
-    def epoch_len(self) -> int:
+    def epoch_len(self, stages: tuple[IndexStage, ...] = ()) -> int:
         """Samples this rank yields in a whole epoch (``drop_last`` applied)."""
         if self.drop_last:
-            return self.rank_len // self.step * self.step
-        return self.rank_len
+            return self.rank_len(stages) // self.step * self.step
+        return self.rank_len(stages)
 
-    def num_batches(self) -> int:
+    def num_batches(self, stages: tuple[IndexStage, ...] = ()) -> int:
         """Items (batches) this rank yields in a whole epoch."""
         if self.drop_last:
-            return self.rank_len // self.step
-        return math.ceil(self.rank_len / self.step)
+            return self.rank_len(stages) // self.step
+        return math.ceil(self.rank_len(stages) / self.step)
 
     def global_order(self, epoch: int) -> np.ndarray:
         """The dataset indices of ``epoch`` in global order (not padded)."""
@@ -96,31 +121,42 @@ class IndexPlan:
         self._cache = (epoch, order)
         return order
 
-    def batches(self, epoch: int, start: int) -> Iterator[BatchKey]:
-        """Batch keys of ``epoch`` from the ``start``-th sample of this rank on."""
+    def key(self, epoch: int, positions: Any) -> BatchKey:
+        """The batch key of the global ``positions`` of ``epoch``."""
         order = self.global_order(epoch)
-        end = self.epoch_len
+        n = self.dataset_len
+        positions = tuple(int(p) for p in positions)
+        return BatchKey(epoch, positions, tuple(int(order[p % n]) for p in positions))
+
+    def batches(self, epoch: int, start: int, stages: tuple[IndexStage, ...] = ()) -> Iterator[BatchKey]:
+        """Batch keys of ``epoch`` from the ``start``-th sample of this rank on."""
+        share = self.share(stages)
+        end = self.epoch_len(stages)
         step = self.step
         for first in range(start, end, step):
-            last = min(first + step, end)
-            positions = tuple(range(self.rank + first * self.world_size, self.rank + last * self.world_size, self.world_size))
-            indices = tuple(int(order[p % self.dataset_len]) for p in positions)
-            yield BatchKey(epoch, positions, indices)
+            yield self.key(epoch, share[first : min(first + step, end)])
 
 
 class IndexSampler(Sampler[BatchKey]):
-    """The sampler torch's DataLoader iterates: batch keys of the loader's current plan."""
+    """The sampler torch's DataLoader iterates: batch keys of the loader's current plan.
+
+    Example::
+
+        sampler = IndexSampler(plan)
+        sampler.epoch, sampler.start = 3, 4   # epoch 3 from this rank's 4th sample on
+    """
 
     def __init__(self, plan: IndexPlan) -> None:
         self.plan = plan
         self.epoch = 0
         self.start = 0
+        self.stages: tuple[IndexStage, ...] = ()
 
     def __iter__(self) -> Iterator[BatchKey]:
-        return self.plan.batches(self.epoch, self.start)
+        return self.plan.batches(self.epoch, self.start, self.stages)
 
     def __len__(self) -> int:
-        return self.plan.num_batches()
+        return self.plan.num_batches(self.stages)
 
 
 class IndexedDataset(Dataset):
@@ -130,6 +166,11 @@ class IndexedDataset(Dataset):
     position)``; the collate function runs after re-seeding from the batch's first
     position. In the main process (``num_workers=0``) the caller's RNG streams are saved
     and put back around the batch. Attribute lookups fall through to the user's dataset.
+
+    Example::
+
+        ds = IndexedDataset(my_dataset, seed=0, collate_fn=default_collate, batched=True)
+        batch = ds[plan.key(0, [0, 1, 2, 3])]   # what a worker builds for these positions
     """
 
     def __init__(self, dataset: Any, seed: int, collate_fn: Callable[[Any], Any], batched: bool) -> None:

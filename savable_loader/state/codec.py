@@ -76,7 +76,13 @@ _decoder = msgspec.msgpack.Decoder(_TopLevel, ext_hook=_ext_hook)
 
 
 def encode(obj: RankState | GlobalState | list[RankState]) -> bytes:
-    """Encode a rank state or the gathered states of all ranks to MessagePack bytes."""
+    """Encode a rank state or the gathered states of all ranks to MessagePack bytes.
+
+    Example::
+
+        data = encode(loader.save_state_rank())
+        data = encode(loader.save_state_global(0))   # on rank 0: all ranks
+    """
     if isinstance(obj, (list, tuple)):
         if not all(isinstance(s, RankState) for s in obj):
             kinds = sorted({type(s).__name__ for s in obj})
@@ -91,7 +97,12 @@ def encode(obj: RankState | GlobalState | list[RankState]) -> bytes:
 
 
 def decode(data: bytes | bytearray | memoryview) -> RankState | list[RankState]:
-    """Decode bytes made by :func:`encode`. Raises :class:`StateError` on any bad input."""
+    """Decode bytes made by :func:`encode`. Raises :class:`StateError` on any bad input.
+
+    Example::
+
+        state = decode(data)   # a RankState, or a list[RankState] for a gathered state
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise StateError(f"decode needs bytes, got {type(data).__qualname__}")
     try:

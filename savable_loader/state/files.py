@@ -41,7 +41,12 @@ def _digest(payload: bytes) -> bytes:
 
 
 def save_file(path: str | os.PathLike[str], state: RankState | GlobalState | list[RankState]) -> None:
-    """Atomically write ``state`` (a rank state or the gathered list) to ``path``."""
+    """Atomically write ``state`` (a rank state or the gathered list) to ``path``.
+
+    Example::
+
+        save_file("ckpt/loader.state", loader.save_state_rank())
+    """
     payload = encode(state)
     target = Path(path)
     header = _HEADER.pack(MAGIC, FILE_FORMAT, len(payload), _digest(payload))
@@ -65,7 +70,12 @@ def save_file(path: str | os.PathLike[str], state: RankState | GlobalState | lis
 
 
 def load_file(path: str | os.PathLike[str]) -> RankState | list[RankState]:
-    """Read a file written by :func:`save_file`; :class:`StateError` names what is wrong."""
+    """Read a file written by :func:`save_file`; :class:`StateError` names what is wrong.
+
+    Example::
+
+        loader.restore_state_rank(load_file("ckpt/loader.state"))
+    """
     target = Path(path)
     try:
         with open(target, "rb") as f:

@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -22,9 +22,11 @@ __all__ = [
     "DatasetState",
     "GlobalState",
     "IndexPosition",
+    "IndexStage",
     "LoaderConfig",
     "PipelinePosition",
     "RankState",
+    "RestoreKey",
     "WorkerState",
 ]
 
@@ -41,6 +43,10 @@ class ArrayValue:
 
     Stored as a MessagePack extension (code 1), never as a pickle. A plain class rather
     than a Struct so that msgspec hands it to the codec's extension hook.
+
+    Example::
+
+        ArrayValue(library="numpy", dtype="int64", shape=(2,), data=np.arange(2).tobytes())
     """
 
     __slots__ = ("library", "dtype", "shape", "data")
@@ -69,6 +75,10 @@ class DatasetState(msgspec.Struct, kw_only=True):
 
     ``fields`` holds plain values (None, bool, int, float, str, bytes, lists, dicts,
     :class:`ArrayValue`); ``children`` the states of the datasets this one wraps.
+
+    Example::
+
+        DatasetState(type="mymodule.Lines", fields={"pos": 12}, children=[])
     """
 
     type: str
@@ -77,7 +87,13 @@ class DatasetState(msgspec.Struct, kw_only=True):
 
 
 class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """The configuration a state was saved under; a restore compares it field by field."""
+    """The configuration a state was saved under; a restore compares it field by field.
+
+    Example::
+
+        state = loader.save_state_rank()
+        state.config.seed, state.config.num_workers, state.config.dataset_config
+    """
 
     rank: NonNeg
     world_size: Positive
@@ -90,12 +106,37 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     dataset_config: dict[str, Any] = {}
 
 
+class IndexStage(msgspec.Struct, kw_only=True, frozen=True):
+    """A finished part of an epoch on the drop-in path, ended by a world-size change.
+
+    ``consumed[r]`` samples of rank ``r``'s share had been yielded by the ``world_size``
+    ranks when the state was saved.
+
+    Example::
+
+        IndexStage(world_size=4, consumed=[64, 64, 48, 48])   # 4 ranks, then a restore on 2
+    """
+
+    world_size: Positive
+    consumed: list[NonNeg]
+
+
 class IndexPosition(msgspec.Struct, kw_only=True, frozen=True, tag="index"):
-    """Drop-in path: ``consumed`` samples of this rank's share of ``epoch`` were yielded."""
+    """Drop-in path: ``consumed`` samples of this rank's share of ``epoch`` were yielded.
+
+    ``stages`` is empty unless the epoch was resumed on another world size: then the
+    rank's share is its part of the samples the earlier stages left (see
+    ``savable_loader/_elastic.py``).
+
+    Example::
+
+        IndexPosition(epoch=1, consumed=224, dataset_len=250)
+    """
 
     epoch: NonNeg
     consumed: NonNeg
     dataset_len: NonNeg
+    stages: list[IndexStage] = []
 
 
 class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
@@ -105,6 +146,11 @@ class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
     pipeline state captured after ``snapshot_index`` samples (None: the epoch's start,
     ``snapshot_index`` 0); a restore puts it back and replays ``index - snapshot_index``
     samples (the skip offset). ``exhausted``: the worker had no more data this epoch.
+
+    Example::
+
+        w = WorkerState(worker_id=0, index=10, snapshot_index=8, dataset=DatasetState(type="m.Lines"))
+        w.skip   # 2
     """
 
     worker_id: NonNeg
@@ -120,7 +166,13 @@ class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class PipelinePosition(msgspec.Struct, kw_only=True, frozen=True, tag="pipeline"):
-    """Savable-pipeline path: per-worker states and the logical worker that yields next."""
+    """Savable-pipeline path: per-worker states and the logical worker that yields next.
+
+    Example::
+
+        position = loader.save_state_rank().position
+        [w.skip for w in position.workers], position.next_worker
+    """
 
     epoch: NonNeg
     next_worker: NonNeg
@@ -128,7 +180,13 @@ class PipelinePosition(msgspec.Struct, kw_only=True, frozen=True, tag="pipeline"
 
 
 class RankState(msgspec.Struct, kw_only=True, frozen=True, tag="rank", tag_field="kind"):
-    """The whole state of one rank's loader."""
+    """The whole state of one rank's loader.
+
+    Example::
+
+        state = loader.save_state_rank()
+        state.epoch, state.position, state.config.world_size, state.schema_version
+    """
 
     config: LoaderConfig
     position: IndexPosition | PipelinePosition
@@ -142,8 +200,63 @@ class RankState(msgspec.Struct, kw_only=True, frozen=True, tag="rank", tag_field
 
 
 class GlobalState(msgspec.Struct, kw_only=True, frozen=True, tag="global", tag_field="kind"):
-    """The states of every data-parallel rank, ordered by rank."""
+    """The states of every data-parallel rank, ordered by rank.
+
+    The API hands gathered states around as ``list[RankState]``; this is their encoded
+    form. Example::
+
+        data = encode([state0, state1])   # a GlobalState on the wire
+        decode(data)                      # [state0, state1]
+    """
 
     ranks: list[RankState]
     schema_version: Positive = SCHEMA_VERSION
     library_version: str = ""
+
+
+class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """Names one batch a loader yielded, so that it can be rebuilt alone.
+
+    Read it as ``loader.restore_key`` right after a batch, keep it (``str(key)`` is a
+    line of JSON, ``RestoreKey.parse(text)`` reads it back) and hand it to
+    ``loader.restore_sample(key)`` to get the same batch again, bit for bit, without
+    iterating. ``kind`` is ``"index"`` (drop-in path: the batch's global sample
+    ``positions`` in the epoch's order, as ``(start, stop, step)`` ranges) or
+    ``"pipeline"`` (the logical ``worker``, its item ``index`` in the epoch and the
+    pipeline's own ``sample`` key). ``seed`` and ``fingerprint`` (of the dataset
+    configuration) let a loader refuse a key made by another one.
+
+    Example::
+
+        key = RestoreKey.parse('{"kind":"index","seed":0,"fingerprint":"ab","epoch":1,'
+                               '"rank":0,"positions":[[0,64,2]]}')
+        key.sample_positions()  # [0, 2, 4, ..., 62]
+    """
+
+    kind: Literal["index", "pipeline"]
+    seed: int
+    fingerprint: str
+    epoch: NonNeg
+    rank: NonNeg
+    positions: list[tuple[NonNeg, NonNeg, Positive]] = []
+    worker: NonNeg = 0
+    index: NonNeg = 0
+    sample: Any = None
+
+    def __str__(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def parse(cls, text: str | bytes) -> RestoreKey:
+        """A key from ``str(key)`` (one line of JSON)."""
+        from savable_loader.errors import RestoreKeyError
+
+        try:
+            return msgspec.json.decode(text, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:
+            shown = text if len(text) <= 80 else text[:77] + "..."
+            raise RestoreKeyError(f"not a restore key: {e} (got {shown!r})") from None
+
+    def sample_positions(self) -> list[int]:
+        """The global positions of an ``"index"`` key's samples, in batch order."""
+        return [p for start, stop, step in self.positions for p in range(start, stop, step)]

@@ -8,7 +8,7 @@ from typing import Any
 from torch.utils.data import default_collate
 
 from savable_loader.dataset import SavableDataset
-from savable_loader.errors import LoaderUsageError
+from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["BatchDataset"]
@@ -45,13 +45,24 @@ class BatchDataset(BaseWrapperDataset):
 
     def __iter__(self) -> Iterator[Any]:
         batch: list[Any] = []
-        for sample in self.dataset:
+        keys: list[Any] = []
+        inner = self.dataset
+        for sample in inner:
             batch.append(sample)
+            keys.append(inner.sample_key)
             if len(batch) == self.batch_size:
+                self.sample_key = keys
                 yield self.collate_fn(batch)
-                batch = []
+                batch, keys = [], []
         if batch and not self.drop_last:
+            self.sample_key = keys
             yield self.collate_fn(batch)
+
+    def restore_sample(self, key: Any) -> Any:
+        """The batch whose samples have the keys in the list ``key``."""
+        if not isinstance(key, (list, tuple)) or not key:
+            raise RestoreKeyError(f"BatchDataset key must be a non-empty list of sample keys, got {key!r}")
+        return self.collate_fn([self.dataset.restore_sample(k) for k in key])
 
     def config(self) -> dict[str, Any]:
         return {"batch_size": self.batch_size, "drop_last": self.drop_last, "collate_fn": self.collate_fn}

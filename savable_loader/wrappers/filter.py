@@ -27,9 +27,16 @@ class FilterDataset(BaseWrapperDataset):
 
     def __iter__(self) -> Iterator[Any]:
         predicate = self.predicate
-        for sample in self.dataset:
+        inner = self.dataset
+        for sample in inner:
             if predicate(sample):
+                self.sample_key = inner.sample_key
                 yield sample
+
+    def restore_sample(self, key: Any) -> Any:
+        sample = self.dataset.restore_sample(key)
+        self.predicate(sample)  # it ran before the yield: replay its random draws, if any
+        return sample
 
     def config(self) -> dict[str, Any]:
         return {"predicate": self.predicate}

@@ -45,11 +45,16 @@ class LimitDataset(BaseWrapperDataset):
         limit = self.worker_length()
         if self.count >= limit:
             return
-        for sample in self.dataset:
+        inner = self.dataset
+        for sample in inner:
             self.count += 1
+            self.sample_key = inner.sample_key
             yield sample
             if self.count >= limit:
                 return
+
+    def restore_sample(self, key: Any) -> Any:
+        return self.dataset.restore_sample(key)
 
     def config(self) -> dict[str, Any]:
         return {"length": self.length}

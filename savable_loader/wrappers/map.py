@@ -31,8 +31,13 @@ class MapDataset(BaseWrapperDataset):
 
     def __iter__(self) -> Iterator[Any]:
         fn = self.fn
-        for sample in self.dataset:
+        inner = self.dataset
+        for sample in inner:
+            self.sample_key = inner.sample_key
             yield fn(sample)
+
+    def restore_sample(self, key: Any) -> Any:
+        return self.fn(self.dataset.restore_sample(key))
 
     def config(self) -> dict[str, Any]:
         return {"fn": self.fn}

@@ -7,7 +7,7 @@ from typing import Any
 
 from savable_loader.config import _Repetition
 from savable_loader.dataset import SavableDataset
-from savable_loader.errors import LoaderUsageError
+from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["RepeatDataset"]
@@ -43,9 +43,18 @@ class RepeatDataset(BaseWrapperDataset):
         self.pass_yielded = False
 
     def __iter__(self) -> Iterator[Any]:
+        inner = self.dataset
         while self.repeats is None or self.repetition < self.repeats:
-            for sample in self.dataset:
+            # Each pass pulls inside its repetition, so that keyed sources seed per pass.
+            it = iter(inner)
+            while True:
+                with _Repetition(self.repetition):
+                    try:
+                        sample = next(it)
+                    except StopIteration:
+                        break
                 self.pass_yielded = True
+                self.sample_key = [self.repetition, inner.sample_key]
                 yield sample
             empty = not self.pass_yielded
             self.repetition += 1
@@ -54,6 +63,13 @@ class RepeatDataset(BaseWrapperDataset):
                 self.dataset.reset_state_deep()
             if empty and self.repeats is None:
                 return
+
+    def restore_sample(self, key: Any) -> Any:
+        """The sample of pass ``key[0]`` whose inner key is ``key[1]``."""
+        if not isinstance(key, (list, tuple)) or len(key) != 2 or not isinstance(key[0], int):
+            raise RestoreKeyError(f"RepeatDataset key must be [repetition, inner key], got {key!r}")
+        with _Repetition(key[0]):
+            return self.dataset.restore_sample(key[1])
 
     def config(self) -> dict[str, Any]:
         return {"repeats": self.repeats}

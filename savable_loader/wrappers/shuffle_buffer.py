@@ -18,15 +18,16 @@ class ShuffleBufferDataset(BaseWrapperDataset):
 
     The buffer's samples and its own counter-based RNG (a seed and a draw count) are
     part of the state, so a restore needs no random access into the source: the buffer
-    is stored in the state itself. Samples must not be modified in place after they are
-    yielded (the state holds copies taken at snapshot time).
+    is stored in the state itself, with the samples' restore keys. Samples must not be
+    modified in place after they are yielded (the state holds copies taken at snapshot
+    time).
 
     Example::
 
         ds = ShuffleBufferDataset(source, size=1000)
     """
 
-    _savable_fields = ("buffer", "seed", "draws")
+    _savable_fields = ("buffer", "keys", "seed", "draws")
 
     def __init__(self, dataset: SavableDataset, size: int) -> None:
         super().__init__(dataset)
@@ -37,23 +38,38 @@ class ShuffleBufferDataset(BaseWrapperDataset):
 
     def reset_state_own(self) -> None:
         self.buffer: list[Any] = []
+        self.keys: list[Any] = []
         self.seed = self.worker_config.epoch_seed()
         self.draws = 0
 
     def _pick(self) -> Any:
-        buffer = self.buffer
+        buffer, keys = self.buffer, self.keys
         i = counter_seed(self.seed, self.draws) % len(buffer)
         self.draws += 1
         buffer[i], buffer[-1] = buffer[-1], buffer[i]
+        keys[i], keys[-1] = keys[-1], keys[i]
+        key = keys.pop()
+        if key is None:
+            self.sample_key = None
+        else:
+            # The yielded sample is not the one just pulled: re-seed for what follows.
+            self.mark_sample(key)
         return buffer.pop()
 
     def __iter__(self) -> Iterator[Any]:
-        for sample in self.dataset:
+        inner = self.dataset
+        for sample in inner:
             self.buffer.append(sample)
+            self.keys.append(inner.sample_key)
             if len(self.buffer) >= self.size:
                 yield self._pick()
         while self.buffer:
             yield self._pick()
+
+    def restore_sample(self, key: Any) -> Any:
+        sample = self.dataset.restore_sample(key)
+        self.mark_sample(key)
+        return sample
 
     def config(self) -> dict[str, Any]:
         return {"size": self.size}

@@ -1,0 +1,86 @@
+"""A sample a worker cannot pickle is an error in the main process, not a hang.
+
+A DataLoader worker puts each result on a ``multiprocessing`` queue, whose background
+feeder thread pickles it. When pickling fails, the standard library prints the error in
+the worker and drops the item: the main process then waits forever for it (or until
+torch's ``timeout=``, with an error that does not say why). In loader workers we replace
+the queue's feeder-error hook: the dropped result is replaced by torch's
+``ExceptionWrapper`` carrying the pickling error and its traceback, which the main
+process re-raises as ``Caught TypeError in DataLoader worker process N ...``.
+
+Installed by the worker init function of :class:`~savable_loader.SavableDataLoader`
+(worker processes only; the main process's queues are left alone).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.queues
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+from torch._utils import ExceptionWrapper
+from torch.utils.data import get_worker_info
+
+__all__ = ["WorkerInit", "install_feeder_hook"]
+
+_state = {"installed": False}
+
+
+def _on_feeder_error(queue: Any, error: BaseException, obj: Any) -> None:
+    """Called by the queue's feeder thread, inside its ``except`` block."""
+    if not (isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], int)):
+        traceback.print_exc()  # not a DataLoader result: the standard behaviour
+        return
+    info = get_worker_info()
+    worker = info.id if info is not None else "?"
+    wrapper = ExceptionWrapper(
+        where=f"in DataLoader worker process {worker} while sending its result to the main process "
+        f"(the sample cannot be pickled: {type(error).__name__}: {error})"
+    )
+    if isinstance(obj[1], ExceptionWrapper):  # even the error could not be sent: plain text
+        wrapper.exc_type = RuntimeError
+    try:
+        # Straight into the feeder's buffer, as ``put`` would, but also when the worker is
+        # already closing the queue (``put`` refuses then): the feeder sends it next.
+        queue._sem.acquire(False)  # balances the release the receiving ``get`` does
+        with queue._notempty:
+            queue._buffer.appendleft((obj[0], wrapper))  # in the place of the dropped item
+            queue._notempty.notify()
+    except Exception:  # noqa: BLE001 - never let the hook end the feeder thread
+        traceback.print_exc()
+
+
+def install_feeder_hook() -> None:
+    """Replace the feeder-error hook of multiprocessing queues in this (worker) process."""
+    if not _state["installed"]:
+        # A plain function on the class: ``Queue._start_thread`` passes the bound method
+        # ``self._on_queue_feeder_error``, so the hook gets the queue to send the error on.
+        multiprocessing.queues.Queue._on_queue_feeder_error = _on_feeder_error  # type: ignore[assignment,method-assign]
+        _state["installed"] = True
+
+
+class WorkerInit:
+    """The worker init function the loader hands torch: installs the hook, then runs the
+    user's ``worker_init_fn`` (cloudpickled, so that lambdas cross ``spawn``).
+
+    Example::
+
+        DataLoader(..., worker_init_fn=WorkerInit(user_fn))
+    """
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+
+    def __getstate__(self) -> dict[str, Any]:
+        # cloudpickle carries a lambda or local function to spawn/forkserver workers
+        return {"user_fn": cloudpickle.dumps(self.user_fn)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.user_fn = cloudpickle.loads(state["user_fn"])
+
+    def __call__(self, worker_id: int) -> None:
+        install_feeder_hook()
+        if self.user_fn is not None:
+            self.user_fn(worker_id)

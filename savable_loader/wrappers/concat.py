@@ -1,0 +1,73 @@
+"""ConcatDataset: one dataset after another."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from savable_loader.dataset import SavableDataset
+from savable_loader.errors import LoaderUsageError, RestoreKeyError
+
+__all__ = ["ConcatDataset"]
+
+
+class ConcatDataset(SavableDataset):
+    """Yields every sample of ``datasets[0]``, then of ``datasets[1]``, and so on.
+
+    Each worker goes through its own share of every dataset in turn (the datasets split
+    their data across workers themselves). The index of the dataset being read is state.
+    Every dataset must have the same ``WorkerConfig``. Restore keys are
+    ``[dataset index, inner key]``.
+
+    Example::
+
+        ds = ConcatDataset([warmup_data, main_data])
+    """
+
+    _savable_fields = ("part",)
+
+    def __init__(self, datasets: Sequence[SavableDataset]) -> None:
+        datasets = list(datasets) if isinstance(datasets, (list, tuple)) else datasets
+        if not isinstance(datasets, list) or not datasets:
+            raise LoaderUsageError(f"ConcatDataset datasets must be a non-empty list of SavableDataset, got {datasets!r}")
+        for i, ds in enumerate(datasets):
+            if not isinstance(ds, SavableDataset):
+                raise LoaderUsageError(f"ConcatDataset datasets[{i}] must be a SavableDataset, got {type(ds).__qualname__}")
+            if ds.worker_config != datasets[0].worker_config:
+                raise LoaderUsageError(
+                    f"ConcatDataset datasets[{i}].worker_config is {ds.worker_config}, "
+                    f"expected datasets[0]'s {datasets[0].worker_config}"
+                )
+        super().__init__(datasets[0].worker_config)
+        self.datasets = datasets
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        self.part = 0
+
+    def children(self) -> Sequence[SavableDataset]:
+        return self.datasets
+
+    def __iter__(self) -> Iterator[Any]:
+        while self.part < len(self.datasets):
+            inner = self.datasets[self.part]
+            for sample in inner:
+                self.sample_key = [self.part, inner.sample_key]
+                yield sample
+            self.part += 1
+
+    def restore_sample(self, key: Any) -> Any:
+        """The sample of dataset ``key[0]`` whose inner key is ``key[1]``."""
+        if (
+            not isinstance(key, (list, tuple))
+            or len(key) != 2
+            or not isinstance(key[0], int)
+            or not 0 <= key[0] < len(self.datasets)
+        ):
+            raise RestoreKeyError(
+                f"ConcatDataset key must be [dataset index below {len(self.datasets)}, inner key], got {key!r}"
+            )
+        return self.datasets[key[0]].restore_sample(key[1])
+
+    def config(self) -> dict[str, Any]:
+        return {"parts": len(self.datasets)}

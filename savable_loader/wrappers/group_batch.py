@@ -1,0 +1,129 @@
+"""GroupBatchDataset: batches of samples that share a group key (bucketing)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+from torch.utils.data import default_collate
+
+from savable_loader.dataset import SavableDataset
+from savable_loader.errors import LoaderUsageError, RestoreKeyError
+from savable_loader.wrappers.base import BaseWrapperDataset
+
+__all__ = ["GroupBatchDataset"]
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _hashable(key: Any) -> Hashable:
+    """A group key as a dict key (tuples come back from a state as lists)."""
+    if isinstance(key, (list, tuple)):
+        return tuple(_hashable(k) for k in key)
+    return key
+
+
+def _check_group(key: Any) -> None:
+    if isinstance(key, _PLAIN):
+        return
+    if isinstance(key, tuple):
+        for k in key:
+            _check_group(k)
+        return
+    raise LoaderUsageError(
+        f"GroupBatchDataset key_fn must return None, bool, int, float, str or a tuple of them, got {key!r}"
+    )
+
+
+class GroupBatchDataset(BaseWrapperDataset):
+    """Puts each sample in the bucket of ``key_fn(sample)`` and yields a bucket as a
+    collated batch as soon as it holds ``batch_size`` samples.
+
+    Typical use: batches of similar length (``key_fn=lambda s: len(s["tokens"]) // 64``)
+    or of one modality. At the end of the epoch the partial buckets are yielded, oldest
+    first, unless ``drop_last``. ``collate_fn`` defaults to torch's ``default_collate``.
+    Group keys must be plain values (None, bool, int, float, str, tuples of them).
+
+    State: the buckets with their samples and the samples' restore keys (samples must not
+    be modified in place after they are pulled). A batch's restore key is the list of its
+    samples' keys, marked before the batch is collated and yielded.
+
+    Example::
+
+        ds = GroupBatchDataset(source, batch_size=16, key_fn=lambda s: s["image"].shape[-2:])
+    """
+
+    _savable_fields = ("buckets",)
+
+    def __init__(
+        self,
+        dataset: SavableDataset,
+        batch_size: int,
+        key_fn: Callable[[Any], Any],
+        *,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
+        super().__init__(dataset)
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise LoaderUsageError(f"GroupBatchDataset batch_size must be a positive int, got {batch_size!r}")
+        if not callable(key_fn):
+            raise LoaderUsageError(f"GroupBatchDataset key_fn must be callable, got {key_fn!r}")
+        if collate_fn is not None and not callable(collate_fn):
+            raise LoaderUsageError(f"GroupBatchDataset collate_fn must be callable, got {collate_fn!r}")
+        self.batch_size = batch_size
+        self.key_fn = key_fn
+        self.drop_last = drop_last
+        self.collate_fn = default_collate if collate_fn is None else collate_fn
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        # [group key, samples, sample keys] per bucket, oldest first
+        self.buckets: list[list[Any]] = []
+
+    def _emit(self, bucket: list[Any]) -> Any:
+        _, samples, keys = bucket
+        if any(k is None for k in keys):
+            self.sample_key = None
+        else:
+            self.mark_sample(list(keys))
+        return self.collate_fn(samples)
+
+    def __iter__(self) -> Iterator[Any]:
+        inner = self.dataset
+        index = {_hashable(b[0]): b for b in self.buckets}
+        for sample in inner:
+            group = self.key_fn(sample)
+            _check_group(group)
+            h = _hashable(group)
+            bucket = index.get(h)
+            if bucket is None:
+                bucket = [group, [], []]
+                index[h] = bucket
+                self.buckets.append(bucket)
+            bucket[1].append(sample)
+            bucket[2].append(inner.sample_key)
+            if len(bucket[1]) >= self.batch_size:
+                del index[h]
+                self.buckets = [b for b in self.buckets if b is not bucket]
+                yield self._emit(bucket)
+        while self.buckets:
+            bucket = self.buckets.pop(0)
+            if not self.drop_last:
+                yield self._emit(bucket)
+
+    def restore_sample(self, key: Any) -> Any:
+        """The batch whose samples have the keys in the list ``key``."""
+        if not isinstance(key, (list, tuple)) or not key:
+            raise RestoreKeyError(f"GroupBatchDataset key must be a non-empty list of sample keys, got {key!r}")
+        samples = [self.dataset.restore_sample(k) for k in key]
+        self.mark_sample(list(key))
+        return self.collate_fn(samples)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "key_fn": self.key_fn,
+            "drop_last": self.drop_last,
+            "collate_fn": self.collate_fn,
+        }

@@ -1,0 +1,333 @@
+"""Elastic resume: another world size (drop-in), a batch size that divides the saved one.
+
+World-size changes are checked against the uninterrupted W-rank run: every sample no
+old rank had consumed is consumed exactly once by the new ranks, none of the consumed
+ones again, each with the same content (bit for bit) as at its position in the
+uninterrupted run; the next epoch equals an ordinary W'-rank epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import savable_loader as sl
+from savable_loader._elastic import batch_rescale_factor, elastic_position, rank_share, remaining_positions
+from savable_loader.state.schema import IndexPosition, IndexStage, LoaderConfig, RankState
+from tests.common import RandomMapDataset, RangeSource, assert_same, assert_streams
+from tests.dist_harness import run_ranks, values
+
+pytestmark = pytest.mark.timeout(300)
+
+N = 45
+BATCH = 4
+SEED = 7
+
+
+def make(rank: int, world: int, num_workers: int = 0, batch: int = BATCH, drop_last: bool = False):
+    wc = sl.WorkerConfig(rank=rank, world_size=world, num_workers=num_workers, seed=SEED)
+    return sl.SavableDataLoader(
+        RandomMapDataset(N), batch_size=batch, shuffle=True, drop_last=drop_last, worker_config=wc,
+        multiprocessing_context="fork" if num_workers else None,
+    )
+
+
+def keyed_epoch(loader) -> list[tuple[list[int], torch.Tensor]]:
+    """One epoch as (global positions, batch) pairs."""
+    return [(loader.restore_key.sample_positions(), batch) for batch in loader]
+
+
+def contents(world: int, epoch: int) -> dict[int, torch.Tensor]:
+    """Position -> sample content in the uninterrupted ``world``-rank run of ``epoch``."""
+    table: dict[int, torch.Tensor] = {}
+    for rank in range(world):
+        loader = make(rank, world)
+        for _ in range(epoch):
+            list(loader)
+        for positions, batch in keyed_epoch(loader):
+            table.update(zip(positions, batch))
+    return table
+
+
+def order(epoch: int) -> np.ndarray:
+    rng = np.random.Generator(np.random.PCG64(sl.rng.derive_seed(SEED, "permutation", epoch)))
+    return rng.permutation(N)
+
+
+def check_remainder(old_world, consumed, new_streams, epoch=0, even=True):
+    """New ranks' streams cover exactly the samples the old ranks left, once, same content."""
+    ref = contents(old_world, epoch)
+    perm = order(epoch)
+    taken = {int(perm[p % N]) for r, c in enumerate(consumed) for p in list(range(r, 10**6, old_world))[:c]}
+    seen: list[int] = []
+    for rank, stream in enumerate(new_streams):
+        for positions, batch in stream:
+            for p, sample in zip(positions, batch):
+                assert p < N, f"rank {rank}: padding position {p} in the remainder"
+                assert_same(sample, ref[p], f"rank {rank} position {p}")
+                seen.append(int(perm[p]))
+    assert len(seen) == len(set(seen)), "a sample was consumed twice after the restore"
+    assert not taken & set(seen), "a consumed sample came again"
+    assert taken | set(seen) == set(range(N)), "a sample was lost"
+    sizes = [sum(len(p) for p, _ in s) for s in new_streams]
+    assert not even or max(sizes) - min(sizes) <= 1, f"shares differ by more than one sample: {sizes}"
+
+
+# -- the arithmetic -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_remaining_positions_leave_each_unconsumed_sample_once(seed):
+    rnd = random.Random(seed)
+    n = rnd.randint(1, 60)
+    stages = []
+    world = rnd.randint(1, 5)
+    taken: set[int] = set()
+    for _ in range(rnd.randint(1, 3)):
+        shares = [rank_share(n, world, r, stages) for r in range(world)]
+        counts = [rnd.randint(0, len(s)) for s in shares]
+        for s, c in zip(shares, counts):
+            taken |= {int(p) % n for p in s[:c]}
+        stages.append(IndexStage(world_size=world, consumed=counts))
+        world = rnd.randint(1, 5)
+    left = remaining_positions(n, stages)
+    assert list(left) == sorted(set(left.tolist())) and all(p < n for p in left)
+    assert set(left.tolist()) == set(range(n)) - taken
+
+
+def _state(rank, world, epoch, consumed, stages=(), batch=BATCH):
+    config = LoaderConfig(rank=rank, world_size=world, num_workers=0, seed=SEED, batch_size=batch,
+                          shuffle=True, drop_last=False, dataset_fingerprint="f")
+    return RankState(config=config, position=IndexPosition(epoch=epoch, consumed=consumed, dataset_len=N,
+                                                          stages=list(stages)))
+
+
+def test_a_rank_that_finished_the_epoch_counts_its_whole_share():
+    # 2 ranks of 23 samples; rank 1 finished (saved as the next epoch), rank 0 at 20
+    pos = elastic_position([_state(0, 2, 3, 20), _state(1, 2, 4, 0)])
+    assert pos.epoch == 3 and pos.stages == [IndexStage(world_size=2, consumed=[20, 23])]
+    assert len(remaining_positions(N, pos.stages)) == 3  # positions 40, 42, 44
+    done = elastic_position([_state(0, 2, 4, 0), _state(1, 2, 4, 0)])
+    assert (done.epoch, done.consumed, done.stages) == (4, 0, [])
+
+
+def test_states_too_far_apart_or_inconsistent_are_refused():
+    with pytest.raises(sl.StateError, match="more than one epoch apart"):
+        elastic_position([_state(0, 2, 3, 20), _state(1, 2, 5, 0)])
+    with pytest.raises(sl.StateError, match="batch_size"):
+        elastic_position([_state(0, 2, 3, 20), _state(1, 2, 3, 8, batch=8)])
+
+
+# -- world size, in one process (explicit ranks) ---------------------------------------
+
+
+@pytest.mark.parametrize(("old", "new", "steps"), [(2, 3, [2, 4]), (3, 2, [1, 1, 3]), (2, 1, [5, 0]), (4, 3, [3, 3, 2, 2])])
+def test_world_size_change_in_process(old, new, steps):
+    states = []
+    for rank in range(old):
+        loader = make(rank, old)
+        it = iter(loader)
+        for _ in range(steps[rank]):
+            next(it)
+        states.append(loader.save_state_rank())
+    # a rank that finished its share saved "next epoch, nothing consumed"
+    consumed = [s.position.consumed if s.position.epoch == 0 else math.ceil(N / old) for s in states]
+    restored = []
+    for rank in range(new):
+        loader = make(rank, new)
+        loader.restore_state_global(states)
+        restored.append(keyed_epoch(loader))
+        # the next epoch is an ordinary new-world epoch
+        reference = make(rank, new)
+        list(reference)
+        assert_streams(list(loader), list(reference), f"rank {rank} epoch 1")
+    check_remainder(old, consumed, restored)
+
+
+def test_two_world_size_changes_in_one_epoch():
+    states = []
+    for rank in range(2):
+        loader = make(rank, 2)
+        it = iter(loader)
+        for _ in range(rank + 1):
+            next(it)
+        states.append(loader.save_state_rank())
+    first = [s.position.consumed for s in states]
+    middle, streams = [], []
+    for rank in range(3):
+        loader = make(rank, 3)
+        loader.restore_state_global(states)
+        it = iter(loader)
+        batch = next(it)
+        streams.append([(loader.restore_key.sample_positions(), batch)])
+        middle.append(loader.save_state_rank())
+    assert all(len(s.position.stages) == 1 for s in middle)
+    for rank in range(2):
+        loader = make(rank, 2)
+        loader.restore_state_global(middle)
+        streams.append(keyed_epoch(loader))
+    check_remainder(2, first, streams, even=False)  # (streams of two stages)
+
+
+def test_restore_state_rank_refuses_another_world_size_with_a_hint():
+    loader = make(0, 2)
+    state = loader.save_state_rank()
+    with pytest.raises(sl.ConfigMismatchError, match="restore_state_global") as e:
+        make(0, 3).restore_state_rank(state)
+    assert (e.value.field, e.value.saved, e.value.current) == ("world_size", 2, 3)
+
+
+def test_pipeline_refuses_another_world_size_and_num_workers_with_reasons():
+    def pipeline(rank, world, workers=0):
+        wc = sl.WorkerConfig(rank=rank, world_size=world, num_workers=workers, seed=SEED)
+        return sl.SavableDataLoader(RangeSource(20, wc), batch_size=None, worker_config=wc)
+
+    states = [pipeline(r, 2).save_state_rank() for r in range(2)]
+    with pytest.raises(sl.ConfigMismatchError, match="split per rank and worker") as e:
+        pipeline(0, 3).restore_state_global(states)
+    assert (e.value.field, e.value.saved, e.value.current) == ("world_size", 2, 3)
+    with pytest.raises(sl.ConfigMismatchError, match="same num_workers") as e:
+        pipeline(0, 2, workers=2).restore_state_rank(states[0])
+    assert (e.value.field, e.value.saved, e.value.current) == ("num_workers", 0, 2)
+
+
+# -- world size with gloo processes --------------------------------------------------------
+
+
+def _save(rank, world, out, steps):
+    loader = make(rank, world, num_workers=2 if world == 2 else 0)
+    it = iter(loader)
+    for _ in range(steps[rank]):
+        next(it)
+    states = loader.save_state_global(global_dst_rank=0)
+    if rank == 0:
+        sl.state.save_file(Path(out) / f"w{world}.state", states)
+
+
+def _restore(rank, world, out, old):
+    results = {}
+    path = Path(out) / f"w{old}.state"
+    for num_workers, form in ((0, "full"), (2, "scatter")):
+        loader = make(rank, world, num_workers=num_workers)
+        if form == "full":
+            loader.restore_state_global(sl.state.load_file(path))
+        else:
+            loader.restore_state_global(sl.state.load_file(path) if rank == 0 else None, src_rank=0)
+        results[num_workers] = (keyed_epoch(loader), list(loader))
+    return results
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("elastic")
+    steps = {2: [3, 5], 3: [2, 2, 4]}
+    for world in (2, 3):
+        values(run_ranks(_save, world, str(out), steps[world]))
+    return out, steps
+
+
+@pytest.mark.parametrize(("old", "new"), [(2, 3), (3, 2), (2, 1)])
+def test_world_size_change_with_gloo(saved, old, new):
+    out, steps = saved
+    results = values(run_ranks(_restore, new, str(out), old))
+    consumed = [min(s * BATCH, math.ceil(N / old)) for s in steps[old]]
+    for num_workers in (0, 2):
+        check_remainder(old, consumed, [results[rank][num_workers][0] for rank in range(new)])
+        for rank in range(new):
+            reference = make(rank, new)
+            list(reference)
+            assert_streams(results[rank][num_workers][1], list(reference), f"rank {rank} of {new}, next epoch")
+
+
+# -- batch size ------------------------------------------------------------------------
+
+
+def test_drop_in_batch_8_to_4_to_2_continues_the_flattened_stream():
+    def loader(batch, workers=2):
+        return make(0, 1, num_workers=workers, batch=batch)
+
+    uninterrupted = loader(8, 0)
+    reference = [s for _ in range(2) for b in uninterrupted for s in b]
+    got = []
+    first = loader(8)
+    it = iter(first)
+    for _ in range(2):
+        got.extend(next(it))
+    state = first.save_state_rank()
+    second = loader(4)
+    second.restore_state_rank(state)
+    it = iter(second)
+    for _ in range(3):
+        got.extend(next(it))
+    state = second.save_state_rank()
+    assert state.config.batch_size == 4 and state.position.consumed == 28
+    third = loader(2)
+    third.restore_state_rank(state)
+    got.extend(s for b in third for s in b)
+    got.extend(s for b in third for s in b)
+    assert_streams(got, reference, "flattened stream after 8 -> 4 -> 2")
+
+
+@pytest.mark.parametrize("new", [3, 16])
+def test_drop_in_batch_size_that_does_not_divide_is_refused(new):
+    state = make(0, 1, batch=8).save_state_rank()
+    with pytest.raises(sl.ConfigMismatchError, match="divides") as e:
+        make(0, 1, batch=new).restore_state_rank(state)
+    assert (e.value.field, e.value.saved, e.value.current) == ("batch_size", 8, new)
+
+
+def pipeline_loader(batch: int, workers: int = 2, n: int = 70):
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=workers, seed=SEED)
+    ds = sl.wrappers.MapDataset(sl.wrappers.BatchDataset(RangeSource(n, wc), batch), lambda b: b[:, 0])
+    return sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, multiprocessing_context="fork" if workers else None)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pipeline_batch_8_to_4_to_2_loses_and_repeats_nothing(workers):
+    n = 70
+    got: list[int] = []
+    first = pipeline_loader(8, workers)
+    it = iter(first)
+    for _ in range(3):
+        got.extend(next(it).tolist())
+    state = first.save_state_rank()
+    second = pipeline_loader(4, workers)
+    second.restore_state_rank(state)
+    it = iter(second)
+    for _ in range(3):
+        batch = next(it)
+        assert len(batch) <= 4
+        got.extend(batch.tolist())
+    state = second.save_state_rank()
+    third = pipeline_loader(2, workers)
+    third.restore_state_rank(state)
+    rest = list(third)
+    assert all(len(b) <= 2 for b in rest)
+    got.extend(v for b in rest for v in b.tolist())
+    assert sorted(got) == list(range(n)), "a sample was lost or repeated"
+    assert sorted(v for b in third for v in b.tolist()) == list(range(n))  # next epoch: whole
+
+
+def test_pipeline_batch_size_that_does_not_divide_is_refused():
+    state = pipeline_loader(8, 0).save_state_rank()
+    with pytest.raises(sl.ConfigMismatchError, match="divide") as e:
+        pipeline_loader(3, 0).restore_state_rank(state)
+    assert (e.value.saved, e.value.current) == (8, 3)
+
+
+def test_batch_rescale_factor_needs_a_batch_with_only_maps_above():
+    batch = "savable_loader.wrappers.batch.BatchDataset"
+    src = {"type": "S", "n": 1}
+    saved = {"type": "savable_loader.wrappers.map.MapDataset", "fn": "f",
+             "children": [{"type": batch, "batch_size": 8, "children": [src]}]}
+    current = {**saved, "children": [{"type": batch, "batch_size": 2, "children": [src]}]}
+    assert batch_rescale_factor(saved, current) == 4
+    filtered = {"type": "F", "children": [{"type": batch, "batch_size": 8, "children": [src]}]}
+    assert batch_rescale_factor(filtered, {**filtered, "children": [{"type": batch, "batch_size": 4,
+                                                                     "children": [src]}]}) is None
+    assert batch_rescale_factor(saved, {**saved, "fn": "g"}) is None

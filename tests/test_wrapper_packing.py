@@ -1,0 +1,192 @@
+"""PackingDataset: rows exactly full, every token accounted for (kept, cropped or dropped
+at the end), greedy keeps document order, best_fit starts every row with BOS; resume and
+restore keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from savable_loader.errors import LoaderUsageError, RestoreKeyError
+from savable_loader.wrappers import MapDataset, PackingDataset
+from tests.common import RangeSource, check_resume_everywhere, epochs_of
+from tests.wrapper_common import (
+    RESUME_CASES,
+    check_restore_samples,
+    iterate_with_keys,
+    make_loader,
+    make_wc,
+    round_robin,
+    set_snapshot_policy,
+    worker_values,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 14
+ROW = 8
+BOS = -1
+
+
+def doc_length(v: int) -> int:
+    return (v * 7) % 13 + 1  # 1 .. 13: shorter and longer than a row
+
+
+def document(v: int) -> torch.Tensor:
+    """Document ``v``: tokens ``v * 100 + i`` (unique, so every token can be traced), the
+    last one plus a draw from torch's RNG (re-seeded from the key) times 100 000."""
+    doc = v * 100 + torch.arange(doc_length(v))
+    doc[-1] += int(torch.randint(1, 9, ())) * 100_000
+    return doc
+
+
+def strip(t: torch.Tensor) -> torch.Tensor:
+    """Tokens without their random part (drawn in the pipeline, not in the test)."""
+    return torch.remainder(t, 100_000)
+
+
+def docs(wc, n: int = N, as_list: bool = False):
+    fn = (lambda x: document(int(x[0])).tolist()) if as_list else (lambda x: document(int(x[0])))
+    return MapDataset(RangeSource(n, wc), fn)
+
+
+def packed(num_workers: int, strategy: str, n: int = N, **kw) -> PackingDataset:
+    return PackingDataset(docs(make_wc(num_workers), n), ROW, strategy=strategy, **kw)
+
+
+def worker_rows(ds: PackingDataset, worker: int) -> tuple[list[torch.Tensor], list, int, int]:
+    """Rows, keys and the two counters of one worker's epoch, iterated in-process."""
+    pairs = iterate_with_keys(ds, worker=worker)
+    return [r for r, _ in pairs], [k for _, k in pairs], ds.tokens_cropped, ds.tokens_dropped
+
+
+CASES = [
+    pytest.param(*case.values, strategy, id=f"{case.id}-{strategy}")
+    for case in RESUME_CASES
+    for strategy in ("greedy", "best_fit")
+    if case.values[0] == 0 or (strategy == "best_fit" and case.values[1] == "every")
+]
+
+
+@pytest.mark.parametrize(("num_workers", "policy", "strategy"), CASES)
+def test_resume_at_every_step(num_workers, policy, strategy, monkeypatch):
+    set_snapshot_policy(monkeypatch, policy)
+    factory = lambda: make_loader(packed(num_workers, strategy, buffer_size=4))  # noqa: E731
+    epoch_len = len(list(factory()))
+    steps = None if num_workers == 0 else [0, 1, epoch_len // 2, epoch_len, epoch_len + 3, 2 * epoch_len]
+    assert check_resume_everywhere(factory, 2, steps=steps) >= 7
+
+
+@pytest.mark.parametrize("bos", [None, BOS])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_greedy_keeps_every_token_in_order(workers, bos):
+    ds = packed(workers if workers > 1 else 0, "greedy", bos=bos)
+    total = 0
+    for w in range(workers):
+        rows, keys, cropped, dropped = worker_rows(ds, w)
+        stream = [document(v) for v in worker_values(N, w, workers)]
+        if bos is not None:
+            stream = [torch.cat([torch.tensor([bos]), d]) for d in stream]
+        flat = torch.cat(stream)
+        assert all(r.shape == (ROW,) and r.dtype == torch.long for r in rows)
+        assert cropped == 0 and dropped == len(flat) % ROW and dropped < ROW
+        assert torch.equal(strip(torch.cat(rows)), strip(flat[: len(flat) - dropped]))
+        # the keys name the pieces each row was made of
+        for row, key in zip(rows, keys):
+            assert sum(b - a for _, a, b in key) == ROW
+        total += len(rows) * ROW + dropped
+    assert total == sum(doc_length(v) + (bos is not None) for v in range(N))
+
+
+@pytest.mark.parametrize("buffer_size", [1, 3, 16])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_best_fit_accounts_for_every_token(workers, buffer_size):
+    ds = packed(workers if workers > 1 else 0, "best_fit", bos=BOS, buffer_size=buffer_size)
+    for w in range(workers):
+        rows, keys, cropped, dropped = worker_rows(ds, w)
+        values = worker_values(N, w, workers)
+        assert rows and all(r.shape == (ROW,) for r in rows)
+        assert all(int(r[0]) == BOS for r in rows)  # every row starts with a document start
+        seen: dict[int, int] = {}
+        want_cropped = 0
+        for row, key in zip(rows, keys):
+            pieces = []
+            for k, start, stop in key:
+                v = k
+                assert start == 0 and v in values and v not in seen  # whole documents, once
+                full = torch.cat([torch.tensor([BOS]), document(v)])
+                pieces.append(full[:stop])
+                seen[v] = stop
+                want_cropped += len(full) - stop
+                # a document is only cropped when it fills the row's end
+                assert stop == len(full) or (k, start, stop) == tuple(key[-1])
+            assert torch.equal(strip(row), strip(torch.cat(pieces)))
+        assert cropped == want_cropped
+        lengths = {v: doc_length(v) + 1 for v in values}
+        assert sum(seen.values()) + cropped + dropped == sum(lengths.values())
+        # what was never placed is the partial last row, dropped, less than a row
+        assert dropped == sum(lengths[v] for v in values if v not in seen) and dropped < ROW
+
+
+def test_best_fit_prefers_the_longest_fitting_document():
+    wc = make_wc(0)
+    lengths = [5, 3, 2, 6, 4]
+    ds = PackingDataset(MapDataset(RangeSource(5, wc), lambda x: [int(x[0])] * lengths[int(x[0])]), 8, strategy="best_fit", buffer_size=5)
+    rows = [r.tolist() for r in iter(ds)]
+    # row 1: 6 (longest <= 8), then 2 (longest <= 2); row 2: 5 then 3; then 4 is left: dropped
+    assert rows == [[3] * 6 + [2] * 2, [0] * 5 + [1] * 3]
+    assert ds.tokens_dropped == 4 and ds.tokens_cropped == 0
+
+
+def test_loader_rows_are_the_workers_rows():
+    for strategy in ("greedy", "best_fit"):
+        per_worker = [worker_rows(packed(2, strategy), w)[0] for w in range(2)]
+        got = epochs_of(make_loader(packed(2, strategy)), 1)[0]
+        want = round_robin(per_worker)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_lists_and_counters_in_the_state():
+    wc = make_wc(0)
+    ds = PackingDataset(docs(wc, as_list=True), ROW, strategy="best_fit", buffer_size=2)
+    rows = list(ds)
+    assert rows and all(r.dtype == torch.long and r.shape == (ROW,) for r in rows)
+    fields = ds.save_state().fields
+    assert fields["tokens_cropped"] == ds.tokens_cropped > 0
+    assert fields["tokens_dropped"] == ds.tokens_dropped
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "best_fit"])
+def test_restore_sample(strategy):
+    assert check_restore_samples(lambda: packed(0, strategy, bos=BOS, buffer_size=3), epochs=2) == 8
+
+
+def test_bad_keys_and_documents():
+    ds = packed(0, "greedy")
+    for bad in (3, [], [[0, 0]], [[0, 2, 1]], [[0, 0, 99]], [[0, "a", 2]]):
+        with pytest.raises(RestoreKeyError, match="PackingDataset key"):
+            ds.restore_sample(bad)
+    wc = make_wc(0)
+    with pytest.raises(LoaderUsageError, match="documents must be 1-D tensors or lists of ints, got str"):
+        list(PackingDataset(MapDataset(RangeSource(2, wc), lambda x: "text"), 4))
+    with pytest.raises(LoaderUsageError, match=r"documents must be 1-D, got a tensor of shape \(2, 2\)"):
+        list(PackingDataset(MapDataset(RangeSource(2, wc), lambda x: torch.zeros(2, 2)), 4))
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"row_length": 0}, "row_length must be a positive int, got 0"),
+        ({"row_length": 4, "strategy": "first_fit"}, "strategy must be one of"),
+        ({"row_length": 4, "buffer_size": 0}, "buffer_size must be a positive int, got 0"),
+        ({"row_length": 4, "bos": 1.0}, "bos must be None or an int token id, got 1.0"),
+    ],
+)
+def test_bad_arguments(kw, message):
+    with pytest.raises(LoaderUsageError, match=message):
+        PackingDataset(docs(make_wc(0)), **kw)
+
+
+def test_config():
+    ds = PackingDataset(docs(make_wc(0)), 4, strategy="best_fit", buffer_size=2, bos=0)
+    assert ds.config() == {"row_length": 4, "strategy": "best_fit", "buffer_size": 2, "bos": 0}
