@@ -8,7 +8,7 @@ from typing import Any
 
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
-from savable_loader.rng import derive_seed
+from savable_loader.rng import counter_seed
 
 __all__ = ["BlendDataset"]
 
@@ -88,7 +88,7 @@ class BlendDataset(SavableDataset):
     def _choose(self) -> int:
         """The index of the next dataset to draw from, among those still alive."""
         total = sum(w for w, a in zip(self.weights, self.alive) if a)
-        u = derive_seed(self.seed, self.draws) / 2.0**64 * total
+        u = counter_seed(self.seed, self.draws) / 2.0**64 * total
         self.draws += 1
         acc = 0.0
         last = 0

@@ -3,7 +3,9 @@
 States written by every released schema version are kept here, and
 tests/test_schema_fixtures.py decodes them (and restores them) in every later version.
 Run this once per new schema version, from the repository root, and commit the new
-files; never regenerate or delete the files of older versions:
+files; never regenerate or delete the files of older versions once a version with them
+is released (the schema-1 files were last regenerated before the first release, for
+restore keys and elastic stages):
 
     python -m tests.data.make_fixtures
 
