@@ -8,10 +8,12 @@ the stage ends: rank ``r`` had consumed the first ``consumed[r]`` positions of i
 position ``p < N`` is left if neither ``p`` nor its padding copy ``p + N`` was consumed
 — in increasing position order, and new rank ``r'`` takes every ``W'``-th of them from
 ``r'`` on. Each is consumed exactly once; there is no padding, so ranks' shares of the
-rest of that epoch differ by at most one sample. A later change of world size in the
+rest of that epoch differ by at most one sample (with ``drop_last`` every rank stops at
+the full batches of the smallest share, so all take the same number of steps). A later change of world size in the
 same epoch adds another stage the same way; the next epoch is an ordinary ``W'``-rank
 epoch. A rank that had finished the epoch when the others were saved (its state says
-the next epoch, nothing consumed) counts as having consumed its whole share.
+the next epoch, nothing consumed) counts as having consumed what it yields of a whole
+epoch (with ``drop_last`` the dropped tail is left to the new ranks).
 
 **Batch size.** Drop-in positions count samples, so a batch size that divides the
 saved one continues the same sample order. In a savable pipeline the state counts
@@ -31,7 +33,14 @@ import numpy as np
 from savable_loader.errors import ConfigMismatchError, StateError
 from savable_loader.state.schema import IndexPosition, IndexStage, RankState
 
-__all__ = ["batch_rescale_factor", "elastic_position", "rank_share", "remaining_positions", "share_length"]
+__all__ = [
+    "batch_rescale_factor",
+    "elastic_position",
+    "epoch_length",
+    "rank_share",
+    "remaining_positions",
+    "share_length",
+]
 
 _BATCH_TYPE = "savable_loader.wrappers.batch.BatchDataset"
 _ONE_TO_ONE = {"savable_loader.wrappers.map.MapDataset"}
@@ -74,12 +83,22 @@ def share_length(dataset_len: int, world_size: int, rank: int, stages: Sequence[
     return len(range(rank, left, world_size))
 
 
-def _usable(length: int, batch_size: int | None, drop_last: bool) -> int:
+def epoch_length(
+    dataset_len: int, world_size: int, rank: int, stages: Sequence[IndexStage], batch_size: int | None, drop_last: bool
+) -> int:
+    """Samples ``rank`` yields in an epoch: its share, with ``drop_last`` cut to full
+    batches — after a world-size change to the full batches of the *smallest* share, so
+    that every rank takes the same number of steps."""
+    length = share_length(dataset_len, world_size, rank, stages)
+    if not drop_last:
+        return length
     step = batch_size or 1
-    return length // step * step if drop_last else length
+    if stages:
+        length = min(length, share_length(dataset_len, world_size, world_size - 1, stages))
+    return length // step * step
 
 
-def elastic_position(states: Sequence[RankState]) -> IndexPosition:
+def elastic_position(states: Sequence[RankState], new_world_size: int) -> IndexPosition:
     """The position every new rank starts from, given all old ranks' states (in order).
 
     The new ranks all get the same stages and ``consumed=0``: the loader takes its share
@@ -90,7 +109,7 @@ def elastic_position(states: Sequence[RankState]) -> IndexPosition:
     for i, p in enumerate(positions):
         if not isinstance(p, IndexPosition):
             raise ConfigMismatchError(
-                "world_size", old_world, "the same",
+                "world_size", old_world, new_world_size,
                 "a savable pipeline's state is split per rank and worker: restore it on the same world size",
             )
         if p.dataset_len != positions[0].dataset_len:
@@ -113,8 +132,7 @@ def elastic_position(states: Sequence[RankState]) -> IndexPosition:
         if p.epoch == epoch:  # type: ignore[union-attr]
             consumed.append(p.consumed)  # type: ignore[union-attr]
         elif p.epoch == epoch + 1 and p.consumed == 0 and not p.stages:  # type: ignore[union-attr]
-            whole = share_length(n, old_world, rank, stages)
-            consumed.append(_usable(whole, first.batch_size, first.drop_last))
+            consumed.append(epoch_length(n, old_world, rank, stages, first.batch_size, first.drop_last))
         else:
             raise StateError(
                 f"rank {rank} was saved in epoch {p.epoch}, rank {positions.index(current[0])} in epoch {epoch}: "  # type: ignore[union-attr]

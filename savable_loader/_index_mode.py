@@ -115,14 +115,17 @@ class IndexMode:
     def save(self, processes: Any = None, timeout: float = 0.0) -> IndexPosition:
         """The position (never asks a worker; the arguments serve the pipeline path)."""
         with self._lock:
+            iterating = self.current is not None
             if self.current is not None:
                 epoch, consumed, stages = self.current
             elif self.pending is not None:
                 epoch, consumed, stages = self.pending.epoch, self.pending.consumed, tuple(self.pending.stages)
             else:
                 epoch, consumed, stages = self.epoch, 0, ()
-        if consumed >= self.plan.epoch_len(stages):
-            # The epoch is over: the next sample is the first of the next epoch.
+        if iterating and consumed and consumed >= self._epoch_len:
+            # The epoch is over: the next sample is the first of the next epoch. (Only for
+            # an iteration that yielded its last batch: an empty epoch stays where it is,
+            # so that saving without iterating gives equal states.)
             epoch, consumed, stages = epoch + 1, 0, ()
         return IndexPosition(epoch=epoch, consumed=consumed, dataset_len=self.plan.dataset_len, stages=list(stages))
 

@@ -299,6 +299,11 @@ class PipelineMode:
             raise RestoreKeyError(f"this pipeline cannot rebuild samples: {reason}")
         if key.sample is None:
             raise RestoreKeyError("key.sample is None: the pipeline gave this item no key")
+        if key.rank != self.worker_config.rank:
+            raise RestoreKeyError(
+                f"key.rank is {key.rank}, this loader is rank {self.worker_config.rank}: a pipeline's keys are "
+                "rebuilt by a loader of the same rank, world size and num_workers (its sources split the data so)"
+            )
         if key.worker >= self.workers:
             raise RestoreKeyError(
                 f"key.worker is {key.worker}, expected a worker below {self.workers}: build the loader with "

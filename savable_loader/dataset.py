@@ -64,7 +64,13 @@ from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.rng import capture_kind, derive_seed, restore_generator, seed_global
 from savable_loader.state.schema import DatasetState
 
-__all__ = ["SavableDataset", "config_fingerprint", "plain_config", "type_name"]
+__all__ = ["SavableDataset", "config_fingerprint", "plain_config", "type_name", "wrap_key"]
+
+
+def wrap_key(head: Any, inner: Any) -> list[Any] | None:
+    """``[head, inner]``, the key of a wrapper that adds one level; None if ``inner`` is
+    None (a sample without a key stays without one, so the loader reports it plainly)."""
+    return None if inner is None else [head, inner]
 
 
 def type_name(obj: Any) -> str:

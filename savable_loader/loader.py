@@ -147,6 +147,8 @@ class SavableDataLoader(DataLoader):
             raise LoaderUsageError(f"save_timeout must be > 0, got {save_timeout}")
         if prefetch_factor is not None and wc.num_workers == 0:
             raise LoaderUsageError("prefetch_factor needs num_workers > 0 (as in torch's DataLoader)")
+        if persistent_workers and wc.num_workers == 0:
+            raise LoaderUsageError("persistent_workers=True needs num_workers > 0 (as in torch's DataLoader)")
         if timeout and wc.num_workers == 0:
             raise LoaderUsageError(f"timeout={timeout} needs num_workers > 0 (as in torch's DataLoader)")
         prefetch = 2 if prefetch_factor is None else prefetch_factor
@@ -291,18 +293,21 @@ class SavableDataLoader(DataLoader):
                         yield payload
                 finished = True
             finally:
-                self._torch_iter = None
                 failed = self._failed is not None
                 with self._state_lock:
+                    self._torch_iter = None
                     mode.end(keep_channels=persistent and not failed)
                 _RUNNING.pop(id(torch_iter), None)
                 # Stop the workers of a failed or abandoned iteration now (persistent ones
                 # stay for the next epoch unless the loader itself is being collected).
                 if failed or (not finished and (not persistent or owner() is None)):
                     self._shutdown(torch_iter)
-            # A restored epoch that had nothing left: go on with the next epoch, as the
-            # uninterrupted run would have.
-            if not (finished and resumed and produced == 0):
+            # A restored pipeline epoch that had nothing left (all its workers had yielded
+            # their last item, unknown to the saving side): go on with the next epoch, as
+            # the uninterrupted run would have. (A drop-in state is never saved at an
+            # epoch's end, and an empty share after a world-size change must stay an empty
+            # epoch, or that rank would run one epoch ahead of the others.)
+            if not (finished and resumed and produced == 0 and mode.kind == "pipeline"):
                 return
 
     def _shutdown(self, torch_iter: Any) -> None:
@@ -463,7 +468,7 @@ class SavableDataLoader(DataLoader):
                 "world_size", len(states), world_size,
                 "a savable pipeline's state is split per rank and worker: restore it on the same world size",
             )
-        self._restore(states[0], elastic_position(states), elastic=True)
+        self._restore(states[0], elastic_position(states, world_size), elastic=True)
 
     def save_state_global(self, global_dst_rank: int) -> list[RankState] | None:
         """Gather every data-parallel rank's state to ``global_dst_rank``.
@@ -521,11 +526,13 @@ class SavableDataLoader(DataLoader):
         """The batch ``key`` names, rebuilt bit for bit in this process, without iterating.
 
         ``key`` is a :class:`~savable_loader.state.RestoreKey` from :attr:`restore_key`
-        or its ``str()``. The loader must be built like the one that made the key (same
-        dataset and seed; ``num_workers`` and world size may differ). Drop-in path:
-        always possible. Savable pipelines: when every dataset of the pipeline supports
-        it (``dataset.can_restore_sample()``; ``restore_sample_blocker()`` says why not).
-        Raises :class:`RestoreKeyError` otherwise. Example::
+        or its ``str()``. The loader must be built like the one that made the key: same
+        dataset and seed (drop-in path: ``num_workers``, rank and world size may differ;
+        savable pipelines: the same rank, world size and ``num_workers``, since sources
+        split the data by them). Savable pipelines rebuild when every dataset of the
+        pipeline supports it (``dataset.can_restore_sample()``;
+        ``restore_sample_blocker()`` says why not). Raises :class:`RestoreKeyError`
+        otherwise. Example::
 
             key = str(loader.restore_key)
             again = loader.restore_sample(key)

@@ -109,18 +109,18 @@ def _state(rank, world, epoch, consumed, stages=(), batch=BATCH):
 
 def test_a_rank_that_finished_the_epoch_counts_its_whole_share():
     # 2 ranks of 23 samples; rank 1 finished (saved as the next epoch), rank 0 at 20
-    pos = elastic_position([_state(0, 2, 3, 20), _state(1, 2, 4, 0)])
+    pos = elastic_position([_state(0, 2, 3, 20), _state(1, 2, 4, 0)], 3)
     assert pos.epoch == 3 and pos.stages == [IndexStage(world_size=2, consumed=[20, 23])]
     assert len(remaining_positions(N, pos.stages)) == 3  # positions 40, 42, 44
-    done = elastic_position([_state(0, 2, 4, 0), _state(1, 2, 4, 0)])
+    done = elastic_position([_state(0, 2, 4, 0), _state(1, 2, 4, 0)], 3)
     assert (done.epoch, done.consumed, done.stages) == (4, 0, [])
 
 
 def test_states_too_far_apart_or_inconsistent_are_refused():
     with pytest.raises(sl.StateError, match="more than one epoch apart"):
-        elastic_position([_state(0, 2, 3, 20), _state(1, 2, 5, 0)])
+        elastic_position([_state(0, 2, 3, 20), _state(1, 2, 5, 0)], 3)
     with pytest.raises(sl.StateError, match="batch_size"):
-        elastic_position([_state(0, 2, 3, 20), _state(1, 2, 3, 8, batch=8)])
+        elastic_position([_state(0, 2, 3, 20), _state(1, 2, 3, 8, batch=8)], 3)
 
 
 # -- world size, in one process (explicit ranks) ---------------------------------------
@@ -331,3 +331,55 @@ def test_batch_rescale_factor_needs_a_batch_with_only_maps_above():
     assert batch_rescale_factor(filtered, {**filtered, "children": [{"type": batch, "batch_size": 4,
                                                                      "children": [src]}]}) is None
     assert batch_rescale_factor(saved, {**saved, "fn": "g"}) is None
+
+
+def test_an_empty_share_is_an_empty_epoch_not_the_next_one():
+    # N=10 on 2 ranks, 2 batches of 2 each consumed: 2 samples left for 4 new ranks
+    def small(rank, world, drop_last=False):
+        wc = sl.WorkerConfig(rank=rank, world_size=world, num_workers=0, seed=SEED)
+        return sl.SavableDataLoader(RandomMapDataset(10), batch_size=2, shuffle=True, drop_last=drop_last,
+                                    worker_config=wc)
+
+    states = []
+    for rank in range(2):
+        loader = small(rank, 2)
+        it = iter(loader)
+        next(it), next(it)
+        states.append(loader.save_state_rank())
+    for rank in range(4):
+        loader = small(rank, 4)
+        loader.restore_state_global(states)
+        first = [(loader.restore_key.epoch, b) for b in loader]
+        assert len(first) == (1 if rank < 2 else 0), f"rank {rank}: {first}"
+        assert all(epoch == 0 for epoch, _ in first)
+        assert loader.save_state_rank().position.epoch == 1  # everyone in step
+        reference = small(rank, 4)
+        list(reference)
+        assert_streams(list(loader), list(reference), f"rank {rank} epoch 1")
+
+
+def test_drop_last_gives_every_new_rank_the_same_number_of_batches():
+    states = []
+    for rank in range(2):
+        loader = make(rank, 2, drop_last=True)
+        it = iter(loader)
+        for _ in range(rank + 1):  # uneven counts at the save point
+            next(it)
+        states.append(loader.save_state_rank())
+    counts = []
+    for rank in range(3):
+        loader = make(rank, 3, drop_last=True)
+        loader.restore_state_global(states)
+        counts.append(len(list(loader)))
+    # 45 samples, 2 ranks of 23 (padded); 4 + 8 consumed -> 33 left -> shares 11, 11, 11
+    assert counts == [2, 2, 2], counts
+
+
+def test_saving_an_empty_loader_is_idempotent():
+    empty = sl.SavableDataLoader(RandomMapDataset(0), batch_size=2, seed=SEED)
+    state = empty.save_state_rank()
+    assert state.position.epoch == 0
+    again = sl.SavableDataLoader(RandomMapDataset(0), batch_size=2, seed=SEED)
+    again.restore_state_rank(state)
+    assert again.save_state_rank() == state
+    assert list(again) == [] and again.save_state_rank().position.epoch == 1

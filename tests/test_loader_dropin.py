@@ -53,6 +53,11 @@ def test_resume_saved_with_3_workers_into_1_worker():
     )
 
 
+def test_persistent_workers_need_workers():
+    with pytest.raises(sl.LoaderUsageError, match="persistent_workers=True needs num_workers > 0"):
+        make(num_workers=0, persistent_workers=True)
+
+
 def test_persistent_workers_resume():
     check_resume_everywhere(lambda: make(num_workers=2, persistent_workers=True), epochs=2, steps=[0, 3, 6, 8])
 

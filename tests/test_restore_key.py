@@ -153,7 +153,7 @@ def test_a_pipeline_that_cannot_rebuild_says_why():
     assert "keyed=False" in dataset.restore_sample_blocker()
     batch = next(iter(loader))
     key = loader.restore_key
-    assert key.sample is not None and batch is not None  # outer wrappers still give keys
+    assert key.sample is None and batch is not None  # no source key: no batch key
     with pytest.raises(sl.RestoreKeyError, match="cannot rebuild samples: RangeSource"):
         loader.restore_sample(key)
 

@@ -26,7 +26,7 @@ import cloudpickle
 import numpy as np
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
-from savable_loader._elastic import rank_share, share_length
+from savable_loader._elastic import epoch_length, rank_share, share_length
 from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
 from savable_loader.state.schema import IndexStage
 
@@ -98,16 +98,19 @@ class IndexPlan:
         return self.batch_size or 1
 
     def epoch_len(self, stages: tuple[IndexStage, ...] = ()) -> int:
-        """Samples this rank yields in a whole epoch (``drop_last`` applied)."""
-        if self.drop_last:
-            return self.rank_len(stages) // self.step * self.step
+        """Samples this rank yields in a whole epoch (``drop_last`` applied).
+
+        After a world-size change the ranks' shares may differ by one sample; with
+        ``drop_last`` every rank then stops at the same number of full batches (that of
+        the smallest share), so all ranks take the same number of steps.
+        """
+        if self.drop_last or not stages:
+            return epoch_length(self.dataset_len, self.world_size, self.rank, stages, self.batch_size, self.drop_last)
         return self.rank_len(stages)
 
     def num_batches(self, stages: tuple[IndexStage, ...] = ()) -> int:
         """Items (batches) this rank yields in a whole epoch."""
-        if self.drop_last:
-            return self.rank_len(stages) // self.step
-        return math.ceil(self.rank_len(stages) / self.step)
+        return math.ceil(self.epoch_len(stages) / self.step)
 
     def global_order(self, epoch: int) -> np.ndarray:
         """The dataset indices of ``epoch`` in global order (not padded)."""

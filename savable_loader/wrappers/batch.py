@@ -51,11 +51,11 @@ class BatchDataset(BaseWrapperDataset):
             batch.append(sample)
             keys.append(inner.sample_key)
             if len(batch) == self.batch_size:
-                self.sample_key = keys
+                self.sample_key = None if None in keys else keys
                 yield self.collate_fn(batch)
                 batch, keys = [], []
         if batch and not self.drop_last:
-            self.sample_key = keys
+            self.sample_key = None if None in keys else keys
             yield self.collate_fn(batch)
 
     def restore_sample(self, key: Any) -> Any:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset import SavableDataset, wrap_key
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.rng import counter_seed
 
@@ -112,7 +112,7 @@ class BlendDataset(SavableDataset):
                 if self.exhausted == "stop":
                     self.alive = [False] * len(self.datasets)
                 continue
-            self.sample_key = [i, self.datasets[i].sample_key]
+            self.sample_key = wrap_key(i, self.datasets[i].sample_key)
             yield sample
 
     def restore_sample(self, key: Any) -> Any:

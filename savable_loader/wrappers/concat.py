@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset import SavableDataset, wrap_key
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 
 __all__ = ["ConcatDataset"]
@@ -52,7 +52,7 @@ class ConcatDataset(SavableDataset):
         while self.part < len(self.datasets):
             inner = self.datasets[self.part]
             for sample in inner:
-                self.sample_key = [self.part, inner.sample_key]
+                self.sample_key = wrap_key(self.part, inner.sample_key)
                 yield sample
             self.part += 1
 

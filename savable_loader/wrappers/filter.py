@@ -34,6 +34,7 @@ class FilterDataset(BaseWrapperDataset):
                 yield sample
 
     def restore_sample(self, key: Any) -> Any:
+        """The inner sample ``key`` names (the predicate runs again for its random draws)."""
         sample = self.dataset.restore_sample(key)
         self.predicate(sample)  # it ran before the yield: replay its random draws, if any
         return sample

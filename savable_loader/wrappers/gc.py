@@ -68,4 +68,5 @@ class GcDataset(BaseWrapperDataset):
             yield sample
 
     def restore_sample(self, key: Any) -> Any:
+        """The sample with the inner key ``key`` (no collection here)."""
         return self.dataset.restore_sample(key)

@@ -54,6 +54,7 @@ class LimitDataset(BaseWrapperDataset):
                 return
 
     def restore_sample(self, key: Any) -> Any:
+        """The sample with the inner key ``key``."""
         return self.dataset.restore_sample(key)
 
     def config(self) -> dict[str, Any]:

@@ -91,6 +91,7 @@ class LogSampleDataset(BaseWrapperDataset):
             yield sample
 
     def restore_sample(self, key: Any) -> Any:
+        """The sample with the inner key ``key`` (not logged)."""
         return self.dataset.restore_sample(key)
 
     def config(self) -> dict[str, Any]:

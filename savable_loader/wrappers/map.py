@@ -37,6 +37,7 @@ class MapDataset(BaseWrapperDataset):
             yield fn(sample)
 
     def restore_sample(self, key: Any) -> Any:
+        """``fn`` applied to the inner sample ``key`` names."""
         return self.fn(self.dataset.restore_sample(key))
 
     def config(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from savable_loader.config import _Repetition
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset import SavableDataset, wrap_key
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers.base import BaseWrapperDataset
 
@@ -54,7 +54,7 @@ class RepeatDataset(BaseWrapperDataset):
                     except StopIteration:
                         break
                 self.pass_yielded = True
-                self.sample_key = [self.repetition, inner.sample_key]
+                self.sample_key = wrap_key(self.repetition, inner.sample_key)
                 yield sample
             empty = not self.pass_yielded
             self.repetition += 1

@@ -67,6 +67,7 @@ class ShuffleBufferDataset(BaseWrapperDataset):
             yield self._pick()
 
     def restore_sample(self, key: Any) -> Any:
+        """The inner sample ``key`` names, re-seeded as when it left the buffer."""
         sample = self.dataset.restore_sample(key)
         self.mark_sample(key)
         return sample
