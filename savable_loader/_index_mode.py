@@ -195,6 +195,9 @@ class IndexMode:
         return self.torch_dataset[self.plan.key(key.epoch, positions)]
 
     def restore(self, position: IndexPosition) -> None:
+        if position.consumed and position.consumed >= self.plan.epoch_len(tuple(position.stages)):
+            # saved at the very end of an epoch: the next sample is the next epoch's first
+            position = IndexPosition(epoch=position.epoch + 1, consumed=0, dataset_len=position.dataset_len)
         with self._lock:
             self.pending = position
             self.epoch = position.epoch

@@ -6,9 +6,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from savable_loader.dataset import SavableDataset
-from savable_loader.errors import LoaderUsageError
+from savable_loader.errors import LoaderUsageError, RestoreKeyError
 
-__all__ = ["BaseWrapperDataset"]
+__all__ = ["BaseWrapperDataset", "split_index_key"]
+
+
+def split_index_key(owner: str, key: Any, count: int) -> tuple[int, Any]:
+    """``(index, inner key)`` of a ``[index, inner key]`` key whose index picks one of
+    ``count`` datasets; RestoreKeyError naming ``owner`` otherwise."""
+    if (
+        not isinstance(key, (list, tuple))
+        or len(key) != 2
+        or not isinstance(key[0], int)
+        or not 0 <= key[0] < count
+    ):
+        raise RestoreKeyError(f"{owner} key must be [dataset index below {count}, inner key], got {key!r}")
+    return key[0], key[1]
 
 
 class BaseWrapperDataset(SavableDataset):

@@ -6,7 +6,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from savable_loader.dataset import SavableDataset, wrap_key
-from savable_loader.errors import LoaderUsageError, RestoreKeyError
+from savable_loader.errors import LoaderUsageError
+from savable_loader.wrappers.base import split_index_key
 
 __all__ = ["ConcatDataset"]
 
@@ -58,16 +59,8 @@ class ConcatDataset(SavableDataset):
 
     def restore_sample(self, key: Any) -> Any:
         """The sample of dataset ``key[0]`` whose inner key is ``key[1]``."""
-        if (
-            not isinstance(key, (list, tuple))
-            or len(key) != 2
-            or not isinstance(key[0], int)
-            or not 0 <= key[0] < len(self.datasets)
-        ):
-            raise RestoreKeyError(
-                f"ConcatDataset key must be [dataset index below {len(self.datasets)}, inner key], got {key!r}"
-            )
-        return self.datasets[key[0]].restore_sample(key[1])
+        index, inner = split_index_key("ConcatDataset", key, len(self.datasets))
+        return self.datasets[index].restore_sample(inner)
 
     def config(self) -> dict[str, Any]:
         return {"parts": len(self.datasets)}
