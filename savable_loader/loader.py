@@ -15,9 +15,7 @@ Each ``iter(loader)`` starts the next epoch, except the first one after
 from __future__ import annotations
 
 import io
-import re
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, default_convert
 
+from savable_loader._elastic import elastic_position
+from savable_loader._failures import terminate_worker, translate_worker_error
 from savable_loader._feeder import WorkerInit
 from savable_loader._index_mode import IndexMode
 from savable_loader._pipeline_mode import SKIP, PipelineMode
@@ -33,7 +33,6 @@ from savable_loader._version import __version__
 from savable_loader._worker import END
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
-from savable_loader._elastic import elastic_position
 from savable_loader.distributed import (
     DataParallelGroup,
     check_gathered,
@@ -48,7 +47,6 @@ from savable_loader.errors import (
     RestoreKeyError,
     SavableLoaderError,
     StateError,
-    WorkerDiedError,
     WorkerTimeoutError,
 )
 from savable_loader.state.codec import decode, encode
@@ -63,8 +61,6 @@ _UNSUPPORTED = {
     "in_order": "out-of-order delivery cannot be resumed exactly",
 }
 _DEFAULT_SAVE_TIMEOUT = 60.0
-#: Seconds to wait for a worker that broke a pipe to be seen dead.
-_DEATH_GRACE = 1.0
 #: torch iterators of running iterations. Keeping them reachable from here means that an
 #: iteration abandoned inside a reference cycle does not take torch's worker queues into
 #: the cycle collector, which would finalise them before the iteration's ``finally`` could
@@ -282,7 +278,7 @@ class SavableDataLoader(DataLoader):
                         self._failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                         translated = self._translate(e, torch_iter)
                         if isinstance(translated, WorkerTimeoutError):
-                            self._terminate(torch_iter, translated.worker_id)
+                            terminate_worker(torch_iter, self._logical, translated.worker_id)
                         if translated is e:
                             raise
                         raise translated from e
@@ -321,13 +317,6 @@ class SavableDataLoader(DataLoader):
         if self._iterator is torch_iter:
             self._iterator = None  # persistent workers: start new ones next time
 
-    def _terminate(self, torch_iter: Any, worker_id: int | None) -> None:
-        """A hung worker would not stop on request: end it (SIGTERM) so that the shutdown
-        does not wait for it."""
-        for physical, process in enumerate(getattr(torch_iter, "_workers", None) or []):
-            if self._logical(physical) == worker_id and process.is_alive():
-                process.terminate()
-
     def _mp_context(self) -> Any:
         ctx = self.multiprocessing_context
         if ctx is None:
@@ -335,47 +324,7 @@ class SavableDataLoader(DataLoader):
         return ctx
 
     def _translate(self, error: Exception, torch_iter: Any) -> Exception:
-        text = str(error)
-        workers = getattr(torch_iter, "_workers", None) or []
-        if isinstance(error, (EOFError, OSError)) and workers and "DataLoader worker process" not in text:
-            # A worker killed after queueing a tensor: receiving the tensor's shared memory
-            # from the dead worker fails with a bare EOFError / ConnectionResetError.
-            return self._dead_worker_error(error, workers)
-        if not isinstance(error, RuntimeError):
-            return error
-        if "timed out" in text:
-            logical = self._next_worker(torch_iter)
-            return WorkerTimeoutError(
-                f"worker {logical} produced nothing within timeout={self.timeout:g} s ({text})", worker_id=logical
-            )
-        if "exited unexpectedly" in text or "killed by signal" in text or "is killed" in text:
-            match = re.search(r"pid(?:\(s\))?\s+([\d, ]+)", text)
-            pids = {int(p) for p in re.findall(r"\d+", match.group(1))} if match else set()
-            ids = [self._logical(i) for i, w in enumerate(workers) if w.pid in pids]
-            name = f"worker {ids[0]}" if len(ids) == 1 else f"workers {ids}"
-            return WorkerDiedError(f"{name} exited unexpectedly ({text})", worker_id=ids[0] if ids else None)
-        return error
-
-    def _dead_worker_error(self, error: Exception, workers: list[Any]) -> Exception:
-        deadline = time.monotonic() + _DEATH_GRACE
-        while True:
-            dead = [(i, w) for i, w in enumerate(workers) if not w.is_alive()]
-            if dead or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        if not dead:
-            return error
-        ids = [self._logical(i) for i, _ in dead]
-        name = f"worker {ids[0]}" if len(ids) == 1 else f"workers {ids}"
-        codes = ", ".join(f"pid {w.pid} exit code {w.exitcode}" for _, w in dead)
-        return WorkerDiedError(
-            f"{name} exited unexpectedly ({codes}; {type(error).__name__} while receiving a sample it had sent)",
-            worker_id=ids[0],
-        )
-
-    def _next_worker(self, torch_iter: Any) -> int | None:
-        info = getattr(torch_iter, "_task_info", {}).get(getattr(torch_iter, "_rcvd_idx", -1))
-        return self._logical(info[0]) if info else None
+        return translate_worker_error(error, torch_iter, self._logical, self.timeout)
 
     def _logical(self, physical: int) -> int:
         return self._mode.logical(physical)

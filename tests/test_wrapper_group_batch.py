@@ -86,12 +86,12 @@ def test_state_holds_the_buckets(monkeypatch):
     assert [batch_ids(next(it)) for _ in range(2)] == [[1, 5, 7], [2, 4, 8]]
     state = decode(encode(loader.save_state_rank()))
     ws = state.position.workers[0]
-    assert (ws.snapshot_index, ws.index) == (1, 2)  # the snapshot taken after the first batch
+    assert (ws.snapshot_index, ws.index) == (2, 2)  # the snapshot taken as the second batch left
     buckets = ws.dataset.fields["buckets"]
-    # after 0..7: (True, "b") holds 0 and 6, (False, "b") 2 and 4, (True, "a") 3
-    assert [b[0] for b in buckets] == [[True, "b"], [False, "b"], [True, "a"]]
-    assert [[int(decode_sample(s)[0]) for s in b[1]] for b in buckets] == [[0, 6], [2, 4], [3]]
-    assert [b[2] for b in buckets] == [[0, 6], [2, 4], [3]]  # the samples' restore keys
+    # after 0..8 (two full buckets yielded): (True, "b") holds 0 and 6, (True, "a") 3
+    assert [b[0] for b in buckets] == [[True, "b"], [True, "a"]]
+    assert [[int(decode_sample(s)[0]) for s in b[1]] for b in buckets] == [[0, 6], [3]]
+    assert [b[2] for b in buckets] == [[0, 6], [3]]  # the samples' restore keys
     del it
 
 
