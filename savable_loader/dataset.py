@@ -6,47 +6,26 @@ A subclass lists its state attributes in ``_savable_fields``, sets them in
 every point where the iterator yields, the fields must describe where it is, so that
 ``restore_state(s)`` followed by ``iter()`` continues from there.
 
-Example::
-
-    class Counter(SavableDataset):
-        _savable_fields = ("pos",)
-
-        def __init__(self, n, worker_config):
-            super().__init__(worker_config)
-            self.n = n
-            self.reset_state_own()
-
-        def reset_state_own(self):
-            self.pos = self.worker_config.rank_worker_id()
-
-        def __iter__(self):
-            step = self.worker_config.workers_per_rank
-            while self.pos < self.n:
-                value = self.pos
-                self.pos += step
-                yield value
-
-        def config(self):
-            return {"n": self.n}
+The class docstring of :class:`SavableDataset` has a complete example.
 
 Restore keys: a dataset that can rebuild one sample alone gives every sample a key.
 Sources call ``self.mark_sample(key)`` before building each sample (it records
 ``self.sample_key`` and re-seeds the global RNGs from the key, so the sample's own
 random draws follow from it too) and implement ``restore_sample(key)``, which calls
-``mark_sample(key)`` and builds the same sample. Wrappers derive their key from ``self.dataset.sample_key`` and rebuild
-through ``self.dataset.restore_sample``. The loader sends the outermost key with every
-item, so any batch can be rebuilt in the main process (``loader.restore_sample``).
-Keys are plain data (ints, strings, lists); they may come back as lists after a trip
-through JSON. In the example above::
+``mark_sample(key)`` and builds the same sample. Wrappers derive their key from
+``self.dataset.sample_key`` and rebuild through ``self.dataset.restore_sample``. The
+loader sends the outermost key with every item, so any batch can be rebuilt in the main
+process (``loader.restore_sample``). Keys are plain data (ints, strings, lists); they
+may come back as lists after a trip through JSON. For the class docstring's example::
 
-        def __iter__(self):
-            ...
-                self.mark_sample(value)
-                yield value   # or a sample built from value, random draws included
+    def __iter__(self):
+        ...
+            self.mark_sample(value)
+            yield value   # or a sample built from value, random draws included
 
-        def restore_sample(self, key):
-            self.mark_sample(key)
-            return key
+    def restore_sample(self, key):
+        self.mark_sample(key)
+        return key
 """
 
 from __future__ import annotations

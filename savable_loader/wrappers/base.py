@@ -8,7 +8,24 @@ from typing import Any
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 
-__all__ = ["BaseWrapperDataset", "split_index_key"]
+__all__ = ["BaseWrapperDataset", "check_datasets", "split_index_key"]
+
+
+def check_datasets(owner: str, datasets: Any) -> list[SavableDataset]:
+    """``datasets`` as a non-empty list of savable datasets sharing one WorkerConfig;
+    LoaderUsageError naming ``owner`` and the entry otherwise."""
+    datasets = list(datasets) if isinstance(datasets, (list, tuple)) else datasets
+    if not isinstance(datasets, list) or not datasets:
+        raise LoaderUsageError(f"{owner} datasets must be a non-empty list of SavableDataset, got {datasets!r}")
+    for i, ds in enumerate(datasets):
+        if not isinstance(ds, SavableDataset):
+            raise LoaderUsageError(f"{owner} datasets[{i}] must be a SavableDataset, got {type(ds).__qualname__}")
+        if ds.worker_config != datasets[0].worker_config:
+            raise LoaderUsageError(
+                f"{owner} datasets[{i}].worker_config is {ds.worker_config}, "
+                f"expected datasets[0]'s {datasets[0].worker_config}"
+            )
+    return datasets
 
 
 def split_index_key(owner: str, key: Any, count: int) -> tuple[int, Any]:

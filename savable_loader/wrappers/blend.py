@@ -9,7 +9,7 @@ from typing import Any
 from savable_loader.dataset import SavableDataset, wrap_key
 from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import counter_seed
-from savable_loader.wrappers.base import split_index_key
+from savable_loader.wrappers.base import check_datasets, split_index_key
 
 __all__ = ["BlendDataset"]
 
@@ -50,17 +50,7 @@ class BlendDataset(SavableDataset):
         *,
         exhausted: str = "drop",
     ) -> None:
-        datasets = list(datasets) if isinstance(datasets, (list, tuple)) else datasets
-        if not isinstance(datasets, list) or not datasets:
-            raise LoaderUsageError(f"BlendDataset datasets must be a non-empty list of SavableDataset, got {datasets!r}")
-        for i, ds in enumerate(datasets):
-            if not isinstance(ds, SavableDataset):
-                raise LoaderUsageError(f"BlendDataset datasets[{i}] must be a SavableDataset, got {type(ds).__qualname__}")
-            if ds.worker_config != datasets[0].worker_config:
-                raise LoaderUsageError(
-                    f"BlendDataset datasets[{i}].worker_config is {ds.worker_config}, "
-                    f"expected datasets[0]'s {datasets[0].worker_config}"
-                )
+        datasets = check_datasets("BlendDataset", datasets)
         super().__init__(datasets[0].worker_config)
         if weights is None:
             weights = [1.0] * len(datasets)

@@ -6,8 +6,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from savable_loader.dataset import SavableDataset, wrap_key
-from savable_loader.errors import LoaderUsageError
-from savable_loader.wrappers.base import split_index_key
+from savable_loader.wrappers.base import check_datasets, split_index_key
 
 __all__ = ["ConcatDataset"]
 
@@ -28,17 +27,7 @@ class ConcatDataset(SavableDataset):
     _savable_fields = ("part",)
 
     def __init__(self, datasets: Sequence[SavableDataset]) -> None:
-        datasets = list(datasets) if isinstance(datasets, (list, tuple)) else datasets
-        if not isinstance(datasets, list) or not datasets:
-            raise LoaderUsageError(f"ConcatDataset datasets must be a non-empty list of SavableDataset, got {datasets!r}")
-        for i, ds in enumerate(datasets):
-            if not isinstance(ds, SavableDataset):
-                raise LoaderUsageError(f"ConcatDataset datasets[{i}] must be a SavableDataset, got {type(ds).__qualname__}")
-            if ds.worker_config != datasets[0].worker_config:
-                raise LoaderUsageError(
-                    f"ConcatDataset datasets[{i}].worker_config is {ds.worker_config}, "
-                    f"expected datasets[0]'s {datasets[0].worker_config}"
-                )
+        datasets = check_datasets("ConcatDataset", datasets)
         super().__init__(datasets[0].worker_config)
         self.datasets = datasets
         self.reset_state_own()
