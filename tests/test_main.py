@@ -39,6 +39,18 @@ def test_help():
     assert "--_child" not in demo.stdout
 
 
+def test_console_script_runs_the_same_commands(tmp_path):
+    script = Path(sys.executable).parent / "savable-loader"
+    if not script.exists():
+        pytest.skip(f"the package is not installed in this environment ({script} is missing)")
+    top = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0 and "demo" in top.stdout and "inspect" in top.stdout, top.stderr
+    garbage = tmp_path / "garbage.state"
+    garbage.write_bytes(b"not a state")
+    bad = subprocess.run([str(script), "inspect", str(garbage)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and str(garbage) in bad.stderr, bad.stderr
+
+
 def test_main_in_process_help_and_missing_command(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
