@@ -18,7 +18,8 @@ class ShuffleBufferDataset(BaseWrapperDataset):
 
     The buffer's samples and its own counter-based RNG (a seed and a draw count) are
     part of the state, so a restore needs no random access into the source: the buffer
-    is stored in the state itself, with the samples' restore keys. Samples must not be
+    is stored in the state itself, with the samples' restore keys (when the wrapped
+    pipeline gives keys; ``keys`` is None otherwise). Samples must not be
     modified in place after they are yielded (the state holds copies taken at snapshot
     time).
 
@@ -34,11 +35,14 @@ class ShuffleBufferDataset(BaseWrapperDataset):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise LoaderUsageError(f"ShuffleBufferDataset size must be a positive int, got {size!r}")
         self.size = size
+        # Keys are kept only for a pipeline that can rebuild samples: otherwise they would
+        # be a list of Nones as long as the buffer in every state.
+        self._keyed = dataset.can_restore_sample()
         self.reset_state_own()
 
     def reset_state_own(self) -> None:
         self.buffer: list[Any] = []
-        self.keys: list[Any] = []
+        self.keys: list[Any] | None = [] if self._keyed else None
         self.seed = self.worker_config.epoch_seed()
         self.draws = 0
 
@@ -47,8 +51,10 @@ class ShuffleBufferDataset(BaseWrapperDataset):
         i = counter_seed(self.seed, self.draws) % len(buffer)
         self.draws += 1
         buffer[i], buffer[-1] = buffer[-1], buffer[i]
-        keys[i], keys[-1] = keys[-1], keys[i]
-        key = keys.pop()
+        key = None
+        if keys is not None:
+            keys[i], keys[-1] = keys[-1], keys[i]
+            key = keys.pop()
         if key is None:
             self.sample_key = None
         else:
@@ -58,9 +64,11 @@ class ShuffleBufferDataset(BaseWrapperDataset):
 
     def __iter__(self) -> Iterator[Any]:
         inner = self.dataset
+        keys = self.keys
         for sample in inner:
             self.buffer.append(sample)
-            self.keys.append(inner.sample_key)
+            if keys is not None:
+                keys.append(inner.sample_key)
             if len(self.buffer) >= self.size:
                 yield self._pick()
         while self.buffer:
