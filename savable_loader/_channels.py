@@ -48,6 +48,11 @@ class WorkerChannels:
         # Commands are sent from the iterating thread (release) and from a saving thread.
         self._send_lock = threading.Lock()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return not self._main
+
     def worker_ends(self) -> list[tuple[Any, Any]]:
         if self._worker is None:
             raise RuntimeError("worker pipe ends were already closed")
