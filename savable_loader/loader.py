@@ -354,6 +354,7 @@ class SavableDataLoader(DataLoader[T_co]):
 
     def _end(self, record: Record, fate: Fate) -> None:
         """``record``'s iteration is over; stop its workers unless they persist."""
+        failure: Exception | None = None
         with self._state_lock:
             if record.fate is not Fate.LIVE:
                 return
@@ -364,8 +365,10 @@ class SavableDataLoader(DataLoader[T_co]):
                 except Exception as e:  # noqa: BLE001 - raised by a later save
                     record.error = e
             record.fate = fate
-            keep = self._persistent and fate is not Fate.FAILED
-            iteration.end(finished=fate is Fate.FINISHED, keep_workers=keep)
+            try:
+                iteration.end(finished=fate is Fate.FINISHED, keep_workers=self._persistent and fate is not Fate.FAILED)
+            except Exception as e:  # noqa: BLE001 - after the workers are stopped
+                failure = e
             if (
                 fate is Fate.ABANDONED and record.beside and record.serial == self._started
                 and not iteration.resumed and self._next_epoch == iteration.epoch + 1
@@ -374,10 +377,13 @@ class SavableDataLoader(DataLoader[T_co]):
                 record.fate = Fate.FORGOTTEN  # a peek: the next loop runs this epoch
                 self._next_epoch = iteration.epoch
                 self._records.remove(record)
-        torch_iter = record.torch_iter
         RUNNING.pop(id(record), None)
         if fate is Fate.FAILED or (fate is Fate.ABANDONED and not self._persistent):
-            self._shutdown(torch_iter)
+            self._shutdown(record.torch_iter)
+        # An iteration abandoned inside a garbage cycle may find its pipes finalised
+        # first: nothing to report then, its workers are stopped all the same.
+        if failure is not None and fate is not Fate.ABANDONED:
+            raise failure
 
     def _shutdown(self, torch_iter: Any) -> None:
         """Stop the workers of a failed or abandoned iteration now, rather than when the
