@@ -109,6 +109,7 @@ class IndexMode(Mode):
         shuffle: bool,
         collate_fn: Callable[[Any], Any],
         salt: tuple[int | str, ...],
+        batched: bool | None = None,
     ) -> None:
         self.dataset = dataset
         self.seed = seed
@@ -121,7 +122,8 @@ class IndexMode(Mode):
         self.shuffle = shuffle
         self.feed_sampler = IndexSampler()
         self.torch_dataset = IndexedDataset(
-            dataset, seed, collate_fn, batched=batch_size is not None, salt=salt, seed_formula=self.seed_formula
+            dataset, seed, collate_fn, batched=batch_size is not None if batched is None else batched, salt=salt,
+            seed_formula=self.seed_formula,
         )
         #: (iteration, key) of the batch yielded last
         self.last: tuple[IndexIteration, BatchKey] | None = None

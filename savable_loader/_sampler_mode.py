@@ -125,7 +125,7 @@ class SamplerMode(IndexMode):
         self.index_sampler = index_sampler
         self.auto_collation = auto_collation
         self.generator = generator
-        super().__init__(dataset, salt=("sampler-sample", kwargs["rank"]), **kwargs)
+        super().__init__(dataset, salt=("sampler-sample", kwargs["rank"]), batched=auto_collation, **kwargs)
 
     def sampler_name(self) -> str:
         return type_name(self.index_sampler)
@@ -139,8 +139,11 @@ class SamplerMode(IndexMode):
 
     def begin(self, epoch: int, resume: Any, context: Any = None, reuse_workers: bool = False) -> IndexIteration:
         sampler = self.index_sampler
+        if resume is not None and resume.sampler is not None and resume.sampler.at_start:
+            apply(sampler, resume.sampler)  # saved between epochs: start this one as usual
+            resume = None
         if resume is not None and resume.sampler is None:
-            resume = None  # saved at the start of the epoch: start it as usual
+            resume = None  # saved before the loader ever iterated
         if resume is None:
             self.refresh()
             if self.generator is not None:
@@ -162,8 +165,10 @@ class SamplerMode(IndexMode):
         return iteration
 
     def start_position(self, epoch: int) -> IndexPosition:
+        """The start of ``epoch``, with what decides the sampler's order from there."""
         self.refresh()
-        return IndexPosition(epoch=epoch, consumed=0, dataset_len=self.dataset_len)
+        record = msgspec.structs.replace(capture(self.index_sampler, private_regime(self.index_sampler)), at_start=True)
+        return IndexPosition(epoch=epoch, consumed=0, dataset_len=self.dataset_len, sampler=record)
 
     def remaining(self, position: IndexPosition) -> int | None:
         length = self.sampler_length()
@@ -188,9 +193,9 @@ class SamplerMode(IndexMode):
             )
         if position.stages:
             raise ConfigMismatchError("position.stages", len(position.stages), 0, "a sampler's state has no stages")
-        if position.sampler is None and position.consumed:
+        if position.sampler is None and (position.consumed or position.epoch):
             raise ConfigMismatchError(
-                "position.sampler", None, self.sampler_name(), "a state that consumed items records the sampler's order"
+                "position.sampler", None, self.sampler_name(), "a state of a sampler's loader records the sampler's order"
             )
         return position
 

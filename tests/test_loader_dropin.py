@@ -54,7 +54,7 @@ def test_resume_saved_with_3_workers_into_1_worker():
 
 
 def test_persistent_workers_need_workers():
-    with pytest.raises(sl.LoaderUsageError, match="persistent_workers=True needs num_workers > 0"):
+    with pytest.raises(sl.LoaderUsageError, match="persistent_workers option needs num_workers > 0"):
         make(num_workers=0, persistent_workers=True)
 
 
@@ -96,26 +96,20 @@ def test_save_twice_and_before_first_batch():
     assert loader.save_state_rank().position.consumed == 4
 
 
-def test_end_of_epoch_state_points_at_next_epoch():
+def test_state_at_the_last_batch_is_the_epochs_empty_rest():
     loader = make(n=8, batch_size=4)
     it = iter(loader)
     next(it), next(it)
     pos = loader.save_state_rank().position
-    assert (pos.epoch, pos.consumed) == (1, 0)
+    assert (pos.epoch, pos.consumed) == (0, 8)  # before StopIteration: epoch 0, all of it consumed
+    assert list(it) == []
+    pos = loader.save_state_rank().position
+    assert (pos.epoch, pos.consumed) == (1, 0)  # after StopIteration: the next epoch
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"sampler": [0, 1]},
-        {"batch_sampler": [[0, 1]]},
-        {"generator": torch.Generator()},
-        {"in_order": False},
-        {"no_such_argument": 1},
-    ],
-)
+@pytest.mark.parametrize("kwargs", [{"in_order": False, "num_workers": 2}, {"no_such_argument": 1}])
 def test_rejected_arguments(kwargs):
-    with pytest.raises(LoaderUsageError, match=next(iter(kwargs))):
+    with pytest.raises((LoaderUsageError, TypeError), match=next(iter(kwargs))):
         sl.SavableDataLoader(RandomMapDataset(4), batch_size=2, **kwargs)
 
 
@@ -124,11 +118,11 @@ def test_rejected_datasets_and_values():
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.raises(LoaderUsageError, match="IterableDataset"):
+    with pytest.raises(LoaderUsageError, match="IterableDataset.*IterableSource"):
         sl.SavableDataLoader(Stream(), batch_size=2)
     with pytest.raises(LoaderUsageError, match="map-style"):
         sl.SavableDataLoader(object(), batch_size=2)
-    with pytest.raises(LoaderUsageError, match="batch_size"):
+    with pytest.raises(LoaderUsageError, match="batch_size should be a positive integer value"):
         sl.SavableDataLoader(RandomMapDataset(4), batch_size=0)
     with pytest.raises(LoaderUsageError, match="num_workers"):
         sl.SavableDataLoader(RandomMapDataset(4), worker_config=sl.WorkerConfig(num_workers=2), num_workers=1)
@@ -172,8 +166,11 @@ def test_restore_while_iterating_is_an_error():
     state = loader.save_state_rank()
     it = iter(loader)
     next(it)
-    with pytest.raises(LoaderUsageError, match="iterating"):
+    with pytest.raises(LoaderUsageError, match="in progress"):
         loader.restore_state_rank(state)
+    it.close()
+    loader.restore_state_rank(state)  # once the iteration is closed
+    assert_streams(list(loader), epochs_of(make(), 1)[0], "after the restore")
 
 
 def test_restore_wrong_objects():
@@ -203,8 +200,10 @@ def test_torch_like_attributes():
     loader = sl.SavableDataLoader(ds, batch_size=4, drop_last=True)
     assert loader.batch_size == 4 and loader.drop_last is True
     assert len(loader) == 5
-    assert loader.dataset.n == 23 and len(loader.dataset) == 23
+    assert loader.dataset is ds and loader.dataset[3][0] == 3
     assert isinstance(loader, torch.utils.data.DataLoader)
+    assert len(loader.sampler) == 23 and loader.batch_sampler.sampler is loader.sampler
+    assert len(loader.batch_sampler) == 5
 
 
 def test_save_file_round_trip(tmp_path):

@@ -320,11 +320,11 @@ class OrderSampler(Sampler[int]):
     @property
     def epoch(self) -> int:
         """The epoch the next ``iter(loader)`` starts."""
-        return int(self._owner().next_epoch)
+        return int(self._owner()._upcoming_epoch())
 
     def __len__(self) -> int:
         return int(self._owner()._mode.sample_count())
 
     def __iter__(self) -> Iterator[int]:
         owner = self._owner()
-        return iter(owner._mode.epoch_indices(owner.next_epoch))
+        return iter(owner._mode.epoch_indices(owner._upcoming_epoch()))

@@ -138,7 +138,9 @@ class SamplerState(msgspec.Struct, kw_only=True, frozen=True):
     ``state_dict()`` when it has one, and ``digest`` hashes the dataset indices consumed
     so far (a restore replays the sampler and compares). ``private_rng``: the sampler
     drew from the global RNGs, which the loader replaces by a stream seeded from
-    ``(seed, epoch)`` around every draw.
+    ``(seed, epoch)`` around every draw. ``at_start``: recorded between epochs (the
+    position is the start of ``epoch``): a restore puts the record back and starts the
+    epoch as an uninterrupted run would.
 
     Example::
 
@@ -150,6 +152,7 @@ class SamplerState(msgspec.Struct, kw_only=True, frozen=True):
     state: Any = None
     digest: str = ""
     private_rng: str = ""
+    at_start: bool = False
 
 
 class IndexPosition(msgspec.Struct, kw_only=True, frozen=True, tag="index"):
