@@ -9,11 +9,13 @@ number back, see below).
 
 The rules (DESIGN.md, "What a state means"; torch's behaviour where users know it):
 
-* Every ``iter()`` starts the next epoch, except the first one after a restore, which
-  continues the restored position.
+* Every iteration starts the next epoch, except the first one after a restore, which
+  continues the restored position. An iteration begins at its iterator's first
+  ``next()``: an iterator that was never advanced consumes nothing (frameworks call
+  ``iter()`` and may drop the result).
 * Iterations are independent where torch's are (a non-persistent loader: ``zip(loader,
   loader)``, a peek ``next(iter(loader))`` inside a loop). Persistent workers are one
-  pool and torch resets its single iterator: a new ``iter()`` supersedes the live one,
+  pool and torch resets its single iterator: a new iteration supersedes the live one,
   whose next ``next()`` raises :class:`~savable_loader.errors.LoaderUsageError` (a
   savable pipeline loading in the main process works the same way).
 * An iteration started while another was live, and abandoned before its end while no
@@ -82,44 +84,57 @@ class Record:
 class SavableIterator(Iterator[T_co], Generic[T_co]):
     """What ``iter(SavableDataLoader)`` returns: the batches of one epoch.
 
-    ``close()`` abandons the iteration (as dropping the iterator does); ``epoch`` is the
-    epoch it runs. Example::
+    The iteration begins at the first ``next()`` (an iterator never advanced takes no
+    epoch and starts no workers, and a save ignores it). ``close()`` abandons the
+    iteration (as dropping the iterator does); ``epoch`` is the epoch it runs. Example::
 
         it = iter(loader)
         first = next(it)
         it.close()                      # a save now records the position after `first`
     """
 
-    def __init__(self, loader: SavableDataLoader[Any], record: Record) -> None:
+    def __init__(self, loader: SavableDataLoader[Any]) -> None:
         self._loader = loader
-        self._record = record
+        self._record: Record | None = None
+        self._closed = False
 
     def __iter__(self) -> SavableIterator[T_co]:
         return self
 
+    def _started(self) -> Record:
+        if self._record is None:
+            if self._closed:
+                raise StopIteration
+            self._record = self._loader._begin()
+        return self._record
+
     def __next__(self) -> T_co:
-        return self._loader._next(self._record)  # type: ignore[no-any-return]
+        return self._loader._next(self._started())  # type: ignore[no-any-return]
 
     def close(self) -> None:
         """Abandon the iteration: later ``next()`` calls raise StopIteration."""
-        self._loader._end(self._record, Fate.ABANDONED)
+        self._closed = True
+        if self._record is not None:
+            self._loader._end(self._record, Fate.ABANDONED)
 
     @property
     def epoch(self) -> int:
-        """The epoch this iteration runs."""
-        return self._record.iteration.epoch
+        """The epoch this iteration runs (begins the iteration if needed)."""
+        return self._started().iteration.epoch
 
     @property
     def _workers(self) -> list[Any]:
-        """The worker processes of this iteration (torch's iterator attribute)."""
-        return list(getattr(self._record.torch_iter, "_workers", None) or [])
+        """The worker processes of this iteration (torch's iterator attribute; begins the
+        iteration if needed, as torch's iterator has its workers from the start)."""
+        return list(getattr(self._started().torch_iter, "_workers", None) or [])
 
     def __len__(self) -> int:
         return len(self._loader)
 
     def __del__(self) -> None:
         try:
-            if self._record.fate is Fate.LIVE:
+            record = self._record
+            if record is not None and record.fate is Fate.LIVE:
                 self.close()
         except Exception:  # noqa: BLE001 - never raise from a finaliser (or at shutdown)
             pass

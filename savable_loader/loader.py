@@ -276,6 +276,13 @@ class SavableDataLoader(DataLoader[T_co]):
     # -- iteration --------------------------------------------------------------------
 
     def __iter__(self) -> SavableIterator[T_co]:  # type: ignore[override]
+        """An iterator over the next epoch (or the rest of a restored one). The iteration
+        begins at its first ``next()``: an iterator never advanced consumes nothing, as a
+        torch iterator over a random sampler draws nothing before its first batch."""
+        return SavableIterator(self)
+
+    def _begin(self) -> Record:
+        """Begin an iteration (the first ``next()`` of a SavableIterator)."""
         with self._state_lock:
             mode = self._mode
             live = [r for r in self._records if r.fate is Fate.LIVE]
@@ -306,7 +313,7 @@ class SavableDataLoader(DataLoader[T_co]):
             if self.num_workers > 0:
                 install()
             iteration.workers_started(torch_iter)
-        return SavableIterator(self, record)
+        return record
 
     def _next(self, record: Record) -> Any:
         """The next payload of ``record``'s iteration (called by its SavableIterator)."""
