@@ -94,7 +94,7 @@ def find_generators(root: Any, name: str, skip: frozenset[int] = frozenset()) ->
     visited = 0
     while queue:
         path, obj, depth = queue.popleft()
-        if isinstance(obj, _RNG_TYPES):
+        if _is_rng(obj):
             if id(obj) not in _GLOBAL_IDS and id(obj) not in skip:
                 found.append((path, obj))
             continue
@@ -109,10 +109,13 @@ def find_generators(root: Any, name: str, skip: frozenset[int] = frozenset()) ->
                 RuntimeWarning, stacklevel=2,
             )
             break
-        for sub, child in _children(path, obj, classes):
-            if id(child) not in seen and not isinstance(child, _OPAQUE):
-                seen.add(id(child))
-                queue.append((sub, child, depth + 1))
+        try:
+            for sub, child in _children(path, obj, classes):
+                if id(child) not in seen and _walkable(child):
+                    seen.add(id(child))
+                    queue.append((sub, child, depth + 1))
+        except Exception:  # noqa: BLE001 - an object that fails to be inspected (a container whose
+            continue  # items() raises) is skipped: looking must never break loading
     return found
 
 
@@ -131,6 +134,20 @@ class _ClassInfo:
                 descriptor = vars(c).get(slot)
                 if isinstance(descriptor, types.MemberDescriptorType):
                     self.slots.append((slot, descriptor))
+
+
+def _is_rng(obj: Any) -> bool:
+    try:
+        return isinstance(obj, _RNG_TYPES)
+    except ReferenceError:  # a dead weak proxy
+        return False
+
+
+def _walkable(obj: Any) -> bool:
+    try:
+        return not isinstance(obj, _OPAQUE)
+    except ReferenceError:
+        return False
 
 
 def _children(path: str, obj: Any, classes: dict[type, _ClassInfo]) -> Iterator[tuple[str, Any]]:

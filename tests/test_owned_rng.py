@@ -229,6 +229,30 @@ def test_what_is_not_walked() -> None:
     assert [p for p, _ in find_generators(Holder(), "d")] == ["d.partial.args[0]", "d.method.__self__.gen"]
 
 
+def test_objects_that_resist_inspection_are_skipped() -> None:
+    import weakref
+
+    class Gone:
+        pass
+
+    class Hostile(dict):
+        def items(self):  # type: ignore[override]
+            raise RuntimeError("no")
+
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError(name)
+
+    class Holder:
+        def __init__(self) -> None:
+            gone = Gone()
+            self.dead = weakref.proxy(gone)
+            del gone
+            self.hostile = Hostile(a=1)
+            self.rng = torch.Generator()
+
+    assert [p for p, _ in find_generators(Holder(), "d")] == ["d.rng"]
+
+
 def test_slots_and_class_attributes() -> None:
     class Slotted:
         __slots__ = ("empty", "gen")
