@@ -114,8 +114,8 @@ def find_generators(root: Any, name: str, skip: frozenset[int] = frozenset()) ->
                 if id(child) not in seen and _walkable(child):
                     seen.add(id(child))
                     queue.append((sub, child, depth + 1))
-        except Exception:  # noqa: BLE001 - an object that fails to be inspected (a container whose
-            continue  # items() raises) is skipped: looking must never break loading
+        except Exception:  # noqa: BLE001, S112 - an object that fails to be inspected (a container
+            continue  # whose items() raises) is skipped: looking must never break loading
     return found
 
 
