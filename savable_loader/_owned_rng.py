@@ -12,6 +12,14 @@ A sample's draws then depend on nothing but its position: exact at every step, w
 augmentations across workers, torch's classic pitfall). The drop-in state stays two
 numbers: no generator state is saved.
 
+Why re-seed rather than save the generators' states: a drop-in state has no per-worker
+part (any ``num_workers`` resumes it, batches go to whichever worker torch picks), so a
+snapshot of each worker's copy would tie the state to the worker count and to which
+worker loaded which batch, and would need the workers to report after every batch;
+``restore_sample`` must rebuild one batch from its key alone; and copies of one stream in
+several workers are the duplicate-augmentation bug itself. Re-seeding costs a few
+microseconds per generator and sample and changes no state format.
+
 **Where generators are found.** :func:`find_generators` walks from the dataset (and from
 the collate function, whose generators are re-seeded before each batch is collated)
 through attributes (``__dict__`` and ``__slots__``), list and tuple items, dict values,
