@@ -225,7 +225,7 @@ def _reseeder(path: str, gen: Any, base: int) -> Callable[[int], object]:
     bit = gen.bit_generator
     if type(bit) in _PCG:
         # A PCG state set directly (the stream's increment fixed per generator and epoch):
-        # about 1 µs, where building a new PCG64 through a SeedSequence takes about 7 µs.
+        # about 2-3 µs in all, where building a new PCG64 through a SeedSequence takes about 7 µs.
         name = type(bit).__name__
         inc = derive_seed(base, "pcg-increment") << 64 | derive_seed(base, "pcg-increment-low") | 1
 
