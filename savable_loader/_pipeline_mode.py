@@ -19,7 +19,7 @@ from torch.utils.data import default_convert
 
 from savable_loader._channels import WorkerChannels
 from savable_loader._elastic import batch_rescale_factor
-from savable_loader._index_mode import check_dataset_config
+from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting
 from savable_loader._mode import SKIP, Iteration, Mode
 from savable_loader._worker import END, PipelineWorkerDataset
 from savable_loader.config import WorkerConfig, _ActiveWorker
@@ -318,9 +318,10 @@ class PipelineMode(Mode):
             sample = msgspec.to_builtins(key)
         except TypeError as e:
             raise RestoreKeyError(f"the pipeline's sample key {key!r} is not plain data: {e}") from None
+        wc = self.worker_config
         return RestoreKey(
-            kind="pipeline", seed=seed, fingerprint=self.fingerprint, epoch=epoch,
-            rank=self.worker_config.rank, worker=worker, index=index, sample=sample,
+            kind="pipeline", seed=seed, fingerprint=self.fingerprint, epoch=epoch, rank=wc.rank, worker=worker,
+            index=index, sample=sample, world_size=wc.world_size, num_workers=wc.num_workers,
         )
 
     def restore_sample(self, key: RestoreKey) -> Any:
@@ -333,6 +334,10 @@ class PipelineMode(Mode):
             raise RestoreKeyError(f"this pipeline cannot rebuild samples: {reason}")
         if key.sample is None:
             raise RestoreKeyError("key.sample is None: the pipeline gave this item no key")
+        check_key_setting("world_size", key.world_size, self.worker_config.world_size)
+        check_key_setting("num_workers", key.num_workers, self.worker_config.num_workers)
+        for name in ("epoch", "worker", "index"):
+            check_key_int(name, getattr(key, name))
         if key.rank != self.worker_config.rank:
             raise RestoreKeyError(
                 f"key.rank is {key.rank}, this loader is rank {self.worker_config.rank}: a pipeline's keys are "

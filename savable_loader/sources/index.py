@@ -12,9 +12,9 @@ resumed on another world size continues with the samples no rank had consumed
 A sample is identified by its **position** in the epoch's global order. Before loading
 it, the worker re-seeds Python ``random``, NumPy's and torch's global RNGs from
 ``item_seed(counter_seed(derive_seed(seed, "sample", epoch), position))`` (below
-``2**63``; see ``savable_loader.rng.item_seed``); so the data of a sample does not
-depend on ``num_workers``, the batch size or the world size, and a resume needs no RNG
-snapshot.
+``2**63``; see ``savable_loader.rng.item_seed``), and the generators the dataset owns the
+same way (``savable_loader/_owned_rng.py``); so the data of a sample does not depend on
+``num_workers``, the batch size or the world size, and a resume needs no RNG snapshot.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from savable_loader._elastic import epoch_length, rank_share, share_length
+from savable_loader._owned_rng import OwnedRngs
 from savable_loader.rng import SEED_FORMULA, counter_seed, derive_seed, item_seed, preserve_global_rng, seed_global
 from savable_loader.state.schema import IndexStage
 
@@ -230,18 +231,27 @@ class IndexedDataset(Dataset):
         base = self._sample_base(key.epoch)
         dataset = self.dataset
         formula = self.seed_formula
+        owned = OwnedRngs.cached(self.__dict__, dataset, self.collate_fn, self._owned_seed(), key.epoch)
         many = _own_getitems(dataset) if self.batched else None
         if many is not None:
             seed_global(item_seed(counter_seed(base, key.positions[0]), formula))
+            owned.seed_sample(key.positions[0])
             samples = many(list(key.indices))
         else:
             samples = []
             for position, index in zip(key.positions, key.indices):
                 seed_global(item_seed(counter_seed(base, position), formula))
+                owned.seed_sample(position)
                 samples.append(dataset[index])
         collate_seed = derive_seed(self.seed, "collate", key.epoch, key.positions[0])
         seed_global(item_seed(collate_seed, formula))
+        owned.seed_collate(key.positions[0])
         return self.collate_fn(samples if self.batched else samples[0])
+
+    def _owned_seed(self) -> int:
+        """The seed of the owned generators' streams: the loader's seed for the loader's
+        own (global) positions, salted like the global RNGs' for other streams."""
+        return self.seed if self.salt == ("sample",) else derive_seed(self.seed, *self.salt)
 
     def _sample_base(self, epoch: int) -> int:
         cached = self.__dict__.get("_base")
