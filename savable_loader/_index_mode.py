@@ -24,8 +24,18 @@ from savable_loader._mode import Iteration, Mode
 from savable_loader.dataset import config_fingerprint, plain_config, type_name
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError
 from savable_loader.rng import SEED_FORMULA
-from savable_loader.sources.index import BatchKey, IndexedDataset, IndexPlan, IndexSampler
-from savable_loader.state.schema import IndexPosition, IndexStage, LoaderConfig, RestoreKey
+from savable_loader.sources.index import (
+    BatchKey,
+    IndexedDataset,
+    IndexPlan,
+    IndexSampler,
+)
+from savable_loader.state.schema import (
+    IndexPosition,
+    IndexStage,
+    LoaderConfig,
+    RestoreKey,
+)
 
 __all__ = [
     "IndexIteration",

@@ -67,7 +67,7 @@ class Fate(enum.Enum):
 class Record:
     """One ``iter(loader)``: its iteration, fate and (once abandoned) position."""
 
-    __slots__ = ("iteration", "serial", "beside", "fate", "stale", "position", "error", "failure", "torch_iter")
+    __slots__ = ("beside", "error", "failure", "fate", "iteration", "position", "serial", "stale", "torch_iter")
 
     def __init__(self, iteration: Iteration, serial: int, beside: bool) -> None:
         self.iteration = iteration
@@ -136,5 +136,5 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
             record = self._record
             if record is not None and record.fate is Fate.LIVE:
                 self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser (or at shutdown)
+        except Exception:  # noqa: BLE001, S110 - never raise from a finaliser (or at shutdown)
             pass

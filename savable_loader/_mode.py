@@ -21,7 +21,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from savable_loader.state.schema import IndexPosition, LoaderConfig, PipelinePosition, RestoreKey
+from savable_loader.state.schema import (
+    IndexPosition,
+    LoaderConfig,
+    PipelinePosition,
+    RestoreKey,
+)
 
 __all__ = ["SKIP", "Iteration", "Mode", "Position"]
 

@@ -19,15 +19,32 @@ from torch.utils.data import default_convert
 
 from savable_loader._channels import WorkerChannels
 from savable_loader._elastic import batch_rescale_factor
-from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting
+from savable_loader._index_mode import (
+    check_dataset_config,
+    check_key_int,
+    check_key_setting,
+)
 from savable_loader._mode import SKIP, Iteration, Mode
 from savable_loader._worker import END, PipelineWorkerDataset
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
-from savable_loader.rng import SEED_FORMULA, counter_seed, derive_seed, item_seed, preserve_global_rng, seed_global
+from savable_loader.rng import (
+    SEED_FORMULA,
+    counter_seed,
+    derive_seed,
+    item_seed,
+    preserve_global_rng,
+    seed_global,
+)
 from savable_loader.state.codec import decode_part
-from savable_loader.state.schema import DatasetState, LoaderConfig, PipelinePosition, RestoreKey, WorkerState
+from savable_loader.state.schema import (
+    DatasetState,
+    LoaderConfig,
+    PipelinePosition,
+    RestoreKey,
+    WorkerState,
+)
 
 __all__ = ["SKIP", "PipelineIteration", "PipelineMode"]
 

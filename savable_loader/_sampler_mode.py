@@ -36,7 +36,12 @@ from savable_loader.sources.samplers import (
     plain_indices,
     private_regime,
 )
-from savable_loader.state.schema import IndexPosition, LoaderConfig, RestoreKey, SamplerState
+from savable_loader.state.schema import (
+    IndexPosition,
+    LoaderConfig,
+    RestoreKey,
+    SamplerState,
+)
 
 __all__ = ["SamplerIteration", "SamplerMode"]
 

@@ -155,7 +155,7 @@ class SavableDataLoader(DataLoader[T_co]):
         )
         if wc is None:
             probe = WorkerConfig(num_workers=workers)  # rank and world size (torch.distributed)
-            value, seed_explicit = resolve_seed(seed, generator, probe.world_size)
+            value, seed_explicit = resolve_seed(seed, generator, probe.world_size or 1)
             wc = WorkerConfig(rank=probe.rank, world_size=probe.world_size, num_workers=workers, seed=value,
                               data_parallel_group=probe.data_parallel_group)
         else:
@@ -304,7 +304,7 @@ class SavableDataLoader(DataLoader[T_co]):
             try:
                 with loader_call():
                     torch_iter = iter(self._engine)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - recorded, then raised as it is
                 record.failure = f"{type(e).__name__}: {e}"
                 self._end(record, Fate.FAILED)
                 raise

@@ -43,10 +43,10 @@ __all__ = [
     "capture_global",
     "counter_seed",
     "derive_seed",
+    "item_seed",
     "preserve_global_rng",
     "restore_generator",
     "restore_global",
-    "item_seed",
     "seed_global",
 ]
 

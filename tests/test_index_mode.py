@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 from torch.utils.data import default_collate
 
-from savable_loader._index_mode import OrderMode, check_dataset_config, map_dataset_config
+from savable_loader._index_mode import (
+    OrderMode,
+    check_dataset_config,
+    map_dataset_config,
+)
 from savable_loader.errors import ConfigMismatchError
 from savable_loader.state.codec import decode_part, encode_part
 from savable_loader.state.schema import IndexPosition

@@ -12,7 +12,12 @@ import torch
 import savable_loader as sl
 from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StateError
 from savable_loader.state import decode, encode
-from tests.common import RandomMapDataset, assert_streams, check_resume_everywhere, epochs_of
+from tests.common import (
+    RandomMapDataset,
+    assert_streams,
+    check_resume_everywhere,
+    epochs_of,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

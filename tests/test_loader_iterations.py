@@ -13,7 +13,13 @@ from torch.utils.data import DataLoader
 import savable_loader as sl
 from savable_loader.errors import LoaderUsageError
 from savable_loader.state import decode, encode
-from tests.common import RandomMapDataset, RangeSource, assert_streams, check_resume_everywhere, epochs_of
+from tests.common import (
+    RandomMapDataset,
+    RangeSource,
+    assert_streams,
+    check_resume_everywhere,
+    epochs_of,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

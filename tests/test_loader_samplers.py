@@ -23,7 +23,12 @@ from torch.utils.data import (
 import savable_loader as sl
 from savable_loader.errors import ConfigMismatchError, LoaderUsageError
 from savable_loader.state import decode, encode
-from tests.common import RandomMapDataset, assert_streams, check_resume_everywhere, epochs_of
+from tests.common import (
+    RandomMapDataset,
+    assert_streams,
+    check_resume_everywhere,
+    epochs_of,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

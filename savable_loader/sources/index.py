@@ -30,10 +30,17 @@ from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from savable_loader._elastic import epoch_length, rank_share, share_length
 from savable_loader._owned_rng import OwnedRngs
-from savable_loader.rng import SEED_FORMULA, counter_seed, derive_seed, item_seed, preserve_global_rng, seed_global
+from savable_loader.rng import (
+    SEED_FORMULA,
+    counter_seed,
+    derive_seed,
+    item_seed,
+    preserve_global_rng,
+    seed_global,
+)
 from savable_loader.state.schema import IndexStage
 
-__all__ = ["BatchKey", "IndexPlan", "IndexedDataset", "IndexSampler"]
+__all__ = ["BatchKey", "IndexPlan", "IndexSampler", "IndexedDataset"]
 
 
 @dataclass(frozen=True)

@@ -147,9 +147,7 @@ def private_regime(sampler: Any) -> str:
         if isinstance(obj, _TORCH_GLOBAL) and type(obj).__module__.startswith("torch.utils.data"):
             if getattr(obj, "generator", None) is None:
                 regime = regime or "torch"
-        elif isinstance(obj, BatchSampler) and type(obj).__module__.startswith("torch.utils.data"):
-            continue
-        elif isinstance(obj, _NO_GLOBAL) or _is_torchdata_sampler(obj):
+        elif isinstance(obj, BatchSampler) and type(obj).__module__.startswith("torch.utils.data") or isinstance(obj, _NO_GLOBAL) or _is_torchdata_sampler(obj):
             continue
         elif obj is sampler or isinstance(obj, Sampler):
             return "all"
