@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
+from torch.utils.data.datapipes.datapipe import IterDataPipe
 
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
@@ -69,7 +70,7 @@ def check_torch_arguments(
     if persistent_workers and num_workers == 0:
         raise refused("persistent_workers option needs num_workers > 0")
     if isinstance(dataset, IterableDataset):
-        if shuffle not in {False, None}:
+        if shuffle not in {False, None} and not isinstance(dataset, IterDataPipe):  # torch shuffles datapipes
             raise refused(
                 f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
             )

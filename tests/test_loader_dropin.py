@@ -218,3 +218,29 @@ def test_save_file_round_trip(tmp_path):
     sl.state.save_file(tmp_path / "s.state", loader.save_state_rank())
     state = sl.state.load_file(tmp_path / "s.state")
     assert state == decode(encode(loader.save_state_rank()))
+
+
+def test_a_state_of_the_64_bit_seed_formula_keeps_its_stream():
+    from pathlib import Path
+
+    from tests.data.make_fixtures import dropin as legacy_factory
+
+    state = sl.state.load_file(Path(__file__).parent / "data" / "schema1_dropin.state")
+    assert state.config.seed_formula == 1  # written before the field existed
+    fresh = sl.SavableDataLoader(RandomMapDataset(40), batch_size=4, shuffle=True,
+                                 worker_config=sl.WorkerConfig(num_workers=2, seed=7), multiprocessing_context="fork")
+    fresh.restore_state_rank(state)
+    assert fresh.save_state_rank().config.seed_formula == 1  # adopted, and kept in its states
+    reference = epochs_of(legacy_factory(), 2)
+    assert_streams(list(fresh) + list(fresh), [b for e in reference for b in e][3:], "legacy stream")
+    new = make()
+    assert new.save_state_rank().config.seed_formula == 2
+
+
+def test_a_state_of_an_unknown_seed_formula_is_refused():
+    import msgspec
+
+    state = make().save_state_rank()
+    future = msgspec.structs.replace(state, config=msgspec.structs.replace(state.config, seed_formula=3))
+    with pytest.raises(StateError, match="seed formula 3.*upgrade"):
+        make().restore_state_rank(future)
