@@ -233,8 +233,9 @@ class SavableDataLoader(DataLoader[T_co]):
                 raise refused(str(e)) from None
 
         def user_sampler() -> Mode:
+            batching = self.batch_sampler is not None  # torch's auto-collation: batches from the batch sampler
             return SamplerMode(
-                dataset, index_sampler=self._index_sampler, auto_collation=self._auto_collation,
+                dataset, index_sampler=self.batch_sampler if batching else self.sampler, auto_collation=batching,
                 generator=generator, batch_size=self.batch_size, collate_fn=self.collate_fn, **common,
             )
 

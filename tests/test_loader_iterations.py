@@ -359,3 +359,14 @@ def test_seed_none_follows_torch_manual_seed_and_adopts_a_restored_seed():
     with pytest.raises(sl.ConfigMismatchError) as info:
         make(seed=c.seed + 1).restore_state_rank(state)
     assert info.value.field == "seed"
+
+
+def test_loader_sampler_set_epoch_chooses_the_next_epochs_order():
+    reference = epochs_of(dropin(), 4)
+    loader = dropin()
+    assert loader.sampler.epoch == 0 and len(loader.sampler) == N
+    loader.sampler.set_epoch(3)
+    assert loader.sampler.epoch == 3
+    assert list(loader.sampler) == [int(i) for b in reference[3] for i in b[:, 0]]
+    assert_streams(list(loader), reference[3], "epoch 3")
+    assert loader.save_state_rank().epoch == 4
