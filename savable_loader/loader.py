@@ -305,7 +305,7 @@ class SavableDataLoader(DataLoader[T_co]):
             try:
                 with loader_call():
                     torch_iter = iter(self._engine)
-            except Exception as e:  # noqa: BLE001 - recorded, then raised as it is
+            except Exception as e:
                 record.failure = f"{type(e).__name__}: {e}"
                 self._end(record, Fate.FAILED)
                 raise
@@ -336,8 +336,8 @@ class SavableDataLoader(DataLoader[T_co]):
             except StopIteration:
                 self._end(record, Fate.FINISHED)
                 raise
-            except Exception as e:
-                self._on_error(record, e)  # raises
+            except Exception as e:  # noqa: BLE001 - one batch's error or the iteration's end: _on_error raises
+                self._on_error(record, e)
             with self._state_lock:
                 payload = iteration.on_item(item)
             if payload is not SKIP:
