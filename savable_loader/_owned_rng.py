@@ -30,7 +30,7 @@ through attributes (``__dict__`` and ``__slots__``), list and tuple items, dict 
 arrays are not walked either. Found once per epoch in each worker (after
 ``worker_init_fn``), not per sample. A generator inside a closure, a C extension or a
 set cannot be reached: its draws are not exact, and only comparing a resumed run with
-an uninterrupted one finds it (``tests/common.py::check_resume_everywhere``).
+an uninterrupted one finds it (:func:`savable_loader.testing.check_resume`).
 
 Example::
 

@@ -19,6 +19,7 @@ from torch.utils.data import default_convert
 
 from savable_loader._channels import WorkerChannels
 from savable_loader._elastic import batch_rescale_factor
+from savable_loader._guards import release
 from savable_loader._index_mode import (
     check_dataset_config,
     check_key_int,
@@ -133,6 +134,9 @@ class PipelineIteration(Iteration):
         return None
 
     def end(self, finished: bool, keep_workers: bool) -> None:
+        runtime = self.mode.torch_dataset.runtime
+        if runtime is not None and runtime.in_process:  # the pipeline object is free again
+            release(self.mode.torch_dataset.dataset, runtime)
         channels = self.channels
         if channels is not None and not finished:
             # An abandoned iteration: workers holding back their end (see _worker.py) must

@@ -37,6 +37,7 @@ import cloudpickle
 import msgspec
 from torch.utils.data import IterableDataset, get_worker_info
 
+from savable_loader._guards import exclusive
 from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset
@@ -267,7 +268,7 @@ class WorkerRuntime:
                 if kind != "checkpoint":
                     raise StateError(f"unknown command {kind!r}")
                 reply = ["ok", request_id, encode_part(self.checkpoint(epoch, index))]
-            except Exception as e:  # answered to the main process, which raises it
+            except Exception as e:  # noqa: BLE001 - answered to the main process, which raises it
                 reply = ["error", request_id, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"]
             try:
                 res.send_bytes(msgspec.msgpack.encode(reply))
@@ -361,8 +362,8 @@ class PipelineWorkerDataset(IterableDataset):
         runtime = self._runtime
         runtime.seed_formula = self.seed_formula
         items = runtime.run(epoch, logical, starts[logical])
-        if info is None:
-            return items
+        if info is None:  # in the main process: one live iteration per pipeline object
+            return exclusive(items, self.dataset, runtime)
         runtime.attach = self.attach
         return _with_snapshots(runtime, items)
 

@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 import msgspec
 from torch.utils.data import IterableDataset
 
+from savable_loader._guards import check_first_save
 from savable_loader._values import freeze, from_plain
 from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
@@ -199,6 +200,7 @@ class SavableDataset(IterableDataset):
 
     def save_state(self) -> DatasetState:
         """The state of this dataset and its children, copied from the live fields."""
+        check_first_save(self)
         fields = {}
         for name in self._savable_fields:
             try:
