@@ -124,7 +124,7 @@ class WorkerChannels:
                 physical = conns[conn]
                 logical = requests[physical][0]
                 try:
-                    kind, request_id, payload = msgspec.msgpack.decode(conn.recv_bytes())
+                    kind, request_id, payload = msgspec.msgpack.decode(conn.recv_bytes())  # type: ignore[union-attr]
                 except (EOFError, OSError) as e:
                     raise WorkerDiedError(f"worker {logical} closed its pipe: {e}", worker_id=logical) from e
                 if request_id != pending[physical]:

@@ -59,7 +59,7 @@ def install_feeder_hook() -> None:
     if not _state["installed"]:
         # A plain function on the class: ``Queue._start_thread`` passes the bound method
         # ``self._on_queue_feeder_error``, so the hook gets the queue to send the error on.
-        multiprocessing.queues.Queue._on_queue_feeder_error = _on_feeder_error  # type: ignore[assignment,method-assign]
+        multiprocessing.queues.Queue._on_queue_feeder_error = _on_feeder_error  # type: ignore[attr-defined]
         _state["installed"] = True
 
 

@@ -109,7 +109,7 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
         return self._record
 
     def __next__(self) -> T_co:
-        return self._loader._next(self._started())  # type: ignore[no-any-return]
+        return self._loader._next(self._started())
 
     def close(self) -> None:
         """Abandon the iteration: later ``next()`` calls raise StopIteration."""

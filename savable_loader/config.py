@@ -51,14 +51,15 @@ class WorkerConfig:
         wc.worker_seed()   # differs per (seed, rank, worker)
     """
 
-    rank: int | None = None
-    world_size: int | None = None
+    # None (the default) is replaced in __post_init__: after construction both are ints.
+    rank: int = None  # type: ignore[assignment]
+    world_size: int = None  # type: ignore[assignment]
     num_workers: int = 0
     seed: int = 0
     data_parallel_group: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.rank is None or self.world_size is None:
+        if self.rank is None or self.world_size is None:  # type: ignore[redundant-expr, unused-ignore]
             d_rank, d_world = _dist_defaults()
             if self.data_parallel_group is not None:
                 import torch.distributed as dist
@@ -156,7 +157,7 @@ class _ActiveWorker:
         self.epoch = epoch
         self._saved: tuple[Any, Any] = (None, None)
 
-    def __enter__(self) -> _ActiveWorker:
+    def __enter__(self) -> _ActiveWorker:  # noqa: PYI034 - typing.Self needs Python 3.11
         self._saved = (getattr(_active, "worker_id", None), getattr(_active, "epoch", None))
         _active.worker_id = self.worker_id
         _active.epoch = self.epoch

@@ -301,7 +301,7 @@ class SavableDataLoader(DataLoader[T_co]):
             self._started += 1
             record = Record(iteration, self._started, beside=bool(live))
             self._records = [r for r in self._records if r.fate is Fate.LIVE] + [record]
-            self._engine.generator.manual_seed(item_seed(derive_seed(self.seed, "workers", epoch)))  # type: ignore[union-attr]
+            self._engine.generator.manual_seed(item_seed(derive_seed(self.seed, "workers", epoch)))
             try:
                 with loader_call():
                     torch_iter = iter(self._engine)

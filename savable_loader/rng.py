@@ -25,7 +25,7 @@ from __future__ import annotations
 import _random
 import hashlib
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -215,7 +215,7 @@ def capture_kind(gen: Any) -> str | None:
     return None
 
 
-def _plain_bitgen(state: dict[str, Any]) -> dict[str, Any]:
+def _plain_bitgen(state: Mapping[str, Any]) -> dict[str, Any]:
     # NumPy bit-generator states hold ints wider than 64 bits and arrays: make them
     # strings and lists so MessagePack can carry them.
     out: dict[str, Any] = {}

@@ -21,6 +21,7 @@ from savable_loader.errors import LoaderUsageError, StateError
 from savable_loader.state.codec import decode_part, encode_part
 from savable_loader.state.schema import DatasetState
 
+
 def wc() -> WorkerConfig:
     return WorkerConfig(rank=0, world_size=1, num_workers=0, seed=0)
 

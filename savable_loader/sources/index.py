@@ -281,4 +281,4 @@ def _own_getitems(dataset: Any) -> Callable[[list[Any]], Any] | None:
     method = getattr(type(dataset), "__getitems__", None)
     if method is None or getattr(method, "__module__", "").startswith("torch.utils.data"):
         return None
-    return dataset.__getitems__  # type: ignore[no-any-return]
+    return dataset.__getitems__

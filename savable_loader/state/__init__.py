@@ -24,6 +24,7 @@ from savable_loader.state.schema import (
 )
 
 __all__ = [
+    "SCHEMA_VERSION",
     "ArrayValue",
     "DatasetState",
     "GlobalState",
@@ -33,7 +34,6 @@ __all__ = [
     "PipelinePosition",
     "RankState",
     "RestoreKey",
-    "SCHEMA_VERSION",
     "WorkerState",
     "decode",
     "encode",

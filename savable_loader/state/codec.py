@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -34,7 +34,7 @@ _DTYPE_SIZES = {
 }
 _MAX_NDIM = 32
 
-_TopLevel = Union[RankState, GlobalState]
+_TopLevel = RankState | GlobalState
 
 
 class _Peek(msgspec.Struct):
@@ -128,7 +128,7 @@ def decode(data: bytes | bytearray | memoryview) -> RankState | list[RankState]:
                     f"savable-loader ({__version__}) reads versions up to {SCHEMA_VERSION}: upgrade savable-loader"
                 )
         return list(obj.ranks)
-    return obj
+    return obj  # type: ignore[no-any-return]
 
 
 def encode_part(obj: Any) -> bytes:

@@ -50,7 +50,7 @@ class ArrayValue:
         ArrayValue(library="numpy", dtype="int64", shape=(2,), data=np.arange(2).tobytes())
     """
 
-    __slots__ = ("library", "dtype", "shape", "data")
+    __slots__ = ("data", "dtype", "library", "shape")
 
     def __init__(self, *, library: str, dtype: str, shape: tuple[int, ...], data: bytes) -> None:
         self.library = library

@@ -14,12 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 from accelerate import Accelerator
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recipes_ns import recipe_namespace  # noqa: E402
+from recipes_ns import recipe_namespace
 
 ns = recipe_namespace("def accelerate_save")
 MODE, OUT = sys.argv[1], Path(sys.argv[2])

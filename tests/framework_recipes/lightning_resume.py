@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recipes_ns import recipe_namespace  # noqa: E402
+from recipes_ns import recipe_namespace
 
 ns = recipe_namespace("class PointsData")
 MODE, OUT, DEVICES = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
