@@ -22,7 +22,7 @@ from typing import Any
 
 from savable_loader._mode import Iteration, Mode
 from savable_loader.dataset import config_fingerprint, plain_config, type_name
-from savable_loader.errors import ConfigMismatchError, RestoreKeyError
+from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError
 from savable_loader.rng import SEED_FORMULA
 from savable_loader.sources.index import (
     BatchKey,
@@ -267,7 +267,7 @@ class OrderMode(IndexMode):
     def current_plan(self) -> IndexPlan:
         """The plan of the current ``len(dataset)``."""
         if self.plan is None:  # pragma: no cover - set by refresh() in __init__
-            raise RuntimeError("no plan")
+            raise InternalError("IndexMode has no plan: refresh() sets one in __init__")
         return self.plan
 
     def begin(self, epoch: int, resume: Any, context: Any = None, reuse_workers: bool = False) -> IndexIteration:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data._utils import worker as _torch_worker
 
+from savable_loader.errors import InternalError
+
 __all__ = ["replace_worker_info"]
 
 
@@ -33,5 +35,5 @@ def replace_worker_info(**changes: Any) -> None:
         raise _missing("torch.utils.data._utils.worker._worker_info")
     info = _torch_worker._worker_info
     if info is None:
-        raise RuntimeError("replace_worker_info called outside a DataLoader worker")
+        raise InternalError("replace_worker_info called outside a DataLoader worker")
     _torch_worker._worker_info = dataclasses.replace(info, **changes)

@@ -40,7 +40,7 @@ from torch.utils.data import IterableDataset
 from savable_loader._guards import check_first_save
 from savable_loader._values import freeze, from_plain
 from savable_loader.config import WorkerConfig, active_repetitions
-from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
+from savable_loader.errors import DatasetContractError, LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.rng import capture_kind, derive_seed, restore_generator, seed_global
 from savable_loader.state.schema import DatasetState
 
@@ -128,7 +128,7 @@ class SavableDataset(IterableDataset):
         self.worker_config = worker_config
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - abstract
-        raise NotImplementedError(f"{type(self).__name__} must implement __iter__")
+        raise DatasetContractError(f"{type(self).__name__} must implement __iter__")
 
     def reset_state_own(self) -> None:
         """Set this dataset's own ``_savable_fields`` to the start of an epoch."""
@@ -178,7 +178,7 @@ class SavableDataset(IterableDataset):
 
     def config(self) -> dict[str, Any]:
         """A dict that describes this dataset; a changed config refuses a restore."""
-        raise NotImplementedError(f"{type(self).__name__} must implement config()")
+        raise DatasetContractError(f"{type(self).__name__} must implement config()")
 
     def children(self) -> Sequence[SavableDataset]:
         """The savable datasets this one wraps (none for a source)."""

@@ -9,6 +9,7 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
     │   └── StateFileError          a state file cannot be written or read (names the path; an OSError)
     ├── ConfigMismatchError         restore under a configuration that cannot be honoured
     ├── LoaderUsageError            the loader was called in a way it does not support
+    │   ├── UsageTypeError          an argument of the wrong type (also a TypeError)
     │   └── DatasetContractError    a SavableDataset breaks its contract (say, an unlisted child)
     ├── RestoreKeyError             a restore key cannot be rebuilt (foreign, malformed, unsupported)
     ├── DataError                   data on disk is malformed (shard metadata, shard files)
@@ -45,6 +46,7 @@ __all__ = [
     "StateFileError",
     "StateVersionError",
     "UnsavedRngWarning",
+    "UsageTypeError",
     "WorkerDiedError",
     "WorkerError",
     "WorkerTimeoutError",
@@ -152,11 +154,23 @@ class LoaderUsageError(SavableLoaderError, ValueError):
     """
 
 
-class DatasetContractError(LoaderUsageError):
+class UsageTypeError(LoaderUsageError, TypeError):
+    """An argument of the wrong type (a function expected, a value that has no plain
+    form), or ``len()`` of something that has none. Also a ``TypeError``, as Python's.
+
+    Example::
+
+        sl.wrappers.MapDataset(source, fn=3)   # UsageTypeError: MapDataset fn must be callable, got 3
+    """
+
+
+class DatasetContractError(LoaderUsageError, NotImplementedError):
     """A :class:`~savable_loader.SavableDataset` breaks its contract in a way that would
     make a resume silently wrong; checked at the first save of each class.
 
-    Example: a wrapper holds its inner dataset but ``children()`` does not return it::
+    Also a ``NotImplementedError`` (a subclass that does not implement ``__iter__`` or
+    ``config()`` raises it). Example: a wrapper holds its inner dataset but
+    ``children()`` does not return it::
 
         class Bad(sl.SavableDataset):
             def __init__(self, inner):

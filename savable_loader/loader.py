@@ -59,6 +59,7 @@ from savable_loader.errors import (
     RestoreKeyError,
     SavableLoaderError,
     StateError,
+    UsageTypeError,
     WorkerError,
     WorkerTimeoutError,
 )
@@ -480,7 +481,7 @@ class SavableDataLoader(DataLoader[T_co]):
             else:
                 return len(self)
         if left is None:
-            raise TypeError(f"the number of batches left is unknown ({type(self._mode).__name__} has no length)")
+            raise UsageTypeError(f"the number of batches left is unknown ({type(self._mode).__name__} has no length)")
         return left
 
     # -- state ------------------------------------------------------------------------

@@ -35,6 +35,7 @@ TREE = {
     ConfigMismatchError: SavableLoaderError,
     LoaderUsageError: SavableLoaderError,
     DatasetContractError: LoaderUsageError,
+    errors.UsageTypeError: LoaderUsageError,
     RestoreKeyError: SavableLoaderError,
     DataError: SavableLoaderError,
     ResumeMismatchError: SavableLoaderError,
@@ -91,6 +92,7 @@ def test_builtin_bases() -> None:
     assert issubclass(DataError, ValueError) and issubclass(RestoreKeyError, ValueError)
     assert issubclass(WorkerError, RuntimeError) and issubclass(InternalError, RuntimeError)
     assert issubclass(ResumeMismatchError, AssertionError)
+    assert issubclass(errors.UsageTypeError, TypeError) and issubclass(DatasetContractError, NotImplementedError)
     assert issubclass(errors.UnsavedRngWarning, UserWarning)
     assert issubclass(WorkerDiedError, RuntimeError) and issubclass(WorkerTimeoutError, RuntimeError)
     assert not issubclass(StateError, ValueError)

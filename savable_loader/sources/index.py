@@ -30,6 +30,7 @@ from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from savable_loader._elastic import epoch_length, rank_share, share_length
 from savable_loader._owned_rng import OwnedRngs
+from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import (
     SEED_FORMULA,
     counter_seed,
@@ -174,7 +175,7 @@ class IndexSampler(Sampler[BatchKey]):
 
     def __iter__(self) -> Iterator[BatchKey]:
         if self._next is None:
-            raise RuntimeError("IndexSampler iterated without keys: only SavableDataLoader iterates it")
+            raise LoaderUsageError("IndexSampler iterated without keys: only SavableDataLoader iterates it")
         return self._next
 
 

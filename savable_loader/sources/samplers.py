@@ -57,7 +57,7 @@ from torch.utils.data import (
 )
 
 from savable_loader._values import freeze, from_plain, to_plain
-from savable_loader.errors import ConfigMismatchError, StateError
+from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StateError, UsageTypeError
 from savable_loader.rng import (
     capture_generator,
     capture_global,
@@ -270,7 +270,7 @@ def plain_indices(indices: Any) -> Any:
     try:
         return msgspec.to_builtins(indices, enc_hook=_plain_hook)
     except (NotImplementedError, TypeError) as e:
-        raise TypeError(f"the sampler yielded an index with no plain form: {e}") from None
+        raise UsageTypeError(f"the sampler yielded an index with no plain form: {e}") from None
 
 
 def index_digest(digest: Any, indices: Any) -> None:
@@ -308,7 +308,7 @@ class OrderSampler(Sampler[int]):
     def _owner(self) -> Any:
         loader = self._loader()
         if loader is None:
-            raise RuntimeError("the loader of this sampler no longer exists")
+            raise LoaderUsageError("the loader of this sampler no longer exists")
         return loader
 
     def set_epoch(self, epoch: int) -> None:

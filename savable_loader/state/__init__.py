@@ -24,7 +24,6 @@ from savable_loader.state.schema import (
 )
 
 __all__ = [
-    "SCHEMA_VERSION",
     "ArrayValue",
     "DatasetState",
     "GlobalState",
@@ -34,6 +33,7 @@ __all__ = [
     "PipelinePosition",
     "RankState",
     "RestoreKey",
+    "SCHEMA_VERSION",
     "WorkerState",
     "decode",
     "encode",
