@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from savable_loader._mode import Iteration
+from savable_loader._torch_internals import worker_processes
 
 if TYPE_CHECKING:  # pragma: no cover
     from savable_loader.loader import SavableDataLoader
@@ -126,7 +127,7 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
     def _workers(self) -> list[Any]:
         """The worker processes of this iteration (torch's iterator attribute; begins the
         iteration if needed, as torch's iterator has its workers from the start)."""
-        return list(getattr(self._started().torch_iter, "_workers", None) or [])
+        return worker_processes(self._started().torch_iter)
 
     def __len__(self) -> int:
         return len(self._loader)
