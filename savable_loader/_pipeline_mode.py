@@ -26,15 +26,14 @@ from savable_loader._index_mode import (
     check_key_setting,
 )
 from savable_loader._mode import SKIP, Iteration, Mode
+from savable_loader._seeds import pipeline_base, pipeline_item
+from savable_loader._torch_internals import worker_processes
 from savable_loader._worker import END, PipelineWorkerDataset
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
 from savable_loader.rng import (
     SEED_FORMULA,
-    counter_seed,
-    derive_seed,
-    item_seed,
     preserve_global_rng,
     seed_global,
 )
@@ -97,7 +96,7 @@ class PipelineIteration(Iteration):
         self._lock = threading.Lock()
 
     def workers_started(self, torch_iter: Any) -> None:
-        self.processes = getattr(torch_iter, "_workers", None)
+        self.processes = worker_processes(torch_iter)
         if self.channels is not None:
             self.channels.close_worker_ends()
 
@@ -371,8 +370,8 @@ class PipelineMode(Mode):
             )
         wc = self.worker_config
         with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch):
-            base = derive_seed(wc.seed, "pipeline", key.rank, key.worker, key.epoch)
-            seed_global(item_seed(counter_seed(base, key.index), self.seed_formula))
+            base = pipeline_base(wc.seed, key.rank, key.worker, key.epoch)
+            seed_global(pipeline_item(base, key.index, self.seed_formula))
             return self.collate.collate(dataset.restore_sample(key.sample))
 
 

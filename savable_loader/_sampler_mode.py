@@ -23,9 +23,9 @@ import msgspec
 import torch
 
 from savable_loader._index_mode import IndexIteration, IndexMode
+from savable_loader._seeds import sampler_seed
 from savable_loader.dataset import type_name
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError
-from savable_loader.rng import derive_seed
 from savable_loader.sources.index import BatchKey
 from savable_loader.sources.samplers import (
     PrivateRng,
@@ -160,7 +160,7 @@ class SamplerMode(IndexMode):
             self.check_resume_length(resume)
             record = resume.sampler
             apply(sampler, record)
-        rng = PrivateRng(record.private_rng, derive_seed(self.seed, "sampler", self.rank, epoch))
+        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, epoch))
         items = rng.call(iter, sampler)
         iteration = SamplerIteration(self, epoch, record, rng, items, resumed=resume is not None)
         if resume is not None:

@@ -38,15 +38,13 @@ import msgspec
 from torch.utils.data import IterableDataset, get_worker_info
 
 from savable_loader._guards import exclusive
+from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import StateError
 from savable_loader.rng import (
     SEED_FORMULA,
-    counter_seed,
-    derive_seed,
-    item_seed,
     preserve_global_rng,
     seed_global,
 )
@@ -148,7 +146,7 @@ class WorkerRuntime:
         if start is not None and start.exhausted:
             return
         wc = self.worker_config
-        base_seed = derive_seed(wc.seed, "pipeline", wc.rank, worker_id, epoch)
+        base_seed = pipeline_base(wc.seed, wc.rank, worker_id, epoch)
         # reset/restore run user code too (reset_state_own): keep the caller's RNG out of it
         with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
             if start is None:
@@ -165,7 +163,7 @@ class WorkerRuntime:
         iterator: Iterator[Any] | None = None
         while True:
             with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
-                seed_global(item_seed(counter_seed(base_seed, index), self.seed_formula))
+                seed_global(pipeline_item(base_seed, index, self.seed_formula))
                 t0 = time.perf_counter()
                 if iterator is None:
                     iterator = iter(self.dataset)

@@ -16,8 +16,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from savable_loader._seeds import worker_epoch_seed, worker_seed
 from savable_loader.errors import LoaderUsageError
-from savable_loader.rng import derive_seed
 
 __all__ = ["WorkerConfig"]
 
@@ -108,7 +108,7 @@ class WorkerConfig:
 
     def worker_seed(self) -> int:
         """A 64-bit seed derived from ``(seed, rank, rank_worker_id())``."""
-        return derive_seed(self.seed, "worker", self.rank, self.rank_worker_id())
+        return worker_seed(self.seed, self.rank, self.rank_worker_id())
 
     def epoch_seed(self) -> int:
         """A 64-bit seed derived from ``(seed, rank, rank_worker_id(), active_epoch())``.
@@ -116,10 +116,7 @@ class WorkerConfig:
         Sources that reshuffle every epoch seed from this in ``reset_state_own``. Inside
         a ``RepeatDataset`` the repetition counts too, so every pass is shuffled anew.
         """
-        return derive_seed(
-            self.seed, "worker-epoch", self.rank, self.rank_worker_id(), self.active_epoch(),
-            *active_repetitions(),
-        )
+        return worker_epoch_seed(self.seed, self.rank, self.rank_worker_id(), self.active_epoch(), active_repetitions())
 
     def fingerprint(self) -> dict[str, int]:
         """The fields a state records to detect a changed configuration."""

@@ -38,10 +38,11 @@ import msgspec
 from torch.utils.data import IterableDataset
 
 from savable_loader._guards import check_first_save
+from savable_loader._seeds import key_seed
 from savable_loader._values import freeze, from_plain
 from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.errors import DatasetContractError, LoaderUsageError, RestoreKeyError, StateError
-from savable_loader.rng import capture_kind, derive_seed, restore_generator, seed_global
+from savable_loader.rng import capture_kind, restore_generator, seed_global
 from savable_loader.state.schema import DatasetState
 
 __all__ = ["SavableDataset", "config_fingerprint", "plain_config", "type_name", "wrap_key"]
@@ -147,7 +148,7 @@ class SavableDataset(IterableDataset):
         self.sample_key = key
         wc = self.worker_config
         text = msgspec.json.encode(key).decode()
-        seed_global(derive_seed(wc.seed, "key", wc.active_epoch(), *active_repetitions(), type(self).__name__, text))
+        seed_global(key_seed(wc.seed, wc.active_epoch(), active_repetitions(), type(self).__name__, text))
 
     def restore_sample(self, key: Any) -> Any:
         """The sample ``key`` names, built alone in the calling process.

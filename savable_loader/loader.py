@@ -41,7 +41,9 @@ from savable_loader._iterator import RUNNING, Fate, Record, SavableIterator
 from savable_loader._mode import SKIP, Mode
 from savable_loader._pipeline_mode import PipelineMode
 from savable_loader._sampler_mode import SamplerMode
+from savable_loader._seeds import engine_generator_seed
 from savable_loader._sigchld import install, loader_call
+from savable_loader._torch_internals import loader_iterator, set_loader_iterator, shutdown_workers
 from savable_loader._version import __version__
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
@@ -63,7 +65,7 @@ from savable_loader.errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from savable_loader.rng import LEGACY_SEED_FORMULA, SEED_FORMULA, derive_seed, item_seed
+from savable_loader.rng import LEGACY_SEED_FORMULA, SEED_FORMULA
 from savable_loader.sources.samplers import OrderSampler
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import PipelinePosition, RankState, RestoreKey
@@ -263,13 +265,13 @@ class SavableDataLoader(DataLoader[T_co]):
     def _iterator(self) -> Any:
         """torch's iterator of the persistent workers (torch's attribute; frameworks reset it)."""
         engine = self.__dict__.get("_engine")
-        return None if engine is None else engine._iterator
+        return None if engine is None else loader_iterator(engine)
 
     @_iterator.setter
     def _iterator(self, value: Any) -> None:
         engine = self.__dict__.get("_engine")
         if engine is not None:
-            engine._iterator = value
+            set_loader_iterator(engine, value)
 
     @property
     def _persistent(self) -> bool:
@@ -295,14 +297,14 @@ class SavableDataLoader(DataLoader[T_co]):
                 live = [r for r in self._records if r.fate is Fate.LIVE]
             resume = self._pending
             epoch = resume.epoch if resume is not None else self._next_epoch
-            reuse = self._persistent and self._engine._iterator is not None
+            reuse = self._persistent and loader_iterator(self._engine) is not None
             iteration = mode.begin(epoch, resume, self._mp_context(), reuse)
             self._pending = None
             self._next_epoch = epoch + 1
             self._started += 1
             record = Record(iteration, self._started, beside=bool(live))
             self._records = [r for r in self._records if r.fate is Fate.LIVE] + [record]
-            self._engine.generator.manual_seed(item_seed(derive_seed(self.seed, "workers", epoch)))
+            self._engine.generator.manual_seed(engine_generator_seed(self.seed, epoch))
             try:
                 with loader_call():
                     torch_iter = iter(self._engine)
@@ -399,11 +401,9 @@ class SavableDataLoader(DataLoader[T_co]):
         torch iterator is freed: an error's traceback holds it in a reference cycle, and
         when the cycle collector frees it, its queues may be finalised first, so that its
         workers never get the stop signal and are killed after a 5 s join timeout each."""
-        shutdown = getattr(torch_iter, "_shutdown_workers", None)
-        if callable(shutdown):
-            shutdown()
-        if torch_iter is not None and self._engine._iterator is torch_iter:
-            self._engine._iterator = None  # persistent workers: start new ones next time
+        shutdown_workers(torch_iter)
+        if torch_iter is not None and loader_iterator(self._engine) is torch_iter:
+            set_loader_iterator(self._engine, None)  # persistent workers: start new ones next time
 
     @property
     def _torch_iter(self) -> Any:
@@ -597,8 +597,8 @@ class SavableDataLoader(DataLoader[T_co]):
             self._pending = position
             self._next_epoch = position.epoch + 1
             mode.restored()
-            if self._engine._iterator is not None:  # persistent workers start anew
-                self._shutdown(self._engine._iterator)
+            if loader_iterator(self._engine) is not None:  # persistent workers start anew
+                self._shutdown(loader_iterator(self._engine))
 
     def _restore_resized(self, states: list[RankState], world_size: int) -> None:
         if not self._mode.resizable:
