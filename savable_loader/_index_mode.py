@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from savable_loader._mode import Iteration, Mode
-from savable_loader.dataset import config_fingerprint, plain_config, type_name
+from savable_loader.dataset import config_fingerprint, current_names, plain_config, type_name
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError
 from savable_loader.rng import SEED_FORMULA
 from savable_loader.sources.index import (
@@ -460,6 +460,9 @@ def _ranges(positions: list[int]) -> list[tuple[int, int, int]]:
 def check_dataset_config(saved: LoaderConfig, current: LoaderConfig) -> None:
     """ConfigMismatchError naming the first differing entry of the dataset configs."""
     if saved.dataset_fingerprint == current.dataset_fingerprint:
+        return
+    renamed = current_names(saved.dataset_config)  # classes saved under earlier names
+    if config_fingerprint(renamed) == current.dataset_fingerprint:
         return
     path, old, new = _first_difference(saved.dataset_config, current.dataset_config, "dataset_config")
     raise ConfigMismatchError(path, old, new, "the dataset changed since the state was saved")
