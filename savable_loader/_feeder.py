@@ -83,4 +83,7 @@ class WorkerInit:
     def __call__(self, worker_id: int) -> None:
         install_feeder_hook()
         if self.user_fn is not None:
-            self.user_fn(worker_id)
+            from savable_loader.sources.torch_iterable import torch_worker_started
+
+            # a plain IterableDataset shards by the logical worker id (and its own copy)
+            self.user_fn(torch_worker_started(worker_id))

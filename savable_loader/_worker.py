@@ -36,10 +36,11 @@ import cloudpickle
 import msgspec
 from torch.utils.data import IterableDataset, get_worker_info
 
+from savable_loader._torch_internals import torch_worker_id
 from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset
-from savable_loader.errors import StateError
+from savable_loader.errors import DataError, StateError
 from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
@@ -161,6 +162,11 @@ class WorkerRuntime:
                 try:
                     sample = next(iterator)
                 except StopIteration:
+                    if skip:  # the restored worker had yielded more than this: not the same data
+                        raise DataError(
+                            f"worker {worker_id}'s pipeline ended after {index} samples while replaying to the "
+                            f"saved position of {index + skip} samples: the data changed since the state was saved"
+                        ) from None
                     break
                 work += time.perf_counter() - t0
                 index += 1
@@ -325,7 +331,7 @@ class PipelineWorkerDataset(IterableDataset):
     def __iter__(self) -> Iterator[tuple[int, int, Any, Any]]:
         info = get_worker_info()
         workers = self.worker_config.workers_per_rank
-        physical = 0 if info is None else info.id
+        physical = 0 if info is None else torch_worker_id()  # info.id may be a logical id
         count = self._iterations
         self._iterations += 1
         if count == 0:

@@ -49,6 +49,7 @@ from savable_loader.errors import (
     StateError,
     WorkerTimeoutError,
 )
+from savable_loader.sources.torch_iterable import TorchIterableSource, warn_replays
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import IndexPosition, PipelinePosition, RankState, RestoreKey
 
@@ -83,6 +84,18 @@ class _TaggedCollate:
 
 def _identity(batch: Any) -> Any:
     return batch
+
+
+def _plain_iterable(
+    dataset: Any, wc: WorkerConfig, batch_size: int | None, shuffle: bool | None, drop_last: bool
+) -> TorchIterableSource | None:
+    if not isinstance(dataset, IterableDataset) or isinstance(dataset, SavableDataset):
+        return None
+    if shuffle not in {False, None}:
+        raise LoaderUsageError(
+            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
+        )
+    return TorchIterableSource(dataset, wc, batch_size=batch_size, drop_last=drop_last)
 
 
 class SavableDataLoader(DataLoader):
@@ -149,6 +162,13 @@ class SavableDataLoader(DataLoader):
             raise LoaderUsageError(f"timeout={timeout} needs num_workers > 0 (as in torch's DataLoader)")
         prefetch = 2 if prefetch_factor is None else prefetch_factor
 
+        # A plain torch IterableDataset runs as a savable pipeline (sources/torch_iterable.py).
+        self._iterable = _plain_iterable(dataset, wc, batch_size, shuffle, drop_last)
+        if self._iterable is not None:
+            dataset, batch_size, drop_last = self._iterable, None, False
+            if collate_fn is None and self._iterable.batch_size is not None:
+                collate_fn = default_collate
+
         if isinstance(dataset, SavableDataset):
             if batch_size is not None:
                 raise LoaderUsageError(
@@ -171,11 +191,6 @@ class SavableDataLoader(DataLoader):
                 "batch_size": None,
                 "collate_fn": _TaggedCollate(default_convert if collate_fn is None else collate_fn),
             }
-        elif isinstance(dataset, IterableDataset):
-            raise LoaderUsageError(
-                f"{type(dataset).__qualname__} is an IterableDataset that is not a SavableDataset: its position "
-                "cannot be saved. Subclass savable_loader.SavableDataset, or use a map-style dataset"
-            )
         else:
             if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
                 raise LoaderUsageError(
@@ -205,7 +220,9 @@ class SavableDataLoader(DataLoader):
             **torch_kwargs,
         )
         # torch's DataLoader guards these after __init__; ours describe the user's view.
-        object.__setattr__(self, "batch_size", batch_size if mode.kind == "index" else None)
+        if self._iterable is not None:
+            batch_size, drop_last = self._iterable.batch_size, self._iterable.drop_last
+        object.__setattr__(self, "batch_size", batch_size if mode.kind == "index" or self._iterable is not None else None)
         object.__setattr__(self, "drop_last", drop_last)
         self.worker_config = wc
         self.seed = wc.seed
@@ -237,6 +254,8 @@ class SavableDataLoader(DataLoader):
     def __len__(self) -> int:
         if self._mode.kind == "index":
             return len(self._mode.sampler)  # type: ignore[union-attr]
+        if self._iterable is not None:
+            return len(self._iterable)
         return super().__len__()
 
     def __iter__(self) -> Iterator[Any]:
@@ -286,6 +305,8 @@ class SavableDataLoader(DataLoader):
                         payload = mode.on_item(item)
                     if payload is not SKIP:
                         produced += 1
+                        if self._iterable is not None:
+                            self._iterable.warn_if_longer(produced, self.num_workers)
                         yield payload
                 finished = True
             finally:
@@ -410,6 +431,8 @@ class SavableDataLoader(DataLoader):
         else:
             position = mode.check(state.config, position, self.num_workers)  # type: ignore[arg-type]
         mode.restore(position)  # type: ignore[arg-type]
+        if mode.kind == "pipeline":
+            warn_replays(mode.torch_dataset.dataset, position)  # type: ignore[union-attr, arg-type]
 
     def _restore_resized(self, states: list[RankState], world_size: int) -> None:
         if self._mode.kind != "index":
