@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate, default_convert
+from torch.utils.data import DataLoader, IterableDataset, IterDataPipe, default_collate, default_convert, graph_settings
 
 from savable_loader._elastic import elastic_position
 from savable_loader._failures import terminate_worker, translate_worker_error
@@ -91,7 +91,10 @@ def _plain_iterable(
 ) -> TorchIterableSource | None:
     if not isinstance(dataset, IterableDataset) or isinstance(dataset, SavableDataset):
         return None
-    if shuffle not in {False, None}:
+    if isinstance(dataset, IterDataPipe):
+        if shuffle is not None:  # as torch does
+            dataset = graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
+    elif shuffle not in {False, None}:
         raise LoaderUsageError(
             f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
         )
@@ -165,7 +168,7 @@ class SavableDataLoader(DataLoader):
         # A plain torch IterableDataset runs as a savable pipeline (sources/torch_iterable.py).
         self._iterable = _plain_iterable(dataset, wc, batch_size, shuffle, drop_last)
         if self._iterable is not None:
-            dataset, batch_size, drop_last = self._iterable, None, False
+            dataset, batch_size, shuffle, drop_last = self._iterable, None, None, False
             if collate_fn is None and self._iterable.batch_size is not None:
                 collate_fn = default_collate
 

@@ -508,3 +508,25 @@ def test_state_round_trip_keeps_tuples_for_load_state_dict():
     live = fl._iterable._live
     assert live is not fresh and isinstance(live.loaded["rng"], tuple)
     assert live.loaded["pos"] == 2
+
+
+def datapipe() -> Any:
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    return IterableWrapper(list(range(30))).shuffle(buffer_size=7).sharding_filter().map(lambda x: [x, random.random()])
+
+
+@ignore_replay
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_datapipe_shuffles_and_shards_as_torch_and_resumes(num_workers):
+    def factory():
+        return loader(datapipe(), num_workers, batch_size=4, shuffle=True)
+
+    epochs = epochs_of(factory(), 2)
+    assert [sorted(x for b in e for x in b[0].tolist()) for e in epochs] == [list(range(30))] * 2
+    assert epochs[0][0][0].tolist() != epochs[1][0][0].tolist(), "both epochs were shuffled alike"
+    ours = [b[0].tolist() for b in loader(datapipe(), num_workers, batch_size=4, shuffle=False)]
+    kw = {"multiprocessing_context": "fork"} if num_workers else {}
+    theirs = [b[0].tolist() for b in DataLoader(datapipe(), num_workers=num_workers, batch_size=4, shuffle=False, **kw)]
+    assert ours == theirs  # torch's sharding over workers
+    assert check_resume_everywhere(factory, 2, steps=steps_for(num_workers, len(epochs[0]))) >= 8

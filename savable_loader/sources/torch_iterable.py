@@ -42,7 +42,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import IterableDataset, get_worker_info
+import torch
+from torch.utils.data import IterableDataset, IterDataPipe, get_worker_info, graph_settings
 
 from savable_loader._torch_internals import replace_worker_info
 from savable_loader.config import WorkerConfig, active_repetitions
@@ -213,6 +214,21 @@ class TorchIterableSource(SavableDataset):
         return state
 
 
+def _prepare_datapipe(pipe: IterDataPipe, wc: WorkerConfig, worker: int, epoch: int) -> None:
+    """What torch's DataLoader does to an ``IterDataPipe`` before iterating it: shard it
+    (``sharding_filter``) over ranks and workers, and seed its shufflers with a seed
+    shared by every worker and rank. torch draws that seed from the loader's generator
+    (torch's global RNG by default) at each ``iter()``; here it derives from the loader's
+    seed and the epoch, so that a resume shuffles alike."""
+    if wc.num_workers:
+        total, index = wc.num_workers * wc.world_size, worker * wc.world_size + wc.rank
+    else:
+        total, index = wc.world_size, wc.rank
+    graph_settings.apply_sharding(pipe, total, index)
+    shared = torch.Generator().manual_seed(derive_seed(wc.seed, "datapipe-shuffle", epoch, *active_repetitions()) >> 1)
+    graph_settings.apply_random_seed(pipe, shared)
+
+
 def _copy(dataset: Any) -> Any:
     """A copy to load a restored state into, so that the dataset object itself (iterated
     again in later epochs without workers or with persistent workers) never sees it: a
@@ -241,6 +257,8 @@ class _Iteration:
         source._live = target
         if get_worker_info() is not None:
             replace_worker_info(id=worker, dataset=target, seed=torch_worker_seed(wc, worker, epoch))
+        if isinstance(target, IterDataPipe):
+            _prepare_datapipe(target, wc, worker, epoch)
         seed_global(self.base)  # the dataset's __iter__ draws the same numbers on a resume
         self.iterator = iter(target)
         if restored is None and source.position:
