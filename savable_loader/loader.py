@@ -239,6 +239,10 @@ class SavableDataLoader(DataLoader):
         self._state_lock = threading.RLock()
         # Why the last iteration failed (a save cannot know its position any more).
         self._failed: str | None = None
+        # Persistent workers of a plain IterableDataset restored with rotated worker roles
+        # are restarted after that epoch: the dataset copies (sharded in worker_init_fn or
+        # at their first __iter__) belong to the roles they started with.
+        self._roles_change = False
 
     @staticmethod
     def _resolve_worker_config(wc: WorkerConfig | None, num_workers: int | None, seed: int | None) -> WorkerConfig:
@@ -320,8 +324,9 @@ class SavableDataLoader(DataLoader):
                 _RUNNING.pop(id(torch_iter), None)
                 # Stop the workers of a failed or abandoned iteration now (persistent ones
                 # stay for the next epoch unless the loader itself is being collected).
-                if failed or (not finished and (not persistent or owner() is None)):
+                if failed or (not finished and (not persistent or owner() is None)) or (resumed and self._roles_change):
                     self._shutdown(torch_iter)
+                self._roles_change = False
             # A restored pipeline epoch that had nothing left (all its workers had yielded
             # their last item, unknown to the saving side): go on with the next epoch, as
             # the uninterrupted run would have. (A drop-in state is never saved at an
@@ -436,6 +441,7 @@ class SavableDataLoader(DataLoader):
         mode.restore(position)  # type: ignore[arg-type]
         if mode.kind == "pipeline":
             warn_replays(mode.torch_dataset.dataset, position)  # type: ignore[union-attr, arg-type]
+            self._roles_change = self._iterable is not None and position.next_worker != 0  # type: ignore[union-attr]
 
     def _restore_resized(self, states: list[RankState], world_size: int) -> None:
         if self._mode.kind != "index":
