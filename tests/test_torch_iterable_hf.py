@@ -112,3 +112,30 @@ def test_no_replay_warning_and_state_is_plain():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loader(0).restore_state_rank(decode(encode(state)))
+
+
+def test_two_ranks_split_by_node():
+    """Each rank reads its part (``split_dataset_by_node``) and resumes its own state."""
+    from datasets.distributed import split_dataset_by_node
+
+    def rank_loader(rank: int) -> sl.SavableDataLoader:
+        wc = sl.WorkerConfig(rank=rank, world_size=2, num_workers=2, seed=2)
+        part = split_dataset_by_node(hf(), rank=rank, world_size=2)
+        return sl.SavableDataLoader(part, batch_size=3, worker_config=wc, multiprocessing_context="fork")
+
+    seen = []
+    for rank in range(2):
+        whole = list(rank_loader(rank))
+        ld = rank_loader(rank)
+        it = iter(ld)
+        head = [next(it) for _ in range(2)]
+        state = decode(encode(ld.save_state_rank()))
+        it.close()
+        assert state.config.rank == rank and state.config.world_size == 2
+        again = rank_loader(rank)
+        again.restore_state_rank(state)
+        rest = list(again)
+        assert xs(head + rest) == xs(whole)
+        assert [b["noise"][0].tolist() for b in head + rest] == [b["noise"][0].tolist() for b in whole]
+        seen += [x for b in xs(whole) for x in b]
+    assert sorted(seen) == list(range(N))
