@@ -139,3 +139,12 @@ def test_two_ranks_split_by_node():
         assert [b["noise"][0].tolist() for b in head + rest] == [b["noise"][0].tolist() for b in whole]
         seen += [x for b in xs(whole) for x in b]
     assert sorted(seen) == list(range(N))
+
+
+def test_shuffle_buffer_is_said_to_resume_inexactly():
+    table = datasets.Dataset.from_dict({"x": list(range(N))})
+    with pytest.warns(UserWarning, match=r"shuffles with a buffer \(.shuffle\(buffer_size=...\)\): its load_state_dict"):
+        sl.SavableDataLoader(table.to_iterable_dataset(num_shards=4).shuffle(seed=1, buffer_size=5), batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sl.SavableDataLoader(table.shuffle(seed=1).to_iterable_dataset(num_shards=4), batch_size=2)

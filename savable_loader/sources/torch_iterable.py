@@ -128,6 +128,7 @@ class TorchIterableSource(SavableDataset):
         self._live: Any = None  # the dataset object being iterated (a restored copy or `dataset`)
         if self.stateful:
             self._check_state_dict()
+            _warn_if_known_inexact(dataset)
         self.reset_state_own()
 
     def reset_state_own(self) -> None:
@@ -212,6 +213,32 @@ class TorchIterableSource(SavableDataset):
         state = dict(self.__dict__)
         state["_live"] = None  # an iteration does not travel to worker processes
         return state
+
+
+def _warn_if_known_inexact(dataset: Any) -> None:
+    """Warn about a Stateful dataset whose own restore is documented as inexact: a Hugging
+    Face ``IterableDataset`` with a shuffle buffer (its ``load_state_dict`` refills the
+    buffer with new examples rather than restoring it)."""
+    if not type(dataset).__module__.startswith("datasets."):
+        return
+    pending, seen = [getattr(dataset, "_ex_iterable", None)], set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            warnings.warn(
+                f"this Hugging Face {_name(dataset)} shuffles with a buffer (.shuffle(buffer_size=...)): its "
+                "load_state_dict() refills the buffer with new examples instead of restoring it (as the datasets "
+                "documentation says), so a resumed epoch yields other examples than the run it resumes. For an "
+                "exact resume, shuffle the map-style datasets.Dataset instead (SavableDataLoader(ds, shuffle=True), "
+                "or ds.shuffle(seed=...) before to_iterable_dataset())",
+                stacklevel=5,  # the SavableDataLoader(...) call
+            )
+            return
+        pending.append(getattr(node, "ex_iterable", None))
+        pending.extend(getattr(node, "ex_iterables", None) or [])
 
 
 def _prepare_datapipe(pipe: IterDataPipe, wc: WorkerConfig, worker: int, epoch: int) -> None:
