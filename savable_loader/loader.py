@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, IterDataPipe, default_collate, default_convert, graph_settings
+from torch.utils.data import DataLoader, IterableDataset, default_collate, default_convert
 
 from savable_loader._elastic import elastic_position
 from savable_loader._failures import terminate_worker, translate_worker_error
@@ -49,7 +49,7 @@ from savable_loader.errors import (
     StateError,
     WorkerTimeoutError,
 )
-from savable_loader.sources.torch_iterable import TorchIterableSource, warn_replays
+from savable_loader.sources.torch_iterable import loader_source, warn_replays
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import IndexPosition, PipelinePosition, RankState, RestoreKey
 
@@ -84,21 +84,6 @@ class _TaggedCollate:
 
 def _identity(batch: Any) -> Any:
     return batch
-
-
-def _plain_iterable(
-    dataset: Any, wc: WorkerConfig, batch_size: int | None, shuffle: bool | None, drop_last: bool
-) -> TorchIterableSource | None:
-    if not isinstance(dataset, IterableDataset) or isinstance(dataset, SavableDataset):
-        return None
-    if isinstance(dataset, IterDataPipe):
-        if shuffle is not None:  # as torch does
-            dataset = graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
-    elif shuffle not in {False, None}:
-        raise LoaderUsageError(
-            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
-        )
-    return TorchIterableSource(dataset, wc, batch_size=batch_size, drop_last=drop_last)
 
 
 class SavableDataLoader(DataLoader):
@@ -166,7 +151,7 @@ class SavableDataLoader(DataLoader):
         prefetch = 2 if prefetch_factor is None else prefetch_factor
 
         # A plain torch IterableDataset runs as a savable pipeline (sources/torch_iterable.py).
-        self._iterable = _plain_iterable(dataset, wc, batch_size, shuffle, drop_last)
+        self._iterable = loader_source(dataset, wc, batch_size, shuffle, drop_last)
         if self._iterable is not None:
             dataset, batch_size, shuffle, drop_last = self._iterable, None, None, False
             if collate_fn is None and self._iterable.batch_size is not None:

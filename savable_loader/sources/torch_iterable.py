@@ -54,7 +54,7 @@ from savable_loader.sources._user_state import from_state_tree, to_state_tree
 from savable_loader.sources.iterable import ReplayWarning
 from savable_loader.state.schema import DatasetState, PipelinePosition
 
-__all__ = ["TorchIterableSource", "is_stateful", "torch_worker_started", "warn_replays"]
+__all__ = ["TorchIterableSource", "is_stateful", "loader_source", "torch_worker_started", "warn_replays"]
 
 #: How to resume an IterableDataset the loader cannot checkpoint: said in every error.
 WAY_OUT = (
@@ -234,7 +234,7 @@ def _warn_if_known_inexact(dataset: Any) -> None:
                 "documentation says), so a resumed epoch yields other examples than the run it resumes. For an "
                 "exact resume, shuffle the map-style datasets.Dataset instead (SavableDataLoader(ds, shuffle=True), "
                 "or ds.shuffle(seed=...) before to_iterable_dataset())",
-                stacklevel=5,  # the SavableDataLoader(...) call
+                stacklevel=5,  # the SavableDataLoader(...) call (through loader_source)
             )
             return
         pending.append(getattr(node, "ex_iterable", None))
@@ -353,6 +353,24 @@ class _Iteration:
                 f"{_name(src.dataset)}: worker {src.worker_config.rank_worker_id()} replayed {batches} batches of "
                 f"{src.items} items, the saved position had {items} items: the dataset changed since the state was saved"
             )
+
+
+def loader_source(
+    dataset: Any, worker_config: WorkerConfig, batch_size: int | None, shuffle: bool | None, drop_last: bool
+) -> TorchIterableSource | None:
+    """The source ``SavableDataLoader`` runs for ``dataset`` if it is a plain torch
+    IterableDataset (None otherwise), after torch's checks of ``shuffle``: refused, or
+    for an ``IterDataPipe`` applied to its shufflers."""
+    if not isinstance(dataset, IterableDataset) or isinstance(dataset, SavableDataset):
+        return None
+    if isinstance(dataset, IterDataPipe):
+        if shuffle is not None:  # as torch does
+            dataset = graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
+    elif shuffle not in {False, None}:
+        raise LoaderUsageError(
+            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
+        )
+    return TorchIterableSource(dataset, worker_config, batch_size=batch_size, drop_last=drop_last)
 
 
 def torch_worker_started(physical: int) -> int:
