@@ -342,17 +342,6 @@ class ShuffledInIter(IterableDataset):
         return iter(order)
 
 
-@ignore_replay
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_random_draws_in_iter_itself_resume(num_workers):
-    def factory():
-        return loader(ShuffledInIter(), num_workers, batch_size=2)
-
-    epochs = epochs_of(factory(), 2)
-    assert not all(torch.equal(a, b) for a, b in zip(*epochs)), "every epoch was shuffled alike"
-    assert check_resume_everywhere(factory, 2, steps=steps_for(num_workers, len(epochs[0]))) >= 8
-
-
 class DifferentOwnSeed(IterableDataset):
     """Seeds a private generator from ``get_worker_info().seed`` (workers) or
     ``torch.initial_seed()`` (main process) in ``__iter__``, as augmentation code does."""
@@ -368,10 +357,12 @@ class DifferentOwnSeed(IterableDataset):
 
 
 @ignore_replay
+@pytest.mark.parametrize("dataset", [ShuffledInIter, DifferentOwnSeed])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_private_rng_seeded_from_worker_info_resumes(num_workers):
+def test_random_draws_outside_the_batches_resume(num_workers, dataset):
+    """Draws made by ``__iter__`` itself, or by generators seeded from the worker's seed."""
     def factory():
-        return loader(DifferentOwnSeed(), num_workers, batch_size=2)
+        return loader(dataset(), num_workers, batch_size=2)
 
     epochs = epochs_of(factory(), 2)
     assert not all(torch.equal(a, b) for a, b in zip(*epochs)), "every epoch drew the same numbers"
