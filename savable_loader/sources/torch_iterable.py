@@ -81,7 +81,7 @@ def _name(dataset: Any) -> str:
 def torch_worker_seed(worker_config: WorkerConfig, worker: int, epoch: int) -> int:
     """``get_worker_info().seed`` of logical ``worker`` in ``epoch``: below 2**63, as torch's."""
     wc = worker_config
-    return derive_seed(wc.seed, "torch-worker-info", wc.rank, worker, epoch, *active_repetitions()) >> 1
+    return derive_seed(wc.seed, "torch-worker-info", int(wc.rank or 0), worker, epoch, *active_repetitions()) >> 1
 
 
 class TorchIterableSource(SavableDataset):
@@ -149,7 +149,7 @@ class TorchIterableSource(SavableDataset):
         """Refuse at construction a ``state_dict()`` that a state could not hold (one that
         fails before any iteration is left to fail at the first snapshot, if at all)."""
         try:
-            state = self.dataset.state_dict()
+            state = self.dataset.state_dict()  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001 - may need an iteration first; checked at snapshots
             return
         try:
@@ -247,10 +247,11 @@ def _prepare_datapipe(pipe: IterDataPipe, wc: WorkerConfig, worker: int, epoch: 
     shared by every worker and rank. torch draws that seed from the loader's generator
     (torch's global RNG by default) at each ``iter()``; here it derives from the loader's
     seed and the epoch, so that a resume shuffles alike."""
+    rank, world_size = int(wc.rank or 0), int(wc.world_size or 1)  # set by WorkerConfig.__post_init__
     if wc.num_workers:
-        total, index = wc.num_workers * wc.world_size, worker * wc.world_size + wc.rank
+        total, index = wc.num_workers * world_size, worker * world_size + rank
     else:
-        total, index = wc.world_size, wc.rank
+        total, index = world_size, rank
     graph_settings.apply_sharding(pipe, total, index)
     shared = torch.Generator().manual_seed(derive_seed(wc.seed, "datapipe-shuffle", epoch, *active_repetitions()) >> 1)
     graph_settings.apply_random_seed(pipe, shared)
@@ -274,7 +275,7 @@ class _Iteration:
         self.source = source
         wc = source.worker_config
         worker, epoch = wc.rank_worker_id(), wc.active_epoch()
-        self.base = derive_seed(wc.seed, "torch-iterable", wc.rank, worker, epoch, *active_repetitions())
+        self.base = derive_seed(wc.seed, "torch-iterable", int(wc.rank or 0), worker, epoch, *active_repetitions())
         self.ended = False
         target = source.dataset
         restored = source.user_state
