@@ -23,6 +23,8 @@ import cloudpickle
 from torch._utils import ExceptionWrapper
 from torch.utils.data import get_worker_info
 
+from savable_loader._torch_internals import replace_worker_info, torch_worker_id
+
 __all__ = ["WorkerInit", "install_feeder_hook"]
 
 _state = {"installed": False}
@@ -33,8 +35,8 @@ def _on_feeder_error(queue: Any, error: BaseException, obj: Any) -> None:
     if not (isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], int)):
         traceback.print_exc()  # not a DataLoader result: the standard behaviour
         return
-    info = get_worker_info()
-    worker = info.id if info is not None else "?"
+    physical = torch_worker_id()  # the process torch names (get_worker_info().id may be a logical id)
+    worker = "?" if physical is None else str(physical)
     wrapper = ExceptionWrapper(
         where=f"in DataLoader worker process {worker} while sending its result to the main process "
         f"(the sample cannot be pickled: {type(error).__name__}: {error})"
@@ -62,8 +64,10 @@ def install_feeder_hook() -> None:
 
 
 class WorkerInit:
-    """The worker init function the loader hands torch: installs the hook, then runs the
-    user's ``worker_init_fn`` (cloudpickled, so that lambdas cross ``spawn``).
+    """The worker init function the loader hands torch: installs the hook, makes
+    ``get_worker_info().dataset`` the worker's copy of the user's dataset (torch's info
+    holds the loader's internal wrapper), then runs the user's ``worker_init_fn``
+    (cloudpickled, so that lambdas cross ``spawn``).
 
     Example::
 
@@ -82,8 +86,15 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         install_feeder_hook()
+        info = get_worker_info()
+        engine_dataset = info.dataset if info is not None else None
+        user_dataset = getattr(engine_dataset, "user_dataset", None)
+        if user_dataset is not None:
+            replace_worker_info(dataset=user_dataset)
+        # A plain IterableDataset's path shows the worker's logical id (_iterable_mode.py):
+        # the id the user's function gets, and get_worker_info().id.
+        started = getattr(engine_dataset, "worker_started", None)
+        if callable(started):
+            worker_id = started(worker_id)
         if self.user_fn is not None:
-            from savable_loader.sources.torch_iterable import torch_worker_started
-
-            # a plain IterableDataset shards by the logical worker id (and its own copy)
-            self.user_fn(torch_worker_started(worker_id))
+            self.user_fn(worker_id)

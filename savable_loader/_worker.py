@@ -4,8 +4,13 @@ Each loading context (a worker process, or the main process when ``num_workers=0
 one :class:`WorkerRuntime`. Its iterating thread walks the pipeline and, between two
 samples, may take a **snapshot** (the pipeline's ``save_state()``) into a small ring; the
 policy keeps snapshot time below ``SNAPSHOT_BUDGET`` of sample time. Before producing
-sample ``i`` it re-seeds the global RNGs from ``(seed, rank, worker, epoch, i)``, so the
-RNG state at any sample is implied by its index and never needs saving.
+sample ``i`` it re-seeds the global RNGs from ``(seed, rank, worker, epoch, i)`` (a seed
+below ``2**63``, see ``savable_loader.rng.item_seed``), so the RNG state at any sample
+is implied by its index and never needs saving.
+
+An exception the pipeline raises ends the iteration, except on a plain IterableDataset's
+path (``errors_go_on``), where it is sent in the item's place (:class:`ItemError`) and
+counts as that item, as torch's workers go on after a failed batch.
 
 A daemon **command thread** answers ``checkpoint`` requests from the main process: given
 the number of samples the main process has yielded from this worker, it returns the
@@ -30,10 +35,11 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import cloudpickle
 import msgspec
+from torch._utils import ExceptionWrapper
 from torch.utils.data import IterableDataset, get_worker_info
 
 from savable_loader._torch_internals import torch_worker_id
@@ -41,11 +47,18 @@ from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import DataError, StateError
-from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
+from savable_loader.rng import (
+    SEED_FORMULA,
+    counter_seed,
+    derive_seed,
+    item_seed,
+    preserve_global_rng,
+    seed_global,
+)
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
-__all__ = ["END", "SNAPSHOT_BUDGET", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime"]
+__all__ = ["END", "SNAPSHOT_BUDGET", "ItemError", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime"]
 
 #: Fraction of sample-production time that snapshots may cost.
 SNAPSHOT_BUDGET = 0.02
@@ -55,6 +68,46 @@ END = -1
 
 #: Seconds between liveness checks while a worker waits for the release of its end.
 RELEASE_POLL_SECONDS = 0.1
+
+
+class ItemError:
+    """An exception a pipeline raised for one item, sent in the item's place by a runtime
+    whose pipeline goes on after it (``errors_go_on``: a plain IterableDataset's path,
+    see ``_iterable_mode.py``). The main process books the item as consumed and raises
+    the exception, as torch does: the original exception in the main process, torch's
+    ``ExceptionWrapper`` ("Caught ... in DataLoader worker process N") from a worker.
+
+    Example::
+
+        try:
+            sample = next(iterator)
+        except Exception as e:
+            sample = ItemError.capture(e, in_process=False)   # picklable
+        ...
+        sample.reraise()                                       # in the main process
+    """
+
+    __slots__ = ("error", "wrapper")
+
+    def __init__(self, error: BaseException | None, wrapper: ExceptionWrapper | None) -> None:
+        self.error = error
+        self.wrapper = wrapper
+
+    @classmethod
+    def capture(cls, error: BaseException, in_process: bool) -> ItemError:
+        """``error`` (being handled) as an item: itself in the main process, torch's
+        picklable wrapper naming the worker process in a worker."""
+        if in_process:
+            return cls(error, None)
+        where = f"in DataLoader worker process {torch_worker_id()}"
+        return cls(None, ExceptionWrapper((type(error), error, error.__traceback__), where=where))
+
+    def reraise(self) -> NoReturn:
+        if self.wrapper is not None:
+            self.wrapper.reraise()
+        if self.error is None:  # pragma: no cover - capture() sets one of them
+            raise RuntimeError("an ItemError without its exception")
+        raise self.error
 
 
 class SnapshotRing:
@@ -112,8 +165,10 @@ class WorkerRuntime:
         max_in_flight: int,
         *,
         in_process: bool,
+        seed_formula: int = SEED_FORMULA,
     ) -> None:
         self.dataset = dataset
+        self.seed_formula = seed_formula
         self.worker_config = worker_config
         self.max_in_flight = max_in_flight
         self.in_process = in_process
@@ -124,6 +179,9 @@ class WorkerRuntime:
         self.snapshot_seconds = 0.0
         #: Encode each snapshot into ``outbox`` for the main process (worker processes).
         self.attach = False
+        #: An exception the pipeline raises for an item is sent as an :class:`ItemError`
+        #: in the item's place and the iteration goes on (False: it ends the iteration).
+        self.errors_go_on = False
         self.outbox: tuple[int, bytes] | None = None
         self._thread: threading.Thread | None = None
         self._parent_pid = -1
@@ -155,7 +213,7 @@ class WorkerRuntime:
         iterator: Iterator[Any] | None = None
         while True:
             with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
-                seed_global(counter_seed(base_seed, index))
+                seed_global(item_seed(counter_seed(base_seed, index), self.seed_formula))
                 t0 = time.perf_counter()
                 if iterator is None:
                     iterator = iter(self.dataset)
@@ -168,6 +226,10 @@ class WorkerRuntime:
                             f"saved position of {index + skip} samples: the data changed since the state was saved"
                         ) from None
                     break
+                except Exception as e:  # the item's exception, raised in the main process
+                    if not self.errors_go_on:
+                        raise
+                    sample = ItemError.capture(e, self.in_process)  # counts as an item
                 work += time.perf_counter() - t0
                 index += 1
                 # The state after `index` samples, taken before the sample leaves: attached
@@ -304,12 +366,21 @@ class PipelineWorkerDataset(IterableDataset):
         #: Worker processes attach each new snapshot to the next item they send, so that
         #: the main process answers a save alone; False: saves ask the command threads.
         self.attach = True
+        #: The per-item seed formula (``savable_loader.rng.item_seed``).
+        self.seed_formula = SEED_FORMULA
+        #: ``WorkerRuntime.errors_go_on``.
+        self.errors_go_on = False
         self._iterations = 0
         self._runtime: WorkerRuntime | None = None
 
     def set_plan(self, epoch: int, rotation: int, starts: list[WorkerState | None], pipes: Any) -> None:
         self.epoch, self.rotation, self.starts, self.pipes = epoch, rotation, starts, pipes
         self._iterations = 0
+
+    @property
+    def user_dataset(self) -> SavableDataset:
+        """The user's pipeline (what ``get_worker_info().dataset`` shows in a worker)."""
+        return self.dataset
 
     @property
     def runtime(self) -> WorkerRuntime | None:
@@ -331,7 +402,7 @@ class PipelineWorkerDataset(IterableDataset):
     def __iter__(self) -> Iterator[tuple[int, int, Any, Any]]:
         info = get_worker_info()
         workers = self.worker_config.workers_per_rank
-        physical = 0 if info is None else torch_worker_id()  # info.id may be a logical id
+        physical = torch_worker_id() or 0  # info.id may be a logical id; 0 in the main process
         count = self._iterations
         self._iterations += 1
         if count == 0:
@@ -341,12 +412,15 @@ class PipelineWorkerDataset(IterableDataset):
         logical = (physical + rotation) % workers
         if self._runtime is None:
             self._runtime = WorkerRuntime(
-                self.dataset, self.worker_config, self.max_in_flight, in_process=info is None
+                self.dataset, self.worker_config, self.max_in_flight, in_process=info is None,
+                seed_formula=self.seed_formula,
             )
             if info is not None and self.pipes is not None:
                 cmd, res = self.pipes[physical]
                 self._runtime.serve(cmd, res)
         runtime = self._runtime
+        runtime.seed_formula = self.seed_formula
+        runtime.errors_go_on = self.errors_go_on
         items = runtime.run(epoch, logical, starts[logical])
         if info is None:
             return items

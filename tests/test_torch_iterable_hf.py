@@ -64,7 +64,7 @@ def test_same_batches_as_torch(num_workers):
 
 @pytest.mark.parametrize(("num_workers", "steps"), [(0, None), (2, [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 13, 14])])
 def test_resume_everywhere_without_replay(num_workers, steps):
-    factory = lambda: loader(num_workers)  # noqa: E731
+    factory = lambda: loader(num_workers)
     epochs = epochs_of(factory(), 2)
     assert not torch.equal(epochs[0][0]["noise"][0], epochs[1][0]["noise"][0]), "the augmentation drew the same numbers"
     assert check_resume_everywhere(factory, 2, steps=steps) >= 12
@@ -96,8 +96,8 @@ def test_restore_reads_no_example_twice(monkeypatch):
 def test_unbatched_restored_into_spawn_workers():
     # the stream does not depend on the start method: fork for the reference and the
     # saves, spawn (each worker imports torch and datasets: slow) for one restore
-    fork = lambda: loader(2, batch_size=None)  # noqa: E731
-    spawn = lambda: loader(2, context="spawn", batch_size=None)  # noqa: E731
+    fork = lambda: loader(2, batch_size=None)
+    spawn = lambda: loader(2, context="spawn", batch_size=None)
     assert check_resume_everywhere(fork, 1, restore_factory=spawn, steps=[5]) == 1
 
 
@@ -143,8 +143,9 @@ def test_two_ranks_split_by_node():
 
 def test_shuffle_buffer_is_said_to_resume_inexactly():
     table = datasets.Dataset.from_dict({"x": list(range(N))})
-    with pytest.warns(UserWarning, match=r"shuffles with a buffer \(.shuffle\(buffer_size=...\)\): its load_state_dict"):
+    with pytest.warns(UserWarning, match=r"shuffles with a buffer \(.shuffle\(buffer_size=...\)\): its load_state_dict") as record:
         sl.SavableDataLoader(table.to_iterable_dataset(num_shards=4).shuffle(seed=1, buffer_size=5), batch_size=2)
+    assert [w.filename for w in record] == [__file__]  # at the user's SavableDataLoader(...) call
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sl.SavableDataLoader(table.shuffle(seed=1).to_iterable_dataset(num_shards=4), batch_size=2)

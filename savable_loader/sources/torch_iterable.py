@@ -15,7 +15,9 @@ these and runs it on the savable-pipeline path (snapshots attached to items, see
   or dropped with ``drop_last`` (torch's ``_IterableDatasetFetcher``). With
   ``batch_size=None`` every item is one pipeline item (``default_convert``);
 * ``len(loader)`` is torch's, from ``len(dataset)``, with torch's warning when an epoch
-  yields more than that.
+  yields more than that (``_iterable_mode.py``);
+* an exception the dataset raises for a batch counts as that batch: the loader raises
+  it and goes on with the next batch if called again, as torch does.
 
 The state of one worker is ``position`` (batches produced this epoch), ``items`` (items
 taken from the dataset's iterator) and ``user_state``:
@@ -31,30 +33,42 @@ taken from the dataset's iterator) and ``user_state``:
 
 Random draws are exact: before the dataset's ``__iter__`` and before each batch the
 source re-seeds Python ``random``, NumPy's and torch's global RNGs from ``(seed, rank,
-logical worker, epoch, batch)``, during a replay as in the run being resumed.
+logical worker, epoch, batch)`` (``savable_loader.rng.item_seed``: below ``2**63``, the
+legacy formula for a state that records it), during a replay as in the run being
+resumed.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, IterDataPipe, get_worker_info, graph_settings
+from torch.utils.data import (
+    IterableDataset,
+    IterDataPipe,
+    get_worker_info,
+    graph_settings,
+)
 
 from savable_loader._torch_internals import replace_worker_info
 from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.dataset import SavableDataset, type_name
 from savable_loader.errors import DataError, LoaderUsageError, StateError
-from savable_loader.rng import counter_seed, derive_seed, seed_global
+from savable_loader.rng import (
+    SEED_FORMULA,
+    counter_seed,
+    derive_seed,
+    item_seed,
+    seed_global,
+)
 from savable_loader.sources._user_state import from_state_tree, to_state_tree
 from savable_loader.sources.iterable import ReplayWarning
 from savable_loader.state.schema import DatasetState, PipelinePosition
 
-__all__ = ["TorchIterableSource", "is_stateful", "loader_source", "torch_worker_started", "warn_replays"]
+__all__ = ["TorchIterableSource", "is_stateful", "iterable_sources", "torch_worker_seed", "warn_replays"]
 
 #: How to resume an IterableDataset the loader cannot checkpoint: said in every error.
 WAY_OUT = (
@@ -81,7 +95,7 @@ def _name(dataset: Any) -> str:
 def torch_worker_seed(worker_config: WorkerConfig, worker: int, epoch: int) -> int:
     """``get_worker_info().seed`` of logical ``worker`` in ``epoch``: below 2**63, as torch's."""
     wc = worker_config
-    return derive_seed(wc.seed, "torch-worker-info", int(wc.rank or 0), worker, epoch, *active_repetitions()) >> 1
+    return item_seed(derive_seed(wc.seed, "torch-worker-info", int(wc.rank or 0), worker, epoch, *active_repetitions()))
 
 
 class TorchIterableSource(SavableDataset):
@@ -123,8 +137,9 @@ class TorchIterableSource(SavableDataset):
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
         self.stateful = is_stateful(dataset)
-        #: ``len(dataset)`` when ``len(loader)`` was last asked (torch's length warning).
-        self.reported_length: int | None = None
+        #: The per-batch seed formula (``savable_loader.rng.item_seed``; the loader sets a
+        #: restored state's).
+        self.seed_formula = SEED_FORMULA
         self._live: Any = None  # the dataset object being iterated (a restored copy or `dataset`)
         if self.stateful:
             self._check_state_dict()
@@ -167,32 +182,6 @@ class TorchIterableSource(SavableDataset):
             self.user_state = self._capture(self._live)
         return super().save_state()
 
-    def __len__(self) -> int:
-        """``len(loader)`` as torch computes it for an IterableDataset (``TypeError``
-        without ``len(dataset)``); records ``len(dataset)`` for the length warning."""
-        length = self.reported_length = len(self.dataset)  # type: ignore[arg-type]
-        if self.batch_size is None:
-            return length
-        return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
-
-    def warn_if_longer(self, yielded: int, num_workers: int) -> None:
-        """torch's warning when an epoch yields more than ``len(dataset)`` reported by the
-        last ``len(loader)`` (``yielded``: batches of this iteration so far)."""
-        reported = self.reported_length
-        if reported is None or yielded <= reported:
-            return
-        text = (
-            f"Length of IterableDataset {self.dataset} was reported to be {reported}"
-            f"(when accessing len(dataloader)), but {yielded} samples have been fetched. "
-        )
-        if num_workers > 0:
-            text += (
-                "For multiprocessing data-loading, this could be caused by not properly configuring the "
-                "IterableDataset replica at each worker. Please see "
-                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
-            )
-        warnings.warn(text, stacklevel=3)
-
     # -- the rest of the SavableDataset contract --------------------------------------
 
     def config(self) -> dict[str, Any]:
@@ -234,7 +223,7 @@ def _warn_if_known_inexact(dataset: Any) -> None:
                 "documentation says), so a resumed epoch yields other examples than the run it resumes. For an "
                 "exact resume, shuffle the map-style datasets.Dataset instead (SavableDataLoader(ds, shuffle=True), "
                 "or ds.shuffle(seed=...) before to_iterable_dataset())",
-                stacklevel=5,  # the SavableDataLoader(...) call (through loader_source)
+                stacklevel=6,  # the SavableDataLoader(...) call (through IterableMode)
             )
             return
         pending.append(getattr(node, "ex_iterable", None))
@@ -253,7 +242,7 @@ def _prepare_datapipe(pipe: IterDataPipe, wc: WorkerConfig, worker: int, epoch: 
     else:
         total, index = world_size, rank
     graph_settings.apply_sharding(pipe, total, index)
-    shared = torch.Generator().manual_seed(derive_seed(wc.seed, "datapipe-shuffle", epoch, *active_repetitions()) >> 1)
+    shared = torch.Generator().manual_seed(item_seed(derive_seed(wc.seed, "datapipe-shuffle", epoch, *active_repetitions())))
     graph_settings.apply_random_seed(pipe, shared)
 
 
@@ -287,7 +276,7 @@ class _Iteration:
             replace_worker_info(id=worker, dataset=target, seed=torch_worker_seed(wc, worker, epoch))
         if isinstance(target, IterDataPipe):
             _prepare_datapipe(target, wc, worker, epoch)
-        seed_global(self.base)  # the dataset's __iter__ draws the same numbers on a resume
+        seed_global(item_seed(self.base, source.seed_formula))  # __iter__'s draws are the same on a resume
         self.iterator = iter(target)
         if restored is None and source.position:
             self._replay(source.position, source.items)
@@ -301,7 +290,7 @@ class _Iteration:
         src = self.source
         if self.ended:
             raise StopIteration
-        seed_global(counter_seed(self.base, src.position))
+        seed_global(item_seed(counter_seed(self.base, src.position), src.seed_formula))
         size = src.batch_size
         if size is None:
             try:
@@ -356,45 +345,11 @@ class _Iteration:
             )
 
 
-def loader_source(
-    dataset: Any, worker_config: WorkerConfig, batch_size: int | None, shuffle: bool | None, drop_last: bool
-) -> TorchIterableSource | None:
-    """The source ``SavableDataLoader`` runs for ``dataset`` if it is a plain torch
-    IterableDataset (None otherwise), after torch's checks of ``shuffle``: refused, or
-    for an ``IterDataPipe`` applied to its shufflers."""
-    if not isinstance(dataset, IterableDataset) or isinstance(dataset, SavableDataset):
-        return None
-    if isinstance(dataset, IterDataPipe):
-        if shuffle is not None:  # as torch does
-            dataset = graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
-    elif shuffle not in {False, None}:
-        raise LoaderUsageError(
-            f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
-        )
-    return TorchIterableSource(dataset, worker_config, batch_size=batch_size, drop_last=drop_last)
-
-
-def torch_worker_started(physical: int) -> int:
-    """In a worker process, before the user's ``worker_init_fn``: for a loader over a
-    plain IterableDataset, make ``get_worker_info()`` report the logical worker of the
-    worker's first iteration and the worker's copy of the user's dataset; returns the id
-    to hand ``worker_init_fn`` (``physical`` for any other loader)."""
-    info = get_worker_info()
-    holder = getattr(info, "dataset", None)
-    source = getattr(holder, "dataset", None)
-    if info is None or not isinstance(source, TorchIterableSource):
-        return physical
-    wc = source.worker_config
-    logical = (physical + holder.rotation) % wc.workers_per_rank  # type: ignore[union-attr]
-    replace_worker_info(id=logical, dataset=source.dataset, seed=torch_worker_seed(wc, logical, holder.epoch))  # type: ignore[union-attr]
-    return logical
-
-
 def warn_replays(pipeline: SavableDataset, position: PipelinePosition) -> None:
     """Warn (:class:`ReplayWarning`, in the main process) when restoring ``position``
     makes a :class:`TorchIterableSource` of ``pipeline`` without ``state_dict`` replay
     items, with the count per worker."""
-    replaying = [s for s in _sources(pipeline) if not s.stateful]
+    replaying = [s for s in iterable_sources(pipeline) if not s.stateful]
     if not replaying:
         return
     node_type = type_name(replaying[0])
@@ -420,14 +375,15 @@ def warn_replays(pipeline: SavableDataset, position: PipelinePosition) -> None:
             f"the items its workers had produced ({'; '.join(counts)}), which costs as long as producing them "
             f"did. To restore without replay: {WAY_OUT}"
         ),
-        stacklevel=3,
+        stacklevel=5,  # the restore_state_rank(...) call (through IterableMode.check)
     )
 
 
-def _sources(dataset: SavableDataset) -> list[TorchIterableSource]:
+def iterable_sources(dataset: SavableDataset) -> list[TorchIterableSource]:
+    """The :class:`TorchIterableSource` nodes of the pipeline ``dataset``."""
     found = [dataset] if isinstance(dataset, TorchIterableSource) else []
     for child in dataset.children():
-        found += _sources(child)
+        found += iterable_sources(child)
     return found
 
 
