@@ -23,7 +23,7 @@ import cloudpickle
 from torch._utils import ExceptionWrapper
 from torch.utils.data import get_worker_info
 
-from savable_loader._torch_internals import replace_worker_info, torch_worker_id
+from savable_loader._torch_internals import replace_worker_info
 
 __all__ = ["WorkerInit", "install_feeder_hook"]
 
@@ -35,8 +35,8 @@ def _on_feeder_error(queue: Any, error: BaseException, obj: Any) -> None:
     if not (isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], int)):
         traceback.print_exc()  # not a DataLoader result: the standard behaviour
         return
-    physical = torch_worker_id()  # the process torch names (get_worker_info().id may be a logical id)
-    worker = "?" if physical is None else str(physical)
+    info = get_worker_info()
+    worker = info.id if info is not None else "?"
     wrapper = ExceptionWrapper(
         where=f"in DataLoader worker process {worker} while sending its result to the main process "
         f"(the sample cannot be pickled: {type(error).__name__}: {error})"

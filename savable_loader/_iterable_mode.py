@@ -94,7 +94,7 @@ class _IterableCollate(_TaggedCollate):
         try:
             return super().__call__(item)
         except Exception as e:  # noqa: BLE001 - raised in the main process by IterableIteration
-            return (*item[:3], ItemError.capture(e, in_process=get_worker_info() is None), *item[4:])
+            return (*item[:3], ItemError.capture(e, get_worker_info() is None, worker=item[0]), *item[4:])
 
 
 class IterableIteration(PipelineIteration):

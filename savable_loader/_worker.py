@@ -75,14 +75,16 @@ class ItemError:
     whose pipeline goes on after it (``errors_go_on``: a plain IterableDataset's path,
     see ``_iterable_mode.py``). The main process books the item as consumed and raises
     the exception, as torch does: the original exception in the main process, torch's
-    ``ExceptionWrapper`` ("Caught ... in DataLoader worker process N") from a worker.
+    ``ExceptionWrapper`` ("Caught ... in DataLoader worker process N") from a worker,
+    ``N`` the logical worker (what ``get_worker_info().id`` says on that path, so that a
+    resumed run names the worker the uninterrupted one named).
 
     Example::
 
         try:
             sample = next(iterator)
         except Exception as e:
-            sample = ItemError.capture(e, in_process=False)   # picklable
+            sample = ItemError.capture(e, in_process=False, worker=3)   # picklable
         ...
         sample.reraise()                                       # in the main process
     """
@@ -94,12 +96,12 @@ class ItemError:
         self.wrapper = wrapper
 
     @classmethod
-    def capture(cls, error: BaseException, in_process: bool) -> ItemError:
-        """``error`` (being handled) as an item: itself in the main process, torch's
-        picklable wrapper naming the worker process in a worker."""
+    def capture(cls, error: BaseException, in_process: bool, worker: int) -> ItemError:
+        """``error`` as an item: itself in the main process, torch's picklable wrapper
+        naming logical ``worker`` in a worker process."""
         if in_process:
             return cls(error, None)
-        where = f"in DataLoader worker process {torch_worker_id()}"
+        where = f"in DataLoader worker process {worker}"
         return cls(None, ExceptionWrapper((type(error), error, error.__traceback__), where=where))
 
     def reraise(self) -> NoReturn:
@@ -229,7 +231,7 @@ class WorkerRuntime:
                 except Exception as e:  # the item's exception, raised in the main process
                     if not self.errors_go_on:
                         raise
-                    sample = ItemError.capture(e, self.in_process)  # counts as an item
+                    sample = ItemError.capture(e, self.in_process, worker_id)  # counts as an item
                 work += time.perf_counter() - t0
                 index += 1
                 # The state after `index` samples, taken before the sample leaves: attached
