@@ -12,7 +12,12 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    IterableDataset,
+    default_collate,
+    get_worker_info,
+)
 
 import savable_loader as sl
 from savable_loader.errors import ConfigMismatchError, LoaderUsageError
