@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -76,6 +75,15 @@ __all__ = ["SavableDataLoader"]
 T_co = TypeVar("T_co", covariant=True)
 
 _DEFAULT_SAVE_TIMEOUT = 60.0
+
+
+class _Engine(DataLoader[Any]):
+    """The private DataLoader that runs the workers. torch's worker-count warning is the
+    public loader's, given where torch gives it (construction and ``iter()``), not at an
+    iteration's first ``next()``, where the engine's iterator is made."""
+
+    def check_worker_number_rationality(self) -> None:
+        return None
 
 
 class SavableDataLoader(DataLoader[T_co]):
@@ -263,17 +271,15 @@ class SavableDataLoader(DataLoader[T_co]):
     ) -> DataLoader[Any]:
         """The private torch DataLoader that runs the workers over the mode's dataset."""
         workers = self.num_workers
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the worker-count warning: ours already gave it
-            return DataLoader(
-                num_workers=workers, pin_memory=pin_memory, timeout=timeout,
-                # in workers: an unpicklable sample becomes an error, not a hang (_feeder.py),
-                # and get_worker_info().dataset is the user's dataset
-                worker_init_fn=WorkerInit(worker_init_fn) if workers > 0 else None,
-                multiprocessing_context=self.multiprocessing_context, generator=torch.Generator(),
-                prefetch_factor=prefetch_factor, persistent_workers=self.persistent_workers,
-                pin_memory_device=pin_memory_device, **self._mode.engine_kwargs(),
-            )
+        return _Engine(  # no worker-count warning: the public loader gives it
+            num_workers=workers, pin_memory=pin_memory, timeout=timeout,
+            # in workers: an unpicklable sample becomes an error, not a hang (_feeder.py),
+            # and get_worker_info().dataset is the user's dataset
+            worker_init_fn=WorkerInit(worker_init_fn) if workers > 0 else None,
+            multiprocessing_context=self.multiprocessing_context, generator=torch.Generator(),
+            prefetch_factor=prefetch_factor, persistent_workers=self.persistent_workers,
+            pin_memory_device=pin_memory_device, **self._mode.engine_kwargs(),
+        )
 
     @property
     def _iterator(self) -> Any:
@@ -297,6 +303,8 @@ class SavableDataLoader(DataLoader[T_co]):
         """An iterator over the next epoch (or the rest of a restored one). The iteration
         begins at its first ``next()``: an iterator never advanced consumes nothing, as a
         torch iterator over a random sampler draws nothing before its first batch."""
+        if self.num_workers > 0 and not (self._persistent and self._engine._iterator is not None):
+            self.check_worker_number_rationality()  # torch's warning, when torch's iter() gives it
         return SavableIterator(self)
 
     def _begin(self) -> Record:
