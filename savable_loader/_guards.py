@@ -105,9 +105,10 @@ def _attributes(obj: Any, path: str, depth: int) -> Iterator[tuple[str, Any]]:
 
 
 def _generators(dataset: Any) -> list[tuple[str, Any]]:
-    """Generators held by ``dataset`` (not through another SavableDataset or its
-    worker_config), breadth first, up to :data:`RNG_DEPTH` steps."""
-    from savable_loader.dataset import SavableDataset
+    """Generators held by ``dataset`` (not through another dataset, savable or a plain
+    torch one a source adapts, nor its worker_config), breadth first, up to
+    :data:`RNG_DEPTH` steps."""
+    from torch.utils.data import Dataset
 
     classes: dict[type, _ClassInfo] = {}
     found = []
@@ -126,7 +127,7 @@ def _generators(dataset: Any) -> list[tuple[str, Any]]:
                 seen.add(id(child))
                 if _is_rng(child):
                     found.append((sub, child))
-                elif _walkable(child) and not isinstance(child, SavableDataset):
+                elif _walkable(child) and not isinstance(child, Dataset):
                     nxt.append((sub, child))
         frontier = nxt
     return found

@@ -24,6 +24,7 @@ from savable_loader.rng import counter_seed, derive_seed, item_seed
 __all__ = [
     "NAMESPACES",
     "collate_seed",
+    "datapipe_shuffle_seed",
     "draw",
     "engine_generator_seed",
     "key_seed",
@@ -38,6 +39,8 @@ __all__ = [
     "sampler_seed",
     "shard_order_seed",
     "shard_samples_seed",
+    "torch_iterable_base",
+    "torch_worker_info_seed",
     "worker_epoch_seed",
     "worker_seed",
 ]
@@ -46,6 +49,7 @@ __all__ = [
 NAMESPACES = (
     "collate", "key", "owned-rng", "pcg-increment", "pcg-increment-low", "permutation", "pipeline", "sample",
     "sampler", "shard-order", "shard-samples", "worker", "worker-epoch", "workers",
+    "datapipe-shuffle", "torch-iterable", "torch-worker-info",
 )
 
 
@@ -141,3 +145,21 @@ def shard_order_seed(seed: int, key: tuple[int | str, ...]) -> int:
 def shard_samples_seed(seed: int, key: tuple[int | str, ...], shard: int) -> int:
     """The PCG64 seed of the sample order inside ``shard``."""
     return derive_seed(seed, "shard-samples", *key, shard)
+
+
+# -- plain torch IterableDatasets (sources/torch_iterable.py) --------------------------
+
+
+def torch_iterable_base(seed: int, rank: int, worker: int, epoch: int, repetitions: tuple[int, ...]) -> int:
+    """The per-epoch base of the item seeds of a plain IterableDataset's worker."""
+    return derive_seed(seed, "torch-iterable", rank, worker, epoch, *repetitions)
+
+
+def torch_worker_info_seed(seed: int, rank: int, worker: int, epoch: int, repetitions: tuple[int, ...]) -> int:
+    """``get_worker_info().seed`` of a logical worker in an epoch (below 2**63, as torch's)."""
+    return item_seed(derive_seed(seed, "torch-worker-info", rank, worker, epoch, *repetitions))
+
+
+def datapipe_shuffle_seed(seed: int, epoch: int, repetitions: tuple[int, ...]) -> int:
+    """The seed of the generator an IterDataPipe's shufflers share in an epoch."""
+    return item_seed(derive_seed(seed, "datapipe-shuffle", epoch, *repetitions))

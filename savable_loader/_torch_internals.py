@@ -23,6 +23,7 @@ from __future__ import annotations
 import _random
 import dataclasses
 import multiprocessing.queues
+import os
 import random
 import re
 from collections.abc import Callable
@@ -53,8 +54,12 @@ __all__ = [
     "set_loader_iterator",
     "set_queue_feeder_hook",
     "shutdown_workers",
+    "torch_worker_id",
     "worker_processes",
 ]
+
+#: (pid, id torch gave the worker process), recorded before the first replacement.
+_original: list[tuple[int, int]] = []
 
 #: torch's RuntimeError texts (``torch/utils/data/dataloader.py``, ``_utils/signal_handling.py``
 #: and torch's C++ SIGCHLD handler) that say a worker died or hung.
@@ -140,7 +145,27 @@ def replace_worker_info(**changes: Any) -> None:
     info = _torch_worker._worker_info
     if info is None:
         raise InternalError("replace_worker_info called outside a DataLoader worker")
+    if not _original or _original[0][0] != os.getpid():
+        _original[:] = [(os.getpid(), info.id)]
     _torch_worker._worker_info = dataclasses.replace(info, **changes)
+
+
+def torch_worker_id() -> int | None:
+    """The id torch gave this worker process (its place in torch's round robin), also
+    after :func:`replace_worker_info` changed what ``get_worker_info().id`` says; None
+    outside a DataLoader worker.
+
+    Example::
+
+        replace_worker_info(id=3)
+        torch_worker_id()          # still the id torch started the worker with
+    """
+    info = _torch_worker._worker_info
+    if info is None:
+        return None
+    if _original and _original[0][0] == os.getpid():
+        return _original[0][1]
+    return info.id
 
 
 # -- CPython and NumPy ----------------------------------------------------------------

@@ -33,6 +33,9 @@ GOLDEN = [
     ("draw", S.draw(12345, 6), 2262534019502804546),
     ("shard_order_seed", S.shard_order_seed(7, (3, 1)), 13128273705462840260),
     ("shard_samples_seed", S.shard_samples_seed(7, (3, 1), 5), 7841282420573183072),
+    ("torch_iterable_base", S.torch_iterable_base(7, 1, 2, 3, (4,)), 17581849285874706381),
+    ("torch_worker_info_seed", S.torch_worker_info_seed(7, 1, 2, 3, (4,)), 8788869791747196609),
+    ("datapipe_shuffle_seed", S.datapipe_shuffle_seed(7, 3, (4,)), 6035231451759496595),
 ]
 
 
