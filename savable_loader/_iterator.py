@@ -7,7 +7,7 @@ superseded by a later ``iter()``), ``FAILED`` (a worker died or hung, or the pat
 go on after an error), or ``FORGOTTEN`` (an abandoned side iteration that gave its epoch
 number back, see below).
 
-The rules (DESIGN.md, "What a state means"; torch's behaviour where users know it):
+The rules (docs/concepts.md, "What a state means"; torch's behaviour where users know it):
 
 * Every iteration starts the next epoch, except the first one after a restore, which
   continues the restored position. An iteration begins at its iterator's first
