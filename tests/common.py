@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -34,21 +34,9 @@ def epochs_of(loader: Iterable[Any], epochs: int) -> list[list[Any]]:
     return [list(loader) for _ in range(epochs)]
 
 
-def check_resume_everywhere(
-    factory: Callable[[], Any],
-    epochs: int = 2,
-    *,
-    restore_factory: Callable[[], Any] | None = None,
-    steps: Iterable[int] | None = None,
-    variants: Iterable[str] = ("live",),
-    check_live_next_epoch: bool = True,
-) -> int:
-    """``savable_loader.testing.check_resume``: save at every step (or ``steps``),
-    restore into a fresh loader, compare. Returns the number of save points checked."""
-    return testing.check_resume(
-        factory, epochs, restore_factory=restore_factory, steps=steps, variants=variants,
-        check_live_next_epoch=check_live_next_epoch,
-    )
+#: Save at every step (or ``steps``), restore into a fresh loader, compare; the number of
+#: save points checked (``savable_loader.testing.check_resume``).
+check_resume_everywhere = testing.check_resume
 
 
 # -- datasets ---------------------------------------------------------------------------
