@@ -38,7 +38,7 @@ import msgspec
 from torch.utils.data import IterableDataset
 
 from savable_loader._values import freeze, from_plain
-from savable_loader.config import WorkerConfig, active_repetitions
+from savable_loader.config import WorkerConfig, active_item_seed, active_repetitions
 from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.rng import capture_kind, derive_seed, restore_generator, seed_global
 from savable_loader.state.schema import DatasetState
@@ -88,6 +88,32 @@ class SavableDataset(IterableDataset):
     Subclasses set ``_savable_fields``, implement ``__iter__``, ``reset_state_own`` and
     ``config``; wrappers also return the datasets they wrap from ``children``. See the
     module docstring and docs/custom_dataset.md.
+
+    The RNG rule: random draws from the global RNGs (``random``, NumPy's, torch's) follow
+    from where a sample is in the stream, never from how the pipeline got there, so that
+    a resumed pipeline draws the same numbers.
+
+    1. The loader re-seeds the global RNGs before every item a worker produces, from
+       ``(seed, rank, worker, epoch, item index)``.
+    2. A source calls ``mark_sample(key)`` before building each sample: the RNGs are
+       re-seeded from the key, so the sample's draws, and those of the wrappers above
+       that pass it on (map, filter, batch, limit...), follow from the key.
+       ``restore_sample(key)`` calls it too.
+    3. A wrapper that yields a sample it held, that is anything not pulled from the
+       wrapped dataset in the same step (shuffle buffers, group buckets, packed rows,
+       micro-batch rests), calls ``mark_sample(key)`` right before the yield with the
+       sample's key, or with None if it has none, whether or not the pipeline can
+       restore samples. None re-seeds from the seed of rule 1's item (outside a loader
+       it leaves the RNGs as they are).
+    4. A wrapper that yields what it pulled in the same step passes the wrapped
+       dataset's ``sample_key`` on and does not re-seed.
+
+    Rule 3 is needed because a resumed pipeline runs some of the wrapped pipeline's code
+    again: an iterator that had reached its end is created anew, and its end-of-stream
+    code (an ``IterableSource``'s ``mark_sample`` for the position past its end, say)
+    runs in the first item after the restore, where the uninterrupted run had run it in
+    an earlier item. The RNG state the wrapped pipeline leaves in an item is therefore not
+    a function of the position; a key, or the item's seed, is.
 
     Example::
 
@@ -140,10 +166,23 @@ class SavableDataset(IterableDataset):
         Python ``random``, NumPy's and torch's global RNGs are re-seeded from
         ``(seed, epoch, repetition, dataset type, key)``, so whatever runs downstream of
         this yield (a random map, say) draws the same numbers when ``restore_sample``
-        rebuilds the sample and calls ``mark_sample(key)`` at the same point. Sources call
-        it for every sample; wrappers that reorder samples (buffers) call it too.
+        rebuilds the sample and calls ``mark_sample(key)`` at the same point.
+
+        ``key`` None (a sample without a key) re-seeds from the loader's position
+        instead: the seed of the item being produced (``(seed, rank, worker, epoch, item
+        index)``), which a resumed run sees at the same item. Outside a loader there is
+        no item, and None leaves the RNGs as they are.
+
+        Sources call it for every sample; wrappers that yield samples they held (buffers,
+        buckets, packed rows, micro-batch rests) call it before every such yield, with the
+        sample's key or None: see "The RNG rule" in the class docstring.
         """
         self.sample_key = key
+        if key is None:
+            item_seed = active_item_seed()
+            if item_seed is not None:
+                seed_global(derive_seed(item_seed, "held", type(self).__name__))
+            return
         wc = self.worker_config
         text = msgspec.json.encode(key).decode()
         seed_global(derive_seed(wc.seed, "key", wc.active_epoch(), *active_repetitions(), type(self).__name__, text))

@@ -83,10 +83,8 @@ class GroupBatchDataset(BaseWrapperDataset):
 
     def _emit(self, bucket: list[Any]) -> Any:
         _, samples, keys = bucket
-        if any(k is None for k in keys):
-            self.sample_key = None
-        else:
-            self.mark_sample(list(keys))
+        # the RNG rule: re-seed from the batch's key, or from the position without one
+        self.mark_sample(None if any(k is None for k in keys) else list(keys))
         return self.collate_fn(samples)
 
     def __iter__(self) -> Iterator[Any]:

@@ -140,10 +140,7 @@ class MicroBatchDataset(BaseWrapperDataset):
             self.rest = None if size <= m else slice_batch(self.rest, m, size)
             key = None if self.batch_key is None else [self.batch_key, self.micro]
             self.micro += 1
-            if key is None:
-                self.sample_key = None
-            else:
-                self.mark_sample(key)
+            self.mark_sample(key)  # the RNG rule: from the key, or from the position without one
             yield out
 
     def restore_sample(self, key: Any) -> Any:

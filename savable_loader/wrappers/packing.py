@@ -179,10 +179,8 @@ class PackingDataset(BaseWrapperDataset):
             yield torch.cat(parts)
 
     def _mark(self, pieces: list[list[Any]]) -> None:
-        if any(key is None for key, _, _ in pieces):
-            self.sample_key = None
-        else:
-            self.mark_sample(pieces)
+        # the RNG rule: re-seed from the row's key, or from the position without one
+        self.mark_sample(None if any(key is None for key, _, _ in pieces) else pieces)
 
     def restore_sample(self, key: Any) -> torch.Tensor:
         """The row made of the pieces ``[[document key, start, stop], ...]``."""
