@@ -27,7 +27,7 @@ N = 23
 
 
 def group_of(v: int):
-    """Buckets of unequal rates, with tuple keys (they come back from a state as lists)."""
+    """Buckets of unequal rates, with tuple keys (kept as tuples in a state)."""
     return (v % 3 == 0, "a" if v % 2 else "b")
 
 
@@ -89,7 +89,7 @@ def test_state_holds_the_buckets(monkeypatch):
     assert (ws.snapshot_index, ws.index) == (2, 2)  # the snapshot taken as the second batch left
     buckets = ws.dataset.fields["buckets"]
     # after 0..8 (two full buckets yielded): (True, "b") holds 0 and 6, (True, "a") 3
-    assert [b[0] for b in buckets] == [[True, "b"], [True, "a"]]
+    assert [decode_sample(b[0]) for b in buckets] == [(True, "b"), (True, "a")]  # tuples stay tuples
     assert [[int(decode_sample(s)[0]) for s in b[1]] for b in buckets] == [[0, 6], [3]]
     assert [b[2] for b in buckets] == [[0, 6], [3]]  # the samples' restore keys
     del it

@@ -57,7 +57,8 @@ def gen(info: StreamInfo) -> Any:
 
 
 def gen_from(info: StreamInfo, position: int) -> Any:
-    return (document(i) for i in range(info.global_worker + position * info.num_global_workers, N, info.num_global_workers))
+    step = info.num_global_workers
+    return (document(i) for i in range(info.global_worker + position * step, N, step))
 
 
 class KeylessSource(sl.SavableDataset):

@@ -17,7 +17,7 @@ _PLAIN = (type(None), bool, int, float, str)
 
 
 def _hashable(key: Any) -> Hashable:
-    """A group key as a dict key (tuples come back from a state as lists)."""
+    """A group key as a dict key (states of earlier versions hold tuples as lists)."""
     if isinstance(key, (list, tuple)):
         return tuple(_hashable(k) for k in key)
     return key

@@ -67,9 +67,11 @@ class MicroBatchDataset(BaseWrapperDataset):
     than it is refused at once; otherwise any batch smaller than ``micro_batch_size`` is an
     error (pass ``batch_size=`` when short last batches are expected).
 
-    State: the part of the current batch not yet yielded (so tuples inside a batch come
-    back as lists after a restore), the batch's key and the next micro index. Restore keys
-    are ``[batch key, micro index]``, marked before each micro-batch is yielded.
+    State: the part of the current batch not yet yielded (it keeps its types: tuples,
+    NumPy scalars; a namedtuple batch is refused when the state is taken, since it would
+    come back as a plain tuple), the batch's key and the next micro index. Restore keys
+    are ``[batch key, micro index]``, marked before each micro-batch is yielded (the RNG
+    rule of ``SavableDataset``).
 
     Example::
 
