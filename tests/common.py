@@ -88,12 +88,15 @@ def check_resume_everywhere(
     *,
     restore_factory: Callable[[], Any] | None = None,
     steps: Iterable[int] | None = None,
+    reference: list[list[Any]] | None = None,
 ) -> int:
     """Save at every step (or ``steps``), restore into a fresh loader, compare. Returns
-    the number of save points checked."""
+    the number of save points checked. ``reference``: the uninterrupted epochs, if the
+    caller has them already (``epochs_of(factory(), epochs)``)."""
     if restore_factory is None:
         restore_factory = factory
-    reference = epochs_of(factory(), epochs)
+    if reference is None:
+        reference = epochs_of(factory(), epochs)
     lengths = [len(e) for e in reference]
     flat = [x for e in reference for x in e]
     assert flat, "the reference stream is empty"
