@@ -107,13 +107,21 @@ class SavableDataset(IterableDataset):
        it leaves the RNGs as they are).
     4. A wrapper that yields what it pulled in the same step passes the wrapped
        dataset's ``sample_key`` on and does not re-seed.
+    5. The end-of-stream rule: a wrapper that goes on yielding after the dataset it
+       wraps has ended (a buffer draining, a short last batch) records that end in a
+       savable field, and a restored iterator with that field set does not iterate the
+       wrapped dataset again. Otherwise the restored pipeline would run the wrapped
+       dataset's end-of-stream code a second time (an ``IterableSource`` calls
+       ``mark_sample`` for the position past its end before it learns there is none;
+       without ``seek`` it even replays its whole stream), shifting the draws of
+       whatever runs after it in that item, a dataset beside it in a blend say.
 
-    Rule 3 is needed because a resumed pipeline runs some of the wrapped pipeline's code
-    again: an iterator that had reached its end is created anew, and its end-of-stream
-    code (an ``IterableSource``'s ``mark_sample`` for the position past its end, say)
-    runs in the first item after the restore, where the uninterrupted run had run it in
-    an earlier item. The RNG state the wrapped pipeline leaves in an item is therefore not
-    a function of the position; a key, or the item's seed, is.
+    Rules 3 and 5 exist because a restored pipeline is a new iterator over restored
+    fields: whatever the uninterrupted iterator had done in an earlier item and kept only
+    in its frame is done again. Rule 5 keeps the calls a restored iterator makes equal to
+    those of the uninterrupted one; rule 3 keeps the samples a wrapper held from depending
+    on them at all. A field added to ``_savable_fields`` later can be listed in
+    ``_savable_optional``, so that states written before it still restore.
 
     Example::
 
@@ -141,6 +149,9 @@ class SavableDataset(IterableDataset):
     """
 
     _savable_fields: ClassVar[tuple[str, ...]] = ()
+    #: Fields of ``_savable_fields`` that a state may lack (added after states were first
+    #: written): restoring such a state keeps the value ``reset_state_own()`` gives them.
+    _savable_optional: ClassVar[frozenset[str]] = frozenset()
 
     #: The restore key of the sample this dataset yielded last (None: it gives no keys).
     sample_key: Any = None
@@ -267,7 +278,7 @@ class SavableDataset(IterableDataset):
             raise StateError(
                 f"{expected}: state has {len(state.children)} child states, the pipeline has {len(kids)}"
             )
-        missing = set(self._savable_fields) - set(state.fields)
+        missing = set(self._savable_fields) - set(state.fields) - self._savable_optional
         extra = set(state.fields) - set(self._savable_fields)
         if missing or extra:
             raise StateError(
@@ -278,6 +289,8 @@ class SavableDataset(IterableDataset):
             child.restore_state(child_state)
         self.reset_state_own()
         for name in self._savable_fields:
+            if name not in state.fields:
+                continue  # an optional field that an older state lacks
             value = state.fields[name]
             current = getattr(self, name, None)
             if capture_kind(current) is not None:

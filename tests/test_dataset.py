@@ -484,3 +484,31 @@ def test_worker_config_must_be_a_worker_config(bad: Any) -> None:
 def test_type_name() -> None:
     assert type_name(Source(wc())) == f"{__name__}.Source"
     assert type_name(3) == "builtins.int"
+
+
+class Grown(Holder):
+    """A Holder that gained an optional field after its states were first written."""
+
+    _savable_fields = ("value", "added")
+    _savable_optional = frozenset({"added"})
+
+    def reset_state_own(self) -> None:
+        super().reset_state_own()
+        self.added = "default"
+
+
+def test_optional_field_missing_from_an_older_state_keeps_its_reset_value() -> None:
+    old = encode_decode(Holder(wc(), 5).save_state())
+    old = DatasetState(type=f"{__name__}.Grown", fields=old.fields)
+    ds = Grown(wc(), 0)
+    ds.added = "changed"
+    ds.restore_state(old)
+    assert (ds.value, ds.added) == (5, "default")
+    new = encode_decode(Grown(wc(), 7).save_state())
+    assert new.fields == {"value": 7, "added": "default"}
+
+
+def test_a_missing_field_that_is_not_optional_is_still_refused() -> None:
+    state = DatasetState(type=f"{__name__}.Grown", fields={"added": "x"})
+    with pytest.raises(StateError, match=r"state fields \['added'\] do not match _savable_fields"):
+        Grown(wc(), 0).restore_state(state)

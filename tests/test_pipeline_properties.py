@@ -152,7 +152,7 @@ def augment(x: Any) -> Any:
             return x ^ (torch.rand(x.shape) < 0.5)
         if x.is_floating_point() or x.is_complex():
             return x + torch.rand(x.shape).to(x.dtype)
-        return x + torch.randint(0, 3, x.shape).to(x.dtype)
+        return (x.to(torch.int64) + torch.randint(0, 3, x.shape)).to(x.dtype)  # torch cannot add uint16
     if isinstance(x, np.ndarray):
         if x.dtype.kind == "b":
             return x ^ (np.random.rand(*x.shape) < 0.5)

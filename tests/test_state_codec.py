@@ -467,6 +467,8 @@ def test_valid_hand_made_extension_decodes() -> None:
         (_array_ext("numpy", ">S2", [1], b"\x00" * 2), "cannot be big-endian"),
         (_array_ext("numpy", "U0", [1], b""), "dtype 'U0'"),
         (_array_ext("numpy", "U99999999999", [0], b""), "dtype 'U99999999999'"),
+        (_array_ext("numpy", "U536870912", [0], b""), "dtype 'U536870912'"),
+        (_array_ext("numpy", "timedelta64[2147483648s]", [0], b""), "dtype 'timedelta64"),
         (_array_ext("numpy", "U3", [2], b"\x00" * 12), "needs 24 bytes, got 12"),
         (_array_ext("numpy", "datetime64[xs]", [1], b"\x00" * 8), "dtype 'datetime64\\[xs\\]'"),
         (_array_ext("numpy", "datetime64[ns", [1], b"\x00" * 8), "dtype 'datetime64\\[ns'"),
@@ -598,7 +600,8 @@ def test_fuzz_structured_msgpack(value: object) -> None:
 @given(
     st.sampled_from(["torch", "numpy", "numpy-scalar", "pickle", ""]),
     st.sampled_from(["float32", "bfloat16", "int64", "bool", "object", "complex128", "S3", "U2", ">int32",
-                     "datetime64[ns]", "timedelta64", "str", "bytes", "float128"]),
+                     "datetime64[ns]", "timedelta64", "str", "bytes", "float128", "U536870911", "S2147483647",
+                     "timedelta64[2147483647as]", ">datetime64[D]", ">float16"]),
     st.lists(st.integers(-2, 5), max_size=4),
     st.binary(max_size=48),
 )

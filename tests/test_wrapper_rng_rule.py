@@ -40,7 +40,7 @@ from savable_loader.wrappers import (
     ShuffleBufferDataset,
 )
 from tests.common import check_resume_everywhere
-from tests.wrapper_common import make_loader, make_wc
+from tests.wrapper_common import make_loader, make_wc, set_snapshot_policy
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::savable_loader.sources.ReplayWarning")]
 
@@ -96,9 +96,13 @@ def source(kind: str, wc: sl.WorkerConfig) -> sl.SavableDataset:
     return IterableSource(gen, wc, seek=gen_from if kind == "seek" else None)
 
 
+def draw(x: Any) -> Any:
+    return x.double() + random.random() + float(np.random.rand()) + float(torch.rand(()))
+
+
 def augment(x: Any) -> Any:
     time.sleep(DELAY)
-    return x.double() + random.random() + float(np.random.rand()) + float(torch.rand(()))
+    return draw(x)
 
 
 def by_length(x: torch.Tensor) -> int:
@@ -148,3 +152,69 @@ def test_issue_reproduction_two_epochs(num_workers):
         return make_loader(MapDataset(ds, lambda x: (time.sleep(0.02), x + random.random())[1]))
 
     assert check_resume_everywhere(make, 2) == 8 + 8 + 3
+
+
+# -- the end-of-stream rule ------------------------------------------------------------------
+#
+# Found by tests/test_pipeline_properties.py: a blend of a drained shuffle buffer (over an
+# IterableSource) and a source without keys whose samples draw from the global RNGs. After
+# a restore while the buffer drained, the restored buffer iterated its source again, whose
+# end of stream re-seeds (mark_sample of the position past its end); the samples the blend
+# then took from the keyless source in that item drew other numbers. Wrappers that go on
+# yielding after the wrapped dataset ended keep that in their state (``ended``), so that a
+# restored iterator makes the same calls as the uninterrupted one.
+
+ENDERS: dict[str, Callable[[sl.SavableDataset], sl.SavableDataset]] = {
+    "shuffle": lambda ds: ShuffleBufferDataset(ds, 3),
+    "group_batch": lambda ds: GroupBatchDataset(ds, 3, by_length, collate_fn=list),
+    "packing_best_fit": lambda ds: PackingDataset(ds, 3, strategy="best_fit", buffer_size=6),
+    "batch": lambda ds: BatchDataset(ds, 5, collate_fn=list),
+}
+
+
+def blended(ender: str, kind: str, num_workers: int) -> sl.SavableDataLoader:
+    from savable_loader.wrappers import BlendDataset
+
+    wc = make_wc(num_workers, seed=0)
+    drained = ENDERS[ender](source(kind, wc))
+    keyless = MapDataset(KeylessSource(wc), draw)
+    return make_loader(BlendDataset([drained, keyless], [3.0, 1.0]), collate_fn=lambda x: x)
+
+
+@pytest.mark.parametrize("kind", ["no_seek", "seek"])
+@pytest.mark.parametrize("ender", sorted(ENDERS))
+def test_keyless_draws_beside_a_drained_wrapper_resume_exactly(ender, kind, monkeypatch):
+    set_snapshot_policy(monkeypatch, "every")  # a snapshot right after the drained wrapper's last yields
+    assert check_resume_everywhere(lambda: blended(ender, kind, 0), 2) >= 10
+
+
+@pytest.mark.parametrize("ender", ["shuffle", "batch"])
+def test_keyless_draws_beside_a_drained_wrapper_resume_exactly_with_workers(ender):
+    assert check_resume_everywhere(lambda: blended(ender, "no_seek", 2), 1) >= 5
+
+
+@pytest.mark.parametrize("ender", sorted(ENDERS))
+def test_a_restored_drained_wrapper_does_not_iterate_what_it_wraps(ender):
+    from savable_loader.config import _ActiveWorker
+
+    class Counting(KeylessSource):
+        iterations = 0
+
+        def __iter__(self) -> Any:
+            Counting.iterations += 1
+            return super().__iter__()
+
+    wc = make_wc(0)
+    ds = ENDERS[ender](Counting(wc))
+    with _ActiveWorker(0, 0):
+        it = iter(ds)
+        next(it)
+        while not ds.ended:
+            next(it)
+        state = ds.save_state()
+        rest = list(it)
+        fresh = ENDERS[ender](Counting(wc))
+        fresh.restore_state(state)
+        Counting.iterations = 0
+        assert [repr(x) for x in fresh] == [repr(x) for x in rest]
+    assert Counting.iterations == 0 and fresh.ended

@@ -37,7 +37,7 @@ _DTYPE_SIZES = {
 _TIME_UNITS = ("Y", "M", "W", "D", "h", "m", "s", "ms", "us", "ns", "ps", "fs", "as")
 # NumPy-only dtypes: fixed-width strings and dates/durations (a multiple of a unit)
 _NUMPY_DTYPE = re.compile(r"(U|S)([1-9][0-9]{0,9})|(datetime64|timedelta64)(?:\[([1-9][0-9]{0,9})?([a-zA-Z]{1,2})\])?")
-_MAX_ITEMSIZE = 1 << 31
+_MAX_ITEMSIZE = (1 << 31) - 1  # NumPy's limit for U / S, and for a time unit's multiplier
 _MAX_NDIM = 32
 _LIBRARIES = ("torch", "numpy", "numpy-scalar")
 
@@ -65,12 +65,12 @@ def _itemsize(library: str, dtype: str) -> int | None:
         return _DTYPE_SIZES[name]
     match = _NUMPY_DTYPE.fullmatch(name) if library != "torch" else None
     if match is not None:
-        kind, width, _, _, unit = match.groups()
+        kind, width, _, multiple, unit = match.groups()
         if kind is not None and library == "numpy":
             size = int(width) * (4 if kind == "U" else 1)
             if size <= _MAX_ITEMSIZE:
                 return size
-        elif kind is None and (unit is None or unit in _TIME_UNITS):
+        elif kind is None and (unit is None or (unit in _TIME_UNITS and int(multiple or 1) <= _MAX_ITEMSIZE)):
             return 8
     raise ValueError(f"array dtype {dtype!r} is not valid for library {library!r}")
 

@@ -53,7 +53,10 @@ class GroupBatchDataset(BaseWrapperDataset):
         ds = GroupBatchDataset(source, batch_size=16, key_fn=lambda s: s["image"].shape[-2:])
     """
 
-    _savable_fields = ("buckets",)
+    # ``ended``: the wrapped dataset has ended this epoch (the partial buckets drain); a
+    # restore then does not run its end of stream again (see ``SavableDataset``).
+    _savable_fields = ("buckets", "ended")
+    _savable_optional = frozenset({"ended"})
 
     def __init__(
         self,
@@ -80,6 +83,7 @@ class GroupBatchDataset(BaseWrapperDataset):
     def reset_state_own(self) -> None:
         # [group key, samples, sample keys] per bucket, oldest first
         self.buckets: list[list[Any]] = []
+        self.ended = False
 
     def _emit(self, bucket: list[Any]) -> Any:
         _, samples, keys = bucket
@@ -90,7 +94,7 @@ class GroupBatchDataset(BaseWrapperDataset):
     def __iter__(self) -> Iterator[Any]:
         inner = self.dataset
         index = {_hashable(b[0]): b for b in self.buckets}
-        for sample in inner:
+        for sample in () if self.ended else inner:
             group = self.key_fn(sample)
             _check_group(group)
             h = _hashable(group)
@@ -105,6 +109,7 @@ class GroupBatchDataset(BaseWrapperDataset):
                 del index[h]
                 self.buckets = [b for b in self.buckets if b is not bucket]
                 yield self._emit(bucket)
+        self.ended = True
         while self.buckets:
             bucket = self.buckets.pop(0)
             if not self.drop_last:

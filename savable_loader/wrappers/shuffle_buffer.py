@@ -32,7 +32,11 @@ class ShuffleBufferDataset(BaseWrapperDataset):
         ds = ShuffleBufferDataset(source, size=1000)
     """
 
-    _savable_fields = ("buffer", "keys", "seed", "draws")
+    # ``ended``: the wrapped dataset has ended this epoch (the buffer drains). A restored
+    # buffer then does not run the wrapped pipeline's end of stream a second time (the
+    # end-of-stream rule of ``SavableDataset``).
+    _savable_fields = ("buffer", "keys", "seed", "draws", "ended")
+    _savable_optional = frozenset({"ended"})
 
     def __init__(self, dataset: SavableDataset, size: int) -> None:
         super().__init__(dataset)
@@ -48,6 +52,7 @@ class ShuffleBufferDataset(BaseWrapperDataset):
         self.keys: list[Any] | None = None
         self.seed = self.worker_config.epoch_seed()
         self.draws = 0
+        self.ended = False
 
     def _pick(self) -> Any:
         buffer, keys = self.buffer, self.keys
@@ -65,15 +70,17 @@ class ShuffleBufferDataset(BaseWrapperDataset):
 
     def __iter__(self) -> Iterator[Any]:
         inner = self.dataset
-        for sample in inner:
-            key = inner.sample_key
-            if key is not None and self.keys is None:
-                self.keys = [None] * len(self.buffer)
-            self.buffer.append(sample)
-            if self.keys is not None:
-                self.keys.append(key)
-            if len(self.buffer) >= self.size:
-                yield self._pick()
+        if not self.ended:
+            for sample in inner:
+                key = inner.sample_key
+                if key is not None and self.keys is None:
+                    self.keys = [None] * len(self.buffer)
+                self.buffer.append(sample)
+                if self.keys is not None:
+                    self.keys.append(key)
+                if len(self.buffer) >= self.size:
+                    yield self._pick()
+            self.ended = True
         while self.buffer:
             yield self._pick()
 
