@@ -153,9 +153,8 @@ class WorkerRuntime:
         work = 0.0
         iterator: Iterator[Any] | None = None
         while True:
-            item_seed = counter_seed(base_seed, index)
-            with _ActiveWorker(worker_id, epoch, item_seed), _rng_scope(self.in_process):
-                seed_global(item_seed)
+            with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
+                seed_global(counter_seed(base_seed, index))
                 t0 = time.perf_counter()
                 if iterator is None:
                     iterator = iter(self.dataset)

@@ -149,44 +149,24 @@ class _Repetition:
 
 
 class _ActiveWorker:
-    """Context manager: the current thread loads for logical ``worker_id`` in ``epoch``.
+    """Context manager: the current thread loads for logical ``worker_id`` in ``epoch``."""
 
-    ``item_seed``: the seed the worker runtime re-seeded the global RNGs with for the item
-    being produced (see :func:`active_item_seed`); a nested context without one keeps the
-    enclosing context's.
-    """
-
-    def __init__(self, worker_id: int, epoch: int, item_seed: int | None = None) -> None:
+    def __init__(self, worker_id: int, epoch: int) -> None:
         self.worker_id = worker_id
         self.epoch = epoch
-        self.item_seed = item_seed
-        self._saved: tuple[Any, Any, Any] = (None, None, None)
+        self._saved: tuple[Any, Any] = (None, None)
 
     def __enter__(self) -> _ActiveWorker:
-        previous_item = getattr(_active, "item_seed", None)
-        self._saved = (getattr(_active, "worker_id", None), getattr(_active, "epoch", None), previous_item)
+        self._saved = (getattr(_active, "worker_id", None), getattr(_active, "epoch", None))
         _active.worker_id = self.worker_id
         _active.epoch = self.epoch
-        _active.item_seed = previous_item if self.item_seed is None else self.item_seed
         return self
 
     def __exit__(self, *exc: object) -> None:
-        worker_id, epoch, item_seed = self._saved
+        worker_id, epoch = self._saved
         if worker_id is None:
             del _active.worker_id
             del _active.epoch
         else:
             _active.worker_id = worker_id
             _active.epoch = epoch
-        _active.item_seed = item_seed
-
-
-def active_item_seed() -> int | None:
-    """The seed of the item the calling worker is producing (None outside an item).
-
-    The worker runtime re-seeds the global RNGs with it before producing each item; it is
-    a function of ``(seed, rank, logical worker, epoch, item index)``, so a resumed run
-    sees the same seed at the same item. ``SavableDataset.mark_sample(None)`` re-seeds
-    from it.
-    """
-    return getattr(_active, "item_seed", None)

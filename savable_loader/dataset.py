@@ -38,7 +38,7 @@ import msgspec
 from torch.utils.data import IterableDataset
 
 from savable_loader._values import freeze, from_plain
-from savable_loader.config import WorkerConfig, active_item_seed, active_repetitions
+from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.rng import capture_kind, derive_seed, restore_generator, seed_global
 from savable_loader.state.schema import DatasetState
@@ -95,33 +95,35 @@ class SavableDataset(IterableDataset):
 
     1. The loader re-seeds the global RNGs before every item a worker produces, from
        ``(seed, rank, worker, epoch, item index)``.
-    2. A source calls ``mark_sample(key)`` before building each sample: the RNGs are
-       re-seeded from the key, so the sample's draws, and those of the wrappers above
-       that pass it on (map, filter, batch, limit...), follow from the key.
-       ``restore_sample(key)`` calls it too.
+    2. A source with restore keys calls ``mark_sample(key)`` before building each
+       sample: the RNGs are re-seeded from the key, so the sample's draws, and those of
+       the wrappers above that pass it on, follow from the key (``restore_sample(key)``
+       calls it too). A source without keys draws from rule 1's seeding.
     3. A wrapper that yields a sample it held, that is anything not pulled from the
        wrapped dataset in the same step (shuffle buffers, group buckets, packed rows,
        micro-batch rests), calls ``mark_sample(key)`` right before the yield with the
-       sample's key, or with None if it has none, whether or not the pipeline can
-       restore samples. None re-seeds from the seed of rule 1's item (outside a loader
-       it leaves the RNGs as they are).
+       sample's key, whether or not the pipeline can restore samples (it keeps the keys
+       of the samples it holds whenever they have one), or with None for a sample
+       without a key (None re-seeds nothing).
     4. A wrapper that yields what it pulled in the same step passes the wrapped
        dataset's ``sample_key`` on and does not re-seed.
     5. The end-of-stream rule: a wrapper that goes on yielding after the dataset it
        wraps has ended (a buffer draining, a short last batch) records that end in a
        savable field, and a restored iterator with that field set does not iterate the
-       wrapped dataset again. Otherwise the restored pipeline would run the wrapped
-       dataset's end-of-stream code a second time (an ``IterableSource`` calls
-       ``mark_sample`` for the position past its end before it learns there is none;
-       without ``seek`` it even replays its whole stream), shifting the draws of
-       whatever runs after it in that item, a dataset beside it in a blend say.
+       wrapped dataset again.
 
-    Rules 3 and 5 exist because a restored pipeline is a new iterator over restored
-    fields: whatever the uninterrupted iterator had done in an earlier item and kept only
-    in its frame is done again. Rule 5 keeps the calls a restored iterator makes equal to
-    those of the uninterrupted one; rule 3 keeps the samples a wrapper held from depending
-    on them at all. A field added to ``_savable_fields`` later can be listed in
-    ``_savable_optional``, so that states written before it still restore.
+    Why: a restored pipeline is a new iterator over restored fields, so whatever the
+    uninterrupted iterator had done and kept only in its frame is done again. Without
+    rule 5 a restored buffer would run its source's end of stream a second time (an
+    ``IterableSource`` calls ``mark_sample`` for the position past its end before it
+    learns there is none; without ``seek`` it replays its whole stream), which re-seeds
+    in the middle of an item and shifts the draws of what follows in that item (a map
+    above, a source without keys beside it in a blend). With rule 5 a restored iterator
+    makes the calls the uninterrupted one makes, item for item, so rule 1 suffices for
+    samples without keys; with rule 3 the draws after a held sample follow from its key,
+    as they do when ``restore_sample`` rebuilds it. A field added to ``_savable_fields``
+    later can be listed in ``_savable_optional``, so that states written before it
+    still restore.
 
     Example::
 
@@ -177,22 +179,16 @@ class SavableDataset(IterableDataset):
         Python ``random``, NumPy's and torch's global RNGs are re-seeded from
         ``(seed, epoch, repetition, dataset type, key)``, so whatever runs downstream of
         this yield (a random map, say) draws the same numbers when ``restore_sample``
-        rebuilds the sample and calls ``mark_sample(key)`` at the same point.
-
-        ``key`` None (a sample without a key) re-seeds from the loader's position
-        instead: the seed of the item being produced (``(seed, rank, worker, epoch, item
-        index)``), which a resumed run sees at the same item. Outside a loader there is
-        no item, and None leaves the RNGs as they are.
+        rebuilds the sample and calls ``mark_sample(key)`` at the same point. ``key``
+        None records that the sample has no key and leaves the RNGs as they are: its
+        draws follow the loader's per-item seeding.
 
         Sources call it for every sample; wrappers that yield samples they held (buffers,
         buckets, packed rows, micro-batch rests) call it before every such yield, with the
-        sample's key or None: see "The RNG rule" in the class docstring.
+        sample's key or None: see the RNG rule in the class docstring.
         """
         self.sample_key = key
         if key is None:
-            item_seed = active_item_seed()
-            if item_seed is not None:
-                seed_global(derive_seed(item_seed, "held", type(self).__name__))
             return
         wc = self.worker_config
         text = msgspec.json.encode(key).decode()

@@ -5,17 +5,20 @@ Issue #21, finding 1: ``ShuffleBufferDataset`` over an ``IterableSource`` withou
 point was in the buffer's draining phase. The cause: the buffer re-seeded the global RNGs
 before yielding a sample only when the pipeline could restore samples; otherwise the map
 above drew from whatever state the wrapped pipeline had left during that item. A restored
-pipeline repeats the source's end-of-stream check (an ``IterableSource`` re-seeds from
-the key of the position past its end, ``mark_sample``, before it finds the end) in the
-first item after the restore, while the uninterrupted run had done it once, in an earlier
-item: the map's draws differed.
+pipeline repeated the source's end-of-stream check (an ``IterableSource`` re-seeds from
+the key of the position past its end, ``mark_sample``, before it finds the end; without
+``seek`` it replays its whole stream first) in the first item after the restore, while
+the uninterrupted run had done it once, in an earlier item: the map's draws differed.
 
 The rule (``SavableDataset`` docstring, docs/custom_dataset.md): a wrapper that yields a
-sample it held calls ``mark_sample(key)`` before yielding it, whether the key is a key
-or None; None re-seeds from the loader's item position. Every holding wrapper is run
-here over sources with and without ``seek`` and over a source that gives no keys at all,
-with a random map above, at 0 and 2 workers, with slow samples so that snapshots land
-at every point, saving at every step.
+sample it held calls ``mark_sample(key)`` before yielding it, with the sample's key
+whenever it has one (restorable or not) or None (rule 3); a wrapper that goes on yielding
+after the wrapped dataset ended records that in its state and a restored iterator does
+not iterate the wrapped dataset again (rule 5, the end-of-stream rule). Every holding
+wrapper is run here over sources with and without ``seek`` and over a source that gives
+no keys at all (and draws from the global RNGs when it runs out), with a random map
+above, at 0 and 2 workers, with slow samples so that snapshots land at every point,
+saving at every step.
 """
 
 from __future__ import annotations

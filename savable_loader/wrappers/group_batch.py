@@ -87,7 +87,7 @@ class GroupBatchDataset(BaseWrapperDataset):
 
     def _emit(self, bucket: list[Any]) -> Any:
         _, samples, keys = bucket
-        # the RNG rule: re-seed from the batch's key, or from the position without one
+        # the RNG rule: re-seed from the batch's key (None: a sample has no key, no re-seed)
         self.mark_sample(None if any(k is None for k in keys) else list(keys))
         return self.collate_fn(samples)
 

@@ -142,7 +142,7 @@ class MicroBatchDataset(BaseWrapperDataset):
             self.rest = None if size <= m else slice_batch(self.rest, m, size)
             key = None if self.batch_key is None else [self.batch_key, self.micro]
             self.micro += 1
-            self.mark_sample(key)  # the RNG rule: from the key, or from the position without one
+            self.mark_sample(key)  # the RNG rule: re-seed from the key (None: no key, no re-seed)
             yield out
 
     def restore_sample(self, key: Any) -> Any:

@@ -184,7 +184,7 @@ class PackingDataset(BaseWrapperDataset):
             yield torch.cat(parts)
 
     def _mark(self, pieces: list[list[Any]]) -> None:
-        # the RNG rule: re-seed from the row's key, or from the position without one
+        # the RNG rule: re-seed from the row's key (None: a piece has no key, no re-seed)
         self.mark_sample(None if any(key is None for key, _, _ in pieces) else pieces)
 
     def restore_sample(self, key: Any) -> torch.Tensor:

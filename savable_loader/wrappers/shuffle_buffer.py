@@ -23,9 +23,8 @@ class ShuffleBufferDataset(BaseWrapperDataset):
     after they are yielded (the state holds copies taken at snapshot time).
 
     Before yielding a sample the buffer calls ``mark_sample`` with the sample's key (None
-    for a sample without one), so random draws above it follow from the key, or from the
-    loader's position, never from what the wrapped pipeline did meanwhile (the RNG rule
-    of ``SavableDataset``).
+    for a sample without one), so random draws above it follow from the key whether or
+    not the pipeline can restore samples (the RNG rule of ``SavableDataset``).
 
     Example::
 
@@ -63,8 +62,8 @@ class ShuffleBufferDataset(BaseWrapperDataset):
         if keys is not None:
             keys[i], keys[-1] = keys[-1], keys[i]
             key = keys.pop()
-        # The yielded sample is not (always) the one just pulled: re-seed for what follows,
-        # from its key or, without one, from the loader's position.
+        # The yielded sample is not (always) the one just pulled: re-seed for what follows
+        # from its key (None: no key, no re-seed).
         self.mark_sample(key)
         return buffer.pop()
 
