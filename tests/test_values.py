@@ -298,3 +298,20 @@ def test_lone_surrogate_in_a_str_is_refused_when_encoded_naming_the_field() -> N
     node = DatasetState(type="m.Outer", children=[DatasetState(type="m.Inner", fields={"f": ["ok", "\ud800"]})])
     with pytest.raises(StateError, match=r"surrogates not allowed at Inner\.f\[1\]"):
         encode_part(node)
+
+
+def test_encode_error_of_a_rank_state_names_the_worker_and_the_field() -> None:
+    from savable_loader.state import LoaderConfig, PipelinePosition, RankState, WorkerState, encode
+
+    inner = DatasetState(type="m.Source", fields={"pos": 2**70})
+    outer = DatasetState(type="m.ShuffleBufferDataset", fields={"buffer": [1]}, children=[inner])
+    state = RankState(
+        config=LoaderConfig(rank=0, world_size=1, num_workers=2, seed=0, batch_size=None, shuffle=False,
+                            drop_last=False, dataset_fingerprint="f"),
+        position=PipelinePosition(epoch=0, next_worker=0, workers=[
+            WorkerState(worker_id=0, index=1, snapshot_index=1, dataset=DatasetState(type="m.Other")),
+            WorkerState(worker_id=1, index=1, snapshot_index=1, dataset=outer),
+        ]),
+    )
+    with pytest.raises(StateError, match=r"at position\.workers\[1\]\.dataset: Source\.pos \(integers"):
+        encode(state)

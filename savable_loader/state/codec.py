@@ -123,16 +123,21 @@ def _encodes(value: Any) -> bool:
     return True
 
 
-def _locate(value: Any, path: str) -> str:
-    """The path of a value inside ``value`` that cannot be encoded (``value`` cannot)."""
+def _locate(value: Any, path: str, node: str = "") -> str:
+    """The path of a value inside ``value`` that cannot be encoded (``value`` cannot).
+
+    Inside a dataset state the path is the field's, as ``freeze`` names it
+    (``ShuffleBufferDataset.buffer[3]``), after ``node``, the path of the state tree.
+    """
     if isinstance(value, DatasetState):
+        node = node or path
         owner = value.type.rsplit(".", 1)[-1]
         for name, field in value.fields.items():
             if not _encodes(field):
-                return _locate(field, f"{owner}.{name}")
-        for i, child in enumerate(value.children):
+                return _locate(field, f"{node}: {owner}.{name}" if node else f"{owner}.{name}")
+        for child in value.children:
             if not _encodes(child):
-                return _locate(child, f"{path}.children[{i}]")
+                return _locate(child, path, node)
     elif isinstance(value, msgspec.Struct):
         for name in value.__struct_fields__:
             field = getattr(value, name)
