@@ -159,9 +159,9 @@ def augment(x: Any) -> Any:
             return x + torch.rand(x.shape).to(x.dtype)
         return (x.to(torch.int64) + torch.randint(0, 3, x.shape)).to(x.dtype)  # torch cannot add uint16
     if isinstance(x, np.ndarray):
-        if x.dtype.kind == "b":
-            return x ^ (np.random.rand(*x.shape) < 0.5)
-        return (x + np.random.randint(0, 3, x.shape)).astype(x.dtype)
+        noise = np.random.randint(0, 3, x.shape)
+        out = x ^ (noise == 0) if x.dtype.kind == "b" else x + noise
+        return np.array(out).astype(x.dtype)  # np.array: a 0-d array stays one (x + 1 is a scalar)
     if isinstance(x, np.generic):
         if isinstance(x, np.str_):
             return np.str_(x + chr(97 + random.randrange(26)))
