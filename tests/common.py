@@ -97,6 +97,12 @@ def expected_chunks(lengths: list[int], k: int, between: bool) -> list[int]:
     if k == 0 and not between:
         return list(lengths)
     acc = 0
+    if between:  # after the StopIteration of the first epoch that ends at k (empty ones too)
+        for e, n in enumerate(lengths):
+            acc += n
+            if acc == k:
+                return list(lengths[e + 1 :])
+        raise AssertionError(f"no epoch ends at save point {k}")
     for e, n in enumerate(lengths):
         if acc < k <= acc + n or (n == 0 and acc == k and not between):
             return ([] if between else [acc + n - k]) + list(lengths[e + 1 :])

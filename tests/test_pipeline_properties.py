@@ -562,3 +562,14 @@ def test_the_generator_builds_every_step_kind() -> None:
         assert check_resume_everywhere(lambda: build_loader(p, log_dir), 2) >= 5
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def test_the_resume_checker_expects_empty_epochs_right() -> None:
+    # found by this module: a save between epochs at k=0 after an empty first epoch
+    from tests.common import expected_chunks
+
+    assert expected_chunks([0, 1], 0, True) == [1]
+    assert expected_chunks([0, 0, 2], 0, True) == [0, 2]
+    assert expected_chunks([2, 0, 3], 2, True) == [0, 3]
+    assert expected_chunks([1, 0, 2], 1, False) == [0, 0, 2]
+    assert expected_chunks([0, 1], 0, False) == [0, 1]
