@@ -104,22 +104,29 @@ def loader(name: str, num_workers: int, seek: bool = True) -> sl.SavableDataLoad
     return make_loader(PIPELINES[name](source), collate_fn=keep)
 
 
-def test_the_reported_case_collates_float32_and_int32_after_a_restore():
-    # the issue's example: the batches after a restore collated as float64 / int64
-    def make() -> sl.SavableDataLoader:
-        wc = make_wc(0)
-        source = IterableSource(lambda info: ({"f32": np.float32(i), "i32": np.int32(i)} for i in range(8)), wc)
-        return make_loader(BatchDataset(ShuffleBufferDataset(source, 4), 2))
+def reported_case(num_workers: int) -> sl.SavableDataLoader:
+    """The issue's example: NumPy float32 / int32 scalars through a shuffle buffer, batched
+    by ``default_collate`` (slow samples, so that snapshots land at every point)."""
 
-    loader_ = make()
-    it = iter(loader_)
-    next(it)
-    state = sl.state.decode(sl.state.encode(loader_.save_state_rank()))
-    del it
-    fresh = make()
-    fresh.restore_state_rank(state)
-    for batch in fresh:
-        assert batch["f32"].dtype == torch.float32 and batch["i32"].dtype == torch.int32
+    def values(info: StreamInfo) -> Any:
+        for i in info.split(range(8)):
+            time.sleep(DELAY)
+            yield {"f32": np.float32(i + 0.5), "i32": np.int32(i)}
+
+    wc = make_wc(num_workers)
+    return make_loader(BatchDataset(ShuffleBufferDataset(IterableSource(values, wc), 4), 2))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_reported_case_collates_float32_and_int32_after_a_restore(num_workers):
+    # the batches after a restore collated as float64 / int64 (from the first one on)
+    loader_ = reported_case(num_workers)
+    reference = [batch for _ in range(2) for batch in loader_]
+    assert reference and all(
+        b["f32"].dtype == torch.float32 and b["i32"].dtype == torch.int32 for b in reference
+    )
+    # whole streams against the uninterrupted run (assert_same compares dtypes too)
+    assert check_resume_everywhere(lambda: reported_case(num_workers), 2) == len(reference) + 3  # every step and both epoch ends
 
 
 @pytest.mark.parametrize("name", [*sorted(PIPELINES), "packing"])
