@@ -181,7 +181,9 @@ class SavableDataset(IterableDataset):
         this yield (a random map, say) draws the same numbers when ``restore_sample``
         rebuilds the sample and calls ``mark_sample(key)`` at the same point. ``key``
         None records that the sample has no key and leaves the RNGs as they are: its
-        draws follow the loader's per-item seeding.
+        draws follow the loader's per-item seeding. A key must be a JSON value (None,
+        bool, int, float, str, lists, tuples, str-keyed dicts); anything else (a NumPy
+        integer, say) is a :class:`RestoreKeyError` naming the dataset and the key.
 
         Sources call it for every sample; wrappers that yield samples they held (buffers,
         buckets, packed rows, micro-batch rests) call it before every such yield, with the
@@ -191,7 +193,14 @@ class SavableDataset(IterableDataset):
         if key is None:
             return
         wc = self.worker_config
-        text = msgspec.json.encode(key).decode()
+        try:
+            text = msgspec.json.encode(key).decode()
+        except (TypeError, ValueError) as e:  # a UnicodeEncodeError is a ValueError
+            raise RestoreKeyError(
+                f"{type(self).__name__}.mark_sample: restore key {key!r} of type {type_name(key)} "
+                f"is not a JSON value ({e}); keys are None, bool, int, float, str, and lists, tuples and "
+                "str-keyed dicts of these (convert NumPy scalars with int() / float())"
+            ) from e
         seed_global(derive_seed(wc.seed, "key", wc.active_epoch(), *active_repetitions(), type(self).__name__, text))
 
     def restore_sample(self, key: Any) -> Any:

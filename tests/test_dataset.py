@@ -17,7 +17,7 @@ import torch
 from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset, config_fingerprint, plain_config, type_name
-from savable_loader.errors import LoaderUsageError, StateError
+from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.state.codec import decode_part, encode_part
 from savable_loader.state.schema import DatasetState
 from tests.common import assert_same
@@ -512,3 +512,52 @@ def test_a_missing_field_that_is_not_optional_is_still_refused() -> None:
     state = DatasetState(type=f"{__name__}.Grown", fields={"added": "x"})
     with pytest.raises(StateError, match=r"state fields \['added'\] do not match _savable_fields"):
         Grown(wc(), 0).restore_state(state)
+
+
+# -- restore keys ---------------------------------------------------------------------------
+
+
+def draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_mark_sample_seeds_from_the_key_value() -> None:
+    # a tuple key comes back from a state as a tuple, a list key as a list: both seed alike
+    ds = Source(wc())
+    ds.mark_sample((3, "a"))
+    first = draws()
+    ds.mark_sample([3, "a"])
+    assert draws() == first
+    ds.mark_sample([3, "b"])
+    assert draws() != first
+    seed_all(5)
+    expected = draws()
+    seed_all(5)
+    ds.mark_sample(None)  # no key: the RNGs are left as they are
+    assert ds.sample_key is None and draws() == expected
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    "key, shown",
+    [
+        (np.int64(3), "numpy.int64"),
+        ([1, np.int32(2)], "builtins.list"),
+        ({None: 1}, "builtins.dict"),
+        ("\ud800", "builtins.str"),
+        (torch.tensor(1), "torch.Tensor"),
+    ],
+    ids=["numpy-int", "numpy-inside", "none-dict-key", "lone-surrogate", "tensor"],
+)
+def test_mark_sample_refuses_a_key_that_is_not_a_json_value(key: Any, shown: str) -> None:
+    ds = Source(wc())
+    with pytest.raises(RestoreKeyError) as info:
+        ds.mark_sample(key)
+    message = str(info.value)
+    assert message.startswith(f"Source.mark_sample: restore key {key!r} of type {shown} is not a JSON value")
+    assert "int() / float()" in message
