@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
+import numpy as np
 from torch.utils.data import default_collate
 
 from savable_loader.dataset import SavableDataset
@@ -13,7 +14,7 @@ from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["GroupBatchDataset"]
 
-_PLAIN = (type(None), bool, int, float, str)
+_PLAIN = frozenset({type(None), bool, int, float, str})
 
 
 def _hashable(key: Any) -> Hashable:
@@ -23,13 +24,26 @@ def _hashable(key: Any) -> Hashable:
     return key
 
 
-def _check_group(key: Any) -> None:
-    if isinstance(key, _PLAIN):
-        return
+def _plain_group(key: Any) -> Any:
+    """``key`` as plain Python values, for the bucket and the state.
+
+    Subclasses and NumPy scalars of the plain types (``torch.Size``, ``IntEnum``,
+    ``np.int64``, ``np.float32``) become the plain value they equal, with the same hash:
+    the buckets are the same, and a state holds the key (a state refuses subclasses).
+    """
+    cls = type(key)
+    if cls in _PLAIN:
+        return key
     if isinstance(key, tuple):
-        for k in key:
-            _check_group(k)
-        return
+        return tuple(_plain_group(k) for k in key)
+    if isinstance(key, (bool, np.bool_)):
+        return bool(key)
+    if isinstance(key, (int, np.integer)):
+        return int(key)
+    if isinstance(key, (float, np.floating)):
+        return float(key)
+    if isinstance(key, str):
+        return str(key)
     raise LoaderUsageError(
         f"GroupBatchDataset key_fn must return None, bool, int, float, str or a tuple of them, got {key!r}"
     )
@@ -42,7 +56,9 @@ class GroupBatchDataset(BaseWrapperDataset):
     Typical use: batches of similar length (``key_fn=lambda s: len(s["tokens"]) // 64``)
     or of one modality. At the end of the epoch the partial buckets are yielded, oldest
     first, unless ``drop_last``. ``collate_fn`` defaults to torch's ``default_collate``.
-    Group keys must be plain values (None, bool, int, float, str, tuples of them).
+    Group keys must be plain values (None, bool, int, float, str, tuples of them);
+    subclasses and NumPy scalars of these (``torch.Size``, ``IntEnum``, ``np.int64``)
+    are taken as the plain value they equal.
 
     State: the buckets with their samples and the samples' restore keys (samples must not
     be modified in place after they are pulled). A batch's restore key is the list of its
@@ -95,8 +111,7 @@ class GroupBatchDataset(BaseWrapperDataset):
         inner = self.dataset
         index = {_hashable(b[0]): b for b in self.buckets}
         for sample in () if self.ended else inner:
-            group = self.key_fn(sample)
-            _check_group(group)
+            group = _plain_group(self.key_fn(sample))
             h = _hashable(group)
             bucket = index.get(h)
             if bucket is None:
