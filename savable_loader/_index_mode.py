@@ -10,10 +10,18 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import msgspec
+
+from savable_loader._permutation import ORDER_ALGORITHMS, ORDER_LEGACY
 from savable_loader.dataset import config_fingerprint, plain_config, type_name
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError
 from savable_loader.sources.index import IndexedDataset, IndexPlan, IndexSampler
-from savable_loader.state.schema import IndexPosition, IndexStage, LoaderConfig, RestoreKey
+from savable_loader.state.schema import (
+    IndexPosition,
+    IndexStage,
+    LoaderConfig,
+    RestoreKey,
+)
 
 __all__ = ["IndexMode", "map_dataset_config"]
 
@@ -67,6 +75,7 @@ class IndexMode:
             rank=p.rank, world_size=p.world_size, num_workers=num_workers, seed=p.seed,
             batch_size=p.batch_size, shuffle=p.shuffle, drop_last=p.drop_last,
             dataset_fingerprint=self.fingerprint, dataset_config=self.dataset_config,
+            order_algorithm=p.order_algorithm,
         )
 
     # -- iteration --------------------------------------------------------------------
@@ -141,6 +150,11 @@ class IndexMode:
         current = self.loader_config(num_workers)
         if position.dataset_len != self.plan.dataset_len:
             raise ConfigMismatchError("len(dataset)", position.dataset_len, self.plan.dataset_len)
+        if saved.order_algorithm not in ORDER_ALGORITHMS:
+            raise ConfigMismatchError(
+                "order_algorithm", saved.order_algorithm, current.order_algorithm,
+                f"this version knows {list(ORDER_ALGORITHMS)}: the state was written by a newer savable_loader",
+            )
         check_dataset_config(saved, current)
         for name in ("seed", "shuffle", "drop_last"):
             if getattr(saved, name) != getattr(current, name):
@@ -166,6 +180,9 @@ class IndexMode:
             raise ConfigMismatchError(
                 "position.consumed", position.consumed, f"a multiple of batch_size={current.batch_size}"
             )
+        # The saved order goes on (a state of an earlier version keeps its stream); the
+        # loader writes it from now on. Set last: nothing changes if a check fails.
+        self.plan.order_algorithm = saved.order_algorithm
         return position
 
     # -- restore keys -----------------------------------------------------------------
@@ -176,10 +193,12 @@ class IndexMode:
             return None
         epoch, stages, first, last = self.last_item
         share = self.plan.share(stages)[first:last]
-        return RestoreKey(
+        key = RestoreKey(
             kind="index", seed=seed, fingerprint=self.fingerprint, epoch=epoch, rank=self.plan.rank,
             positions=_ranges([int(p) for p in share]),
-        )
+        )  # the default order is left out of str(key), as earlier versions wrote it
+        order = self.plan.order_algorithm
+        return key if order == ORDER_LEGACY else msgspec.structs.replace(key, order_algorithm=order)
 
     def restore_sample(self, key: RestoreKey) -> Any:
         """The batch ``key`` names, rebuilt in this process."""
@@ -192,7 +211,12 @@ class IndexMode:
         bad = [p for p in positions if p >= limit]
         if bad:
             raise RestoreKeyError(f"key.positions has {bad[0]}, expected positions below {limit}")
-        return self.torch_dataset[self.plan.key(key.epoch, positions)]
+        if key.order_algorithm not in ORDER_ALGORITHMS:
+            raise RestoreKeyError(
+                f"key.order_algorithm is {key.order_algorithm!r}, this version knows {list(ORDER_ALGORITHMS)}"
+            )
+        # the key's own order: a key made before a restore from an older state still names its batch
+        return self.torch_dataset[self.plan.key(key.epoch, positions, key.order_algorithm)]
 
     def restore(self, position: IndexPosition) -> None:
         if position.consumed and position.consumed >= self.plan.epoch_len(tuple(position.stages)):

@@ -12,10 +12,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from savable_loader.errors import StateVersionError
-from savable_loader.state import SCHEMA_VERSION, RankState, decode, encode, load_file
+from savable_loader.rng import derive_seed
+from savable_loader.state import (
+    SCHEMA_VERSION,
+    IndexPosition,
+    RankState,
+    decode,
+    encode,
+    load_file,
+)
 from tests.common import assert_streams, epochs_of
 from tests.data.make_fixtures import FACTORIES
 
@@ -43,13 +52,38 @@ def test_kept_state_decodes_and_restores_exactly(name: str) -> None:
     factory = FACTORIES[entry["loader"]]
     for rank, state in enumerate(states):
         make = (lambda r=rank: factory(r, len(states))) if len(states) > 1 else factory
-        reference = epochs_of(make(), 2)
+        reference = epochs_of(ordered_as(make(), state), 2)
         flat = [x for e in reference for x in e]
         k = entry["steps"]
         fresh = make()
         fresh.restore_state_rank(state)
         rest = list(fresh) + list(fresh)  # the rest of the saved epoch, then the next one
         assert_streams(rest, flat[k:], f"{name} rank {rank}: continuation")
+
+
+def ordered_as(loader: Any, state: RankState) -> Any:
+    """``loader`` ordering its epochs as the state's writer did: the uninterrupted run of
+    that version, to compare the continuation with (drop-in states of schema 1 predate
+    ``order_algorithm`` and use the materialised numpy permutation)."""
+    if isinstance(state.position, IndexPosition):
+        loader._mode.plan.order_algorithm = state.config.order_algorithm
+    return loader
+
+
+def test_schema1_dropin_state_keeps_its_numpy_permutation() -> None:
+    # Independent of the loader's own order code: the documented legacy derivation.
+    state = load_file(DATA / "schema1_dropin.state")
+    assert state.config.order_algorithm == "numpy-permutation"  # the default: the field is not in the file
+    fresh = FACTORIES["dropin"]()
+    fresh.restore_state_rank(state)
+    got = [int(x) for epoch in range(2) for batch in fresh for x in batch[:, 0]]
+    perms = [np.random.Generator(np.random.PCG64(derive_seed(7, "permutation", e))).permutation(40) for e in (0, 1)]
+    assert got == perms[0][state.position.consumed :].tolist() + perms[1].tolist()
+    assert fresh.save_state_rank().config.order_algorithm == "numpy-permutation"  # and it is written on
+
+
+def test_new_drop_in_states_write_the_feistel_order() -> None:
+    assert FACTORIES["dropin"]().save_state_rank().config.order_algorithm == "feistel-1"
 
 
 def test_newer_schema_asks_to_upgrade() -> None:

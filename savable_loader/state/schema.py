@@ -104,6 +104,12 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     drop_last: bool
     dataset_fingerprint: str
     dataset_config: dict[str, Any] = {}
+    #: How the drop-in path orders an epoch (pipelines have no order and keep the
+    #: default). ``"numpy-permutation"``: a materialised ``Generator.permutation``, the
+    #: only order before this field existed, hence the default, so that older states keep
+    #: their stream; ``"feistel-1"``: the constant-memory keyed bijection of
+    #: ``savable_loader/_permutation.py``, which new drop-in loaders write.
+    order_algorithm: str = "numpy-permutation"
 
 
 class IndexStage(msgspec.Struct, kw_only=True, frozen=True):
@@ -239,6 +245,9 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     epoch: NonNeg
     rank: NonNeg
     positions: list[tuple[NonNeg, NonNeg, Positive]] = []
+    #: ``"index"`` keys: the epoch order the positions refer to (see
+    #: ``LoaderConfig.order_algorithm``; keys made before the field existed: the default).
+    order_algorithm: str = "numpy-permutation"
     worker: NonNeg = 0
     index: NonNeg = 0
     sample: Any = None
