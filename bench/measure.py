@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "batch_len", "batches_equal", "close", "epoch_run", "first_batch", "percentiles_ms", "resume_check",
-    "save_latencies",
+    "batch_len", "batches_equal", "close", "epoch_run", "first_batch", "fmt_spread", "interleaved", "paired",
+    "peak_rss_mib", "percentiles_ms", "Timer", "resume_check", "save_latencies", "spread", "verdict",
 ]
 
 
@@ -163,3 +163,82 @@ def resume_check(
 
 def median(values: list[float]) -> float:
     return float(statistics.median(values))
+
+
+# -- interleaved repeats, ratios with their spread, verdicts ----------------------------
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median with min and max (and the values themselves)."""
+    return {"median": median(values), "min": float(min(values)), "max": float(max(values)),
+            "values": [float(v) for v in values]}
+
+
+def paired(numerators: list[float], denominators: list[float]) -> dict[str, Any]:
+    """The ratios ``numerators[i] / denominators[i]`` of runs made side by side (the same
+    repeat of an interleaved sequence), as :func:`spread`."""
+    if len(numerators) != len(denominators) or not numerators:
+        raise ValueError(f"paired ratios need equal, non-empty lists, got {len(numerators)} and {len(denominators)}")
+    return spread([a / b for a, b in zip(numerators, denominators)])
+
+
+def interleaved(runs: dict[str, Callable[[int], Any]], repeats: int) -> dict[str, list[Any]]:
+    """Run every entry of ``runs`` once per repeat, in turn (A B A B ..., or A B C A B C
+    ...), ``repeats`` times; ``runs[name](repeat)`` returns one measurement. The order
+    within a repeat rotates, so that no entry always runs first (after a pause) or
+    last."""
+    names = list(runs)
+    out: dict[str, list[Any]] = {name: [] for name in names}
+    for r in range(repeats):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            out[name].append(runs[name](r))
+    return out
+
+
+def verdict(figure: dict[str, Any], target: float, higher_is_better: bool) -> str:
+    """PASS when every repeat meets ``target``; MISS when the median misses it; NOISY when
+    the median meets it but the spread reaches past it (the margin is smaller than the
+    noise: not a result either way)."""
+    def ok(x: float) -> bool:
+        return x >= target if higher_is_better else x <= target
+
+    if not ok(figure["median"]):
+        return "MISS"
+    worst = figure["min"] if higher_is_better else figure["max"]
+    return "PASS" if ok(worst) else "NOISY"
+
+
+def fmt_spread(figure: dict[str, Any], digits: int = 3) -> str:
+    """``median (min-max)`` with ``digits`` significant digits."""
+    def g(x: float) -> str:
+        return f"{x:,.{digits}g}" if abs(x) < 10 ** digits else f"{x:,.0f}"
+
+    return f"{g(figure['median'])} ({g(figure['min'])}-{g(figure['max'])})"
+
+
+class Timer:
+    """Wall and CPU seconds (this process, all threads) of a block.
+
+    Example::
+
+        with Timer() as t:
+            work()
+        t.wall, t.cpu
+    """
+
+    wall = 0.0
+    cpu = 0.0
+
+    def __enter__(self) -> Timer:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._wall
+        self.cpu = time.process_time() - self._cpu
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux: ru_maxrss is KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -118,13 +118,24 @@ class _Stage:
 
     def select(self, k: int) -> int:
         """The ``k``-th kept index (from 0), for ``0 <= k < total``."""
+        # the last piece starting at or before k (pieces that keep nothing have equal cum)
         j = bisect.bisect_right(self.cum, k) - 1
-        while j + 1 < len(self.cum) and self.cum[j + 1] == self.cum[j]:
-            j += 1  # skip empty pieces (equal cum: nothing kept in between)
         shifted = self._shifted(j)
         off = k - self.cum[j]
         m = len(shifted)
         return self.bounds[j] + off // m * self.world + shifted[off % m]
+
+    def select_many(self, ks: np.ndarray) -> np.ndarray:
+        """:meth:`select` of every entry of ``ks`` (int64), vectorised piece by piece."""
+        cum = np.asarray(self.cum, dtype=np.int64)
+        js = np.searchsorted(cum, ks, side="right") - 1
+        out = np.empty_like(ks)
+        for j in np.unique(js).tolist():  # a chunk of a share spans few pieces
+            mask = js == j
+            shifted = np.asarray(self._shifted(j), dtype=np.int64)
+            off = ks[mask] - self.cum[j]
+            out[mask] = self.bounds[j] + off // len(shifted) * self.world + shifted[off % len(shifted)]
+        return out
 
     def _shifted(self, j: int) -> list[int]:
         """The active residues of piece ``j`` as offsets from its start, ascending."""
@@ -196,6 +207,16 @@ class Remaining:
             k = stage.select(k)
         return self._stage0(k)
 
+    def positions(self, ks: Any) -> np.ndarray:
+        """The ``k``-th remaining position for every ``k`` of ``ks`` (vectorised), as int64."""
+        k = np.asarray(ks, dtype=np.int64)
+        if k.size and (int(k.min()) < 0 or int(k.max()) >= self._len):
+            raise IndexError(f"remaining positions {int(k.min())}..{int(k.max())} out of range({self._len})")
+        for stage in reversed(self._stages):
+            k = stage.select_many(k)
+        k = k + np.searchsorted(np.asarray(self._extra_gaps, dtype=np.int64), k, side="right")
+        return self._padded.select_many(k)
+
     def count_below(self, p: int) -> int:
         """How many remaining positions are below ``p``."""
         pad = self._padded
@@ -206,7 +227,7 @@ class Remaining:
 
     def __getitem__(self, k: Any) -> Any:
         if isinstance(k, slice):
-            return [self.position(i) for i in range(*k.indices(self._len))]
+            return self.positions(np.arange(*k.indices(self._len), dtype=np.int64)).tolist()
         k = operator.index(k)
         return self.position(k + self._len if k < 0 else k)
 
@@ -243,7 +264,8 @@ class Share:
 
     def __getitem__(self, k: Any) -> Any:
         if isinstance(k, slice):
-            return [self.remaining.position(i) for i in self._index[k]]
+            part = self._index[k]
+            return self.remaining.positions(np.arange(part.start, part.stop, part.step, dtype=np.int64)).tolist()
         return self.remaining.position(self._index[k])
 
     def __iter__(self) -> Iterator[int]:

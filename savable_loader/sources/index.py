@@ -63,8 +63,8 @@ class IndexPlan:
     (:class:`~savable_loader._permutation.EpochOrder`; ``order_algorithm`` is
     ``"feistel-1"`` for new loaders, ``"numpy-permutation"`` after restoring a state of an
     earlier version), a rank's share is a ``range`` or, after a world-size change, a lazy
-    :class:`~savable_loader._elastic.Share`, and batch keys are made a chunk of
-    ``CHUNK`` positions at a time.
+    :class:`~savable_loader._elastic.Share`, and batch keys are made a chunk of positions
+    at a time (one batch first, then doubling up to ``CHUNK``).
 
     Example::
 
@@ -151,9 +151,11 @@ class IndexPlan:
         share = self.share(stages)
         end = self.epoch_len(stages)
         step = self.step
-        chunk = max(step, self.CHUNK // step * step)  # whole batches (start is a batch boundary)
+        most = max(step, self.CHUNK // step * step)  # whole batches (start is a batch boundary)
+        chunk = step  # the first batch comes at once; chunks double up to `most`
         order = self.order(epoch)
-        for first in range(start, end, chunk):
+        first = start
+        while first < end:
             last = min(first + chunk, end)
             part = share[first:last]
             positions = np.arange(part.start, part.stop, part.step) if isinstance(part, range) else np.asarray(part)
@@ -161,6 +163,7 @@ class IndexPlan:
             idx = order(positions).tolist()
             for b in range(0, last - first, step):
                 yield BatchKey(epoch, tuple(pos[b : b + step]), tuple(idx[b : b + step]))
+            first, chunk = last, min(2 * chunk, most)
 
 
 class IndexSampler(Sampler[BatchKey]):
