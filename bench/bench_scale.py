@@ -48,13 +48,13 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # `python bench/bench_scale.py` puts bench/ first, not the root
     sys.path.insert(0, str(_REPO))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-import savable_loader as sl  # noqa: E402
-from bench import measure as M  # noqa: E402
-from savable_loader._permutation import ORDER_FEISTEL, ORDER_LEGACY  # noqa: E402
-from savable_loader.state import IndexPosition, RankState  # noqa: E402
+import savable_loader as sl
+from bench import measure as M
+from savable_loader._permutation import ORDER_FEISTEL, ORDER_LEGACY
+from savable_loader.state import IndexPosition, RankState
 
 BATCH = 64
 RANK, WORLD, NEW_RANK, NEW_WORLD = 3, 8, 1, 6

@@ -14,8 +14,21 @@ import numpy as np
 import torch
 
 __all__ = [
-    "batch_len", "batches_equal", "close", "epoch_run", "first_batch", "fmt_spread", "interleaved", "paired",
-    "peak_rss_mib", "percentiles_ms", "Timer", "resume_check", "save_latencies", "spread", "verdict",
+    "Timer",
+    "batch_len",
+    "batches_equal",
+    "close",
+    "epoch_run",
+    "first_batch",
+    "fmt_spread",
+    "interleaved",
+    "paired",
+    "peak_rss_mib",
+    "percentiles_ms",
+    "resume_check",
+    "save_latencies",
+    "spread",
+    "verdict",
 ]
 
 
