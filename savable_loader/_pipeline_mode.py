@@ -18,13 +18,25 @@ import msgspec
 from savable_loader._channels import WorkerChannels
 from savable_loader._elastic import batch_rescale_factor
 from savable_loader._index_mode import check_dataset_config
+from savable_loader._values import plain_dataset_state
 from savable_loader._worker import END, PipelineWorkerDataset
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
-from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
+from savable_loader.rng import (
+    counter_seed,
+    derive_seed,
+    preserve_global_rng,
+    seed_global,
+)
 from savable_loader.state.codec import decode_part
-from savable_loader.state.schema import DatasetState, LoaderConfig, PipelinePosition, RestoreKey, WorkerState
+from savable_loader.state.schema import (
+    DatasetState,
+    LoaderConfig,
+    PipelinePosition,
+    RestoreKey,
+    WorkerState,
+)
 
 __all__ = ["SKIP", "PipelineMode"]
 
@@ -32,8 +44,8 @@ __all__ = ["SKIP", "PipelineMode"]
 SKIP = object()
 
 
-def _fresh(worker_id: int) -> WorkerState:
-    return WorkerState(worker_id=worker_id, index=0, snapshot_index=0, dataset=None)
+def _fresh(worker_id: int, carried: DatasetState | None = None) -> WorkerState:
+    return WorkerState(worker_id=worker_id, index=0, snapshot_index=0, dataset=None, carried=carried)
 
 
 class _Iteration:
@@ -48,6 +60,9 @@ class _Iteration:
         # [snapshot index, encoded DatasetState, decoded DatasetState or None].
         self.held: list[list[Any] | None] = [None] * len(self.starts)
         self.attaching = [False] * len(self.starts)  # its items carry a snapshot slot
+        # Per logical worker: its state at the end of this epoch (pipelines that carry
+        # state across epochs): the start of the next epoch.
+        self.ended: list[DatasetState | None] = [s.dataset if s.exhausted else None for s in self.starts]
 
 
 class PipelineMode:
@@ -73,6 +88,9 @@ class PipelineMode:
         self._last_save: tuple[Any, PipelinePosition] | None = None
         # (epoch, logical worker, index, key) of the item yielded last
         self.last_item: tuple[int, int, int, Any] | None = None
+        # Each logical worker's state at the end of the last finished epoch, which the next
+        # epoch goes on from (only for pipelines that carry state across epochs).
+        self.carry: list[DatasetState | None] = [None] * self.workers
 
     def loader_config(self, num_workers: int) -> LoaderConfig:
         wc = self.worker_config
@@ -96,7 +114,8 @@ class PipelineMode:
             for ws in self.pending.workers:
                 starts[ws.worker_id] = ws
         else:
-            epoch, rotation, starts = self.epoch, 0, [None] * self.workers
+            epoch, rotation = self.epoch, 0
+            starts = [None if c is None else _fresh(w, c) for w, c in enumerate(self.carry)]
         if not reuse_workers:
             pipes = None
             if self.worker_config.num_workers > 0:
@@ -131,17 +150,38 @@ class PipelineMode:
                 self.last_item = (cur.epoch, worker_id, index, key)
                 return payload
             cur.exhausted[worker_id] = True
+            cur.ended[worker_id] = self._end_state(cur, worker_id, payload)
             epoch, physical = cur.epoch, self.physical(worker_id)
         # The worker holds its end of iteration back until this release (see _worker.py).
         if self.channels is not None:
             self.channels.release(physical, epoch)
         return SKIP
 
+    def _end_state(self, cur: _Iteration, w: int, produced: int) -> DatasetState | None:
+        """Worker ``w``'s state at its end marker (after ``produced`` samples), if a
+        snapshot of exactly that point was taken (pipelines that carry state across epochs)."""
+        if cur.attaching[w]:
+            held = cur.held[w]
+            if held is None or held[0] != produced:
+                return None
+            if held[2] is None:
+                held[2] = decode_part(held[1], DatasetState)
+            return held[2]  # type: ignore[no-any-return]
+        runtime = self.torch_dataset.runtime
+        if self.worker_config.num_workers == 0 and runtime is not None:
+            found = runtime.ring.find(produced)
+            if found is not None and found[0] == produced:
+                return plain_dataset_state(found[1])
+        return None
+
     def end(self, keep_channels: bool) -> None:
         with self._lock:
             cur = self.current
             if cur is not None:
                 self.epoch = cur.epoch + 1
+                # a finished epoch hands each worker's end state on; an abandoned one nothing
+                finished = all(cur.exhausted)
+                self.carry = list(cur.ended) if finished else [None] * self.workers
             self.current = None
         if cur is not None and self.channels is not None:
             # An abandoned iteration: workers holding back their end (see _worker.py) must
@@ -173,7 +213,7 @@ class PipelineMode:
                 if self.pending is not None:
                     return self.pending
                 return PipelinePosition(
-                    epoch=self.epoch, next_worker=0, workers=[_fresh(w) for w in range(self.workers)]
+                    epoch=self.epoch, next_worker=0, workers=[_fresh(w, c) for w, c in enumerate(self.carry)]
                 )
             consumed = list(cur.consumed)
             exhausted = list(cur.exhausted)
@@ -185,7 +225,8 @@ class PipelineMode:
         for w in range(self.workers):
             if exhausted[w] and not states[w].exhausted:
                 states[w] = WorkerState(
-                    worker_id=w, index=consumed[w], snapshot_index=consumed[w], exhausted=True
+                    worker_id=w, index=consumed[w], snapshot_index=consumed[w], exhausted=True,
+                    dataset=cur.ended[w],
                 )
         asks = {
             w: consumed[w] for w in range(self.workers) if not exhausted[w] and consumed[w] != cur.starts[w].index
@@ -222,7 +263,7 @@ class PipelineMode:
         held = cur.held[w]
         start = cur.starts[w]
         if held is None:
-            return WorkerState(worker_id=w, index=index, snapshot_index=start.snapshot_index, dataset=start.dataset)
+            return msgspec.structs.replace(start, worker_id=w, index=index)
         snap_index, data, decoded = held
         if snap_index > index:
             return None
@@ -320,3 +361,4 @@ class PipelineMode:
             self._last_save = None
             self.last_item = None
             self.epoch = position.epoch
+            self.carry = [None] * self.workers

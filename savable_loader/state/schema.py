@@ -151,7 +151,14 @@ class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
     ``index`` samples of the epoch were yielded from this worker. ``dataset`` is the
     pipeline state captured after ``snapshot_index`` samples (None: the epoch's start,
     ``snapshot_index`` 0); a restore puts it back and replays ``index - snapshot_index``
-    samples (the skip offset). ``exhausted``: the worker had no more data this epoch.
+    samples (the skip offset). ``exhausted``: the worker had no more data this epoch
+    (``dataset`` is then its state at the end of the epoch, when the pipeline carries
+    state across epochs, else None).
+
+    ``carried`` (with ``dataset`` None, pipelines with an ``EpochizeDataset``): the
+    worker's pipeline state at the end of the previous epoch, which this epoch goes on
+    from; the worker restores it and then starts the epoch, instead of replaying the
+    earlier epochs. None: the epoch starts from scratch.
 
     Example::
 
@@ -164,6 +171,7 @@ class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
     snapshot_index: NonNeg
     dataset: DatasetState | None = None
     exhausted: bool = False
+    carried: DatasetState | None = None
 
     @property
     def skip(self) -> int:
