@@ -3,7 +3,8 @@
 Each loading context (a worker process, or the main process when ``num_workers=0``) runs
 one :class:`WorkerRuntime`. Its iterating thread walks the pipeline and, between two
 samples, may take a **snapshot** (the pipeline's ``save_state()``) into a small ring; the
-policy keeps snapshot time below ``SNAPSHOT_BUDGET`` of sample time. Before producing
+policy (:func:`snapshot_due`) keeps snapshot time below ``SNAPSHOT_BUDGET`` of sample
+time, and bounds the replay a restore needs by the worker's cold start. Before producing
 sample ``i`` it re-seeds the global RNGs from ``(seed, rank, worker, epoch, i)``, so the
 RNG state at any sample is implied by its index and never needs saving.
 
@@ -40,14 +41,49 @@ from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import StateError
-from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
+from savable_loader.rng import (
+    counter_seed,
+    derive_seed,
+    preserve_global_rng,
+    seed_global,
+)
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
-__all__ = ["END", "SNAPSHOT_BUDGET", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime"]
+__all__ = ["END", "SNAPSHOT_BUDGET", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime", "snapshot_due"]
 
 #: Fraction of sample-production time that snapshots may cost.
 SNAPSHOT_BUDGET = 0.02
+
+#: A restore replays the samples produced since the snapshot it starts from. Besides the
+#: budget above, a snapshot is also due once that replay would exceed this fraction of
+#: the worker's cold start (from the plan of its first iteration to its first sample:
+#: process start, reset, filling a shuffle buffer), so that a restore (a process start,
+#: the snapshot's restore, the replay) costs at most about 1.5 cold starts at any save
+#: point ...
+REPLAY_FRACTION = 0.3
+#: ... but the replay bound is never below this many snapshot costs (snapshots then take
+#: at most a quarter of the worker's time, when a snapshot is costly next to a cold start) ...
+REPLAY_FLOOR_SNAPSHOTS = 3
+#: ... nor below this many seconds (small states keep to the budget: a replay of a few
+#: tens of milliseconds is small next to starting a worker process).
+REPLAY_FLOOR_SECONDS = 0.05
+
+
+def snapshot_due(work: float, cost: float, cold: float, first: bool = False) -> bool:
+    """The snapshot policy: ``work`` seconds of sample production since the last snapshot,
+    which cost ``cost`` seconds; ``cold`` the worker's cold start (0: not measured);
+    ``first``: the last snapshot was the run's first.
+
+    Due when the budget pays for it (``work * SNAPSHOT_BUDGET >= cost``), or when a
+    restore would replay more than ``max(REPLAY_FRACTION * cold, REPLAY_FLOOR_SNAPSHOTS *
+    cost, REPLAY_FLOOR_SECONDS)`` seconds of work. A run's first snapshot pays for first
+    touches (a fresh process's pages, caches): its cost does not raise the replay floor.
+    """
+    if work * SNAPSHOT_BUDGET >= cost:
+        return True
+    floor = 0.0 if first else REPLAY_FLOOR_SNAPSHOTS * cost
+    return work >= max(REPLAY_FRACTION * cold, floor, REPLAY_FLOOR_SECONDS)
 
 #: Index of the item a worker sends after its last sample (its payload: samples produced).
 END = -1
@@ -121,6 +157,9 @@ class WorkerRuntime:
         self.worker_id = -1
         self.snapshots_taken = 0
         self.snapshot_seconds = 0.0
+        #: Seconds from the plan of this context's first iteration (process start
+        #: included) to its first sample: the cold start a restore compares with (0: not yet).
+        self.cold_seconds = 0.0
         #: Encode each snapshot into ``outbox`` for the main process (worker processes).
         self.attach = False
         self.outbox: tuple[int, bytes] | None = None
@@ -128,21 +167,39 @@ class WorkerRuntime:
         self._parent_pid = -1
         self._release = threading.Condition()
         self._released_epoch = -1
+        #: The pipeline has a dataset whose position crosses epochs: snapshot each epoch's end.
+        self.carries = any(type(ds).carries_across_epochs for ds in _walk(dataset))
+        #: The previous epoch's end state this epoch started from (``WorkerState.carried``).
+        self.carried: DatasetState | None = None
 
     # -- iterating thread -------------------------------------------------------------
 
-    def run(self, epoch: int, worker_id: int, start: WorkerState | None) -> Iterator[tuple[int, int, Any, Any]]:
+    def run(
+        self, epoch: int, worker_id: int, start: WorkerState | None, started: float | None = None
+    ) -> Iterator[tuple[int, int, Any, Any]]:
         """Yield ``(worker_id, index, restore key, sample)`` for the epoch, from ``start``
-        on, then the end marker ``(worker_id, END, None, samples produced)``."""
+        on, then the end marker ``(worker_id, END, None, samples produced)``.
+
+        ``started``: ``time.monotonic()`` when the main process planned the iteration, so
+        that this worker's cold start counts its process start too (see ``snapshot_due``).
+        """
+        begun = time.monotonic() if started is None else started
         if start is not None and start.exhausted:
             return
         wc = self.worker_config
         base_seed = derive_seed(wc.seed, "pipeline", wc.rank, worker_id, epoch)
+        self.carried = None if start is None or start.dataset is not None else start.carried
         # reset/restore run user code too (reset_state_own): keep the caller's RNG out of it
+        if self.carried is not None:  # go on from the previous epoch's end (EpochizeDataset)
+            with _ActiveWorker(worker_id, epoch - 1), _rng_scope(self.in_process):
+                self.dataset.restore_state(self.carried)
         with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
             if start is None:
                 self.dataset.reset_state_deep()
                 index, skip, snapshot = 0, 0, None
+            elif start.dataset is None:  # the epoch's start, then a replay of `skip` samples
+                self.dataset.reset_state_deep()
+                index, skip, snapshot = start.snapshot_index, start.skip, None
             else:
                 self.dataset.restore_state(start.dataset)
                 index, skip, snapshot = start.snapshot_index, start.skip, start.dataset
@@ -151,6 +208,7 @@ class WorkerRuntime:
         self.outbox = None
         snapshot_cost = 0.0
         work = 0.0
+        taken = 0  # snapshots of this run
         iterator: Iterator[Any] | None = None
         while True:
             with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
@@ -164,15 +222,24 @@ class WorkerRuntime:
                     break
                 work += time.perf_counter() - t0
                 index += 1
+                if not self.cold_seconds:  # what a restore is measured against (first run)
+                    cold = time.monotonic() - begun
+                    self.cold_seconds = cold if 0 < cold < 3600 else work
                 # The state after `index` samples, taken before the sample leaves: attached
                 # to it, the main process holds the snapshot of the position it yields.
-                if work * SNAPSHOT_BUDGET >= snapshot_cost:
+                if snapshot_due(work, snapshot_cost, self.cold_seconds, first=taken == 1):
                     snapshot_cost = self._snapshot(index)
+                    taken += 1
                     work = 0.0
             if skip:
                 skip -= 1
                 continue
             yield worker_id, index - 1, self.dataset.sample_key, sample
+        if self.carries and self.ring.newest_index() != index:
+            # the state at the epoch's end rides with the end marker: the next epoch's
+            # (fresh) worker goes on from it (WorkerState.carried)
+            with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
+                self._snapshot(index)
         # Tell the main process this worker is done before torch retires it, so that a
         # later save knows its final state without asking a process that may be gone.
         yield worker_id, END, None, index
@@ -231,6 +298,7 @@ class WorkerRuntime:
             index=index,
             snapshot_index=snap_index,
             dataset=plain_dataset_state(state),
+            carried=self.carried if state is None else None,
         )
 
     def serve(self, cmd: Any, res: Any) -> None:
@@ -263,6 +331,12 @@ class WorkerRuntime:
                 res.send_bytes(msgspec.msgpack.encode(reply))
             except (OSError, ValueError):
                 return
+
+
+def _walk(dataset: SavableDataset) -> Iterator[SavableDataset]:
+    yield dataset
+    for child in dataset.children():
+        yield from _walk(child)
 
 
 class _NoScope:
@@ -298,11 +372,13 @@ class PipelineWorkerDataset(IterableDataset):
         #: Worker processes attach each new snapshot to the next item they send, so that
         #: the main process answers a save alone; False: saves ask the command threads.
         self.attach = True
+        self.planned_at: float | None = None
         self._iterations = 0
         self._runtime: WorkerRuntime | None = None
 
     def set_plan(self, epoch: int, rotation: int, starts: list[WorkerState | None], pipes: Any) -> None:
         self.epoch, self.rotation, self.starts, self.pipes = epoch, rotation, starts, pipes
+        self.planned_at = time.monotonic()  # the workers' cold start counts from here
         self._iterations = 0
 
     @property
@@ -341,7 +417,7 @@ class PipelineWorkerDataset(IterableDataset):
                 cmd, res = self.pipes[physical]
                 self._runtime.serve(cmd, res)
         runtime = self._runtime
-        items = runtime.run(epoch, logical, starts[logical])
+        items = runtime.run(epoch, logical, starts[logical], self.planned_at if count == 0 else None)
         if info is None:
             return items
         runtime.attach = self.attach

@@ -14,7 +14,12 @@ import torch
 
 import savable_loader as sl
 import savable_loader._worker as worker_module
-from savable_loader._worker import END, PipelineWorkerDataset, SnapshotRing, WorkerRuntime
+from savable_loader._worker import (
+    END,
+    PipelineWorkerDataset,
+    SnapshotRing,
+    WorkerRuntime,
+)
 from savable_loader.errors import StateError
 from savable_loader.rng import counter_seed, derive_seed, seed_global
 from savable_loader.state.codec import decode_part, encode_part
@@ -352,6 +357,31 @@ def test_snapshot_budget_controls_snapshot_count(budget, taken, monkeypatch):
     snap_indices = [i for i in range(N + 1) if rt.ring.find(i) is not None and rt.ring.find(i)[0] == i]
     assert snap_indices == (list(range(N + 1)) if taken == N else [0, 1])
     assert rt.snapshot_seconds > 0
+
+
+def test_snapshot_policy_bounds_the_replay_by_the_cold_start():
+    due = worker_module.snapshot_due
+    # the budget: 2 % of the work pays for the last snapshot's cost
+    assert due(work=0.5, cost=0.01, cold=0.0) and not due(work=0.04, cost=0.01, cold=0.0)
+    # a costly snapshot (10 ms) next to a 1 s cold start: due after 0.3 s of work, not 0.5 s
+    assert not due(work=0.29, cost=0.01, cold=1.0) and due(work=0.31, cost=0.01, cold=1.0)
+    # ... but never after less than 3 snapshot costs (at most a quarter of the time) ...
+    assert not due(work=0.2, cost=0.08, cold=0.1) and due(work=0.25, cost=0.08, cold=0.1)
+    # ... except after a run's first snapshot, whose cost includes first touches
+    assert due(work=0.06, cost=0.08, cold=0.1, first=True)
+    # ... nor after less than 50 ms: a cheap state keeps to the budget
+    assert not due(work=0.02, cost=0.002, cold=0.01) and due(work=0.1, cost=0.002, cold=0.01)
+
+
+def test_the_cold_start_counts_from_the_plan():
+    rt = runtime(stateful_pipeline())
+    list(rt.run(0, 0, None, started=time.monotonic() - 2.0))  # a process start of 2 s
+    assert 2.0 <= rt.cold_seconds < 60
+    list(rt.run(1, 0, None, started=time.monotonic() - 9.0))  # measured once per context
+    assert rt.cold_seconds < 9.0
+    fresh = runtime(stateful_pipeline())
+    list(fresh.run(0, 0, None))
+    assert 0 < fresh.cold_seconds < 2.0
 
 
 def test_run_as_another_logical_worker():
