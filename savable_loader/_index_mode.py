@@ -16,12 +16,7 @@ from savable_loader._permutation import ORDER_ALGORITHMS, ORDER_LEGACY
 from savable_loader.dataset import config_fingerprint, plain_config, type_name
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError
 from savable_loader.sources.index import IndexedDataset, IndexPlan, IndexSampler
-from savable_loader.state.schema import (
-    IndexPosition,
-    IndexStage,
-    LoaderConfig,
-    RestoreKey,
-)
+from savable_loader.state.schema import IndexPosition, IndexStage, LoaderConfig, RestoreKey
 
 __all__ = ["IndexMode", "map_dataset_config"]
 

@@ -23,20 +23,9 @@ from savable_loader._worker import END, PipelineWorkerDataset
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
-from savable_loader.rng import (
-    counter_seed,
-    derive_seed,
-    preserve_global_rng,
-    seed_global,
-)
+from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
 from savable_loader.state.codec import decode_part
-from savable_loader.state.schema import (
-    DatasetState,
-    LoaderConfig,
-    PipelinePosition,
-    RestoreKey,
-    WorkerState,
-)
+from savable_loader.state.schema import DatasetState, LoaderConfig, PipelinePosition, RestoreKey, WorkerState
 
 __all__ = ["SKIP", "PipelineMode"]
 

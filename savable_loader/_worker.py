@@ -41,12 +41,7 @@ from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import StateError
-from savable_loader.rng import (
-    counter_seed,
-    derive_seed,
-    preserve_global_rng,
-    seed_global,
-)
+from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 

@@ -28,19 +28,8 @@ from savable_loader._elastic import (
     remaining_positions,
     share_length,
 )
-from savable_loader.state.schema import (
-    IndexPosition,
-    IndexStage,
-    LoaderConfig,
-    RankState,
-)
-from tests.common import (
-    RandomMapDataset,
-    RangeSource,
-    assert_same,
-    assert_streams,
-    check_resume_everywhere,
-)
+from savable_loader.state.schema import IndexPosition, IndexStage, LoaderConfig, RankState
+from tests.common import RandomMapDataset, RangeSource, assert_same, assert_streams, check_resume_everywhere
 from tests.dist_harness import run_ranks, values
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,11 +8,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from savable_loader._index_mode import (
-    IndexMode,
-    check_dataset_config,
-    map_dataset_config,
-)
+from savable_loader._index_mode import IndexMode, check_dataset_config, map_dataset_config
 from savable_loader._permutation import ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError
 from savable_loader.state.codec import decode_part, encode_part

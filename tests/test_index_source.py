@@ -14,12 +14,7 @@ from torch.utils.data import DistributedSampler
 
 from savable_loader._permutation import ORDER_LEGACY, FeistelPermutation
 from savable_loader.rng import counter_seed, derive_seed, seed_global
-from savable_loader.sources.index import (
-    BatchKey,
-    IndexedDataset,
-    IndexPlan,
-    IndexSampler,
-)
+from savable_loader.sources.index import BatchKey, IndexedDataset, IndexPlan, IndexSampler
 from tests.common import RandomMapDataset, assert_same
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,12 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from savable_loader._permutation import (
-    ORDER_FEISTEL,
-    ORDER_LEGACY,
-    EpochOrder,
-    FeistelPermutation,
-)
+from savable_loader._permutation import ORDER_FEISTEL, ORDER_LEGACY, EpochOrder, FeistelPermutation
 from savable_loader.rng import derive_seed
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,14 +17,7 @@ import pytest
 
 from savable_loader.errors import StateVersionError
 from savable_loader.rng import derive_seed
-from savable_loader.state import (
-    SCHEMA_VERSION,
-    IndexPosition,
-    RankState,
-    decode,
-    encode,
-    load_file,
-)
+from savable_loader.state import SCHEMA_VERSION, IndexPosition, RankState, decode, encode, load_file
 from tests.common import assert_streams, epochs_of
 from tests.data.make_fixtures import FACTORIES
 

@@ -14,12 +14,7 @@ import torch
 
 import savable_loader as sl
 import savable_loader._worker as worker_module
-from savable_loader._worker import (
-    END,
-    PipelineWorkerDataset,
-    SnapshotRing,
-    WorkerRuntime,
-)
+from savable_loader._worker import END, PipelineWorkerDataset, SnapshotRing, WorkerRuntime
 from savable_loader.errors import StateError
 from savable_loader.rng import counter_seed, derive_seed, seed_global
 from savable_loader.state.codec import decode_part, encode_part

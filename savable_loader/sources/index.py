@@ -31,12 +31,7 @@ from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from savable_loader._elastic import Share, epoch_length, rank_share, share_length
 from savable_loader._permutation import ORDER_FEISTEL, EpochOrder
-from savable_loader.rng import (
-    counter_seed,
-    derive_seed,
-    preserve_global_rng,
-    seed_global,
-)
+from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
 from savable_loader.state.schema import IndexStage
 
 __all__ = ["BatchKey", "IndexPlan", "IndexSampler", "IndexedDataset"]
