@@ -43,7 +43,7 @@ import torch
 
 from bench import measure as M
 from savable_loader import rng
-from savable_loader.sources.index import BatchKey, IndexedDataset, IndexPlan
+from savable_loader.sources.index import IndexedDataset, IndexPlan
 
 BATCH = 64
 

@@ -108,7 +108,8 @@ def run_workload(w: Workload, contenders: list[Contender], args: argparse.Namesp
         log(f"{w.name}: {c.name}: restore-to-first-batch vs cold first batch ({args.repeats} interleaved repeats)")
         data = check["state"]
 
-        def first(r: int, c: Contender = c, data: bytes | None = None) -> float:
+        def first(r: int, c: Contender = c, data: bytes | None = None, d: dict[str, Any] = d,
+                  check: dict[str, Any] = check) -> float:
             restore = None if data is None else (lambda ld: c.restore(ld, data))
             seconds, batch = M.first_batch(lambda: c.make(w, nw), restore)
             if data is not None and check["identical"] and not M.batches_equal(batch, check["first"]):
@@ -247,8 +248,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for section in ("scale", "epochize", "shuffle_restore"):
         got = results.get(section)
         if got:
-            for t in got["targets"] if section == "scale" else [got["target"]]:
-                rows.append(t)
+            rows.extend(got["targets"] if section == "scale" else [got["target"]])
     return rows
 
 
