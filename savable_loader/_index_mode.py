@@ -7,6 +7,7 @@ iteration's sampler starts at that sample.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -18,7 +19,7 @@ from savable_loader.errors import ConfigMismatchError, RestoreKeyError
 from savable_loader.sources.index import IndexedDataset, IndexPlan, IndexSampler
 from savable_loader.state.schema import IndexPosition, IndexStage, LoaderConfig, RestoreKey
 
-__all__ = ["IndexMode", "map_dataset_config"]
+__all__ = ["IndexMode", "check_key_int", "check_key_setting", "map_dataset_config"]
 
 
 def map_dataset_config(dataset: Any) -> dict[str, Any]:
@@ -188,30 +189,50 @@ class IndexMode:
             return None
         epoch, stages, first, last = self.last_item
         share = self.plan.share(stages)[first:last]
+        p = self.plan
         key = RestoreKey(
-            kind="index", seed=seed, fingerprint=self.fingerprint, epoch=epoch, rank=self.plan.rank,
-            positions=_ranges([int(p) for p in share]),
+            kind="index", seed=seed, fingerprint=self.fingerprint, epoch=epoch, rank=p.rank,
+            positions=_ranges([int(x) for x in share]), shuffle=p.shuffle, batched=p.batch_size is not None,
+            world_size=p.world_size,
         )  # the default order is left out of str(key), as earlier versions wrote it
-        order = self.plan.order_algorithm
+        order = p.order_algorithm
         return key if order == ORDER_LEGACY else msgspec.structs.replace(key, order_algorithm=order)
 
     def restore_sample(self, key: RestoreKey) -> Any:
-        """The batch ``key`` names, rebuilt in this process."""
+        """The batch ``key`` names, rebuilt in this process.
+
+        The key is checked whole before anything is built or expanded: its settings
+        against the loader's, its ranges against the dataset (constant memory for any key).
+        """
+        p = self.plan
         if key.kind != "index":
             raise RestoreKeyError(f"key.kind is {key.kind!r}, this drop-in loader expects 'index'")
-        positions = key.sample_positions()
-        if not positions:
-            raise RestoreKeyError("key.positions is empty, expected the positions of at least one sample")
-        limit = self.plan.dataset_len + self.plan.world_size
-        bad = [p for p in positions if p >= limit]
-        if bad:
-            raise RestoreKeyError(f"key.positions has {bad[0]}, expected positions below {limit}")
+        if key.shuffle is None:
+            raise RestoreKeyError(
+                f"key.shuffle is missing (the key was made by an earlier savable-loader), this loader has "
+                f"shuffle={p.shuffle}: a key cannot be rebuilt without knowing which order it names; add "
+                '"shuffle": true or false (the setting of the loader that made it) to the key'
+            )
+        check_key_setting("shuffle", key.shuffle, p.shuffle)
+        check_key_setting(
+            "batched", key.batched, p.batch_size is not None, f"batch_size is {p.batch_size}; None means unbatched"
+        )
+        check_key_int("epoch", key.epoch)
         if key.order_algorithm not in ORDER_ALGORITHMS:
             raise RestoreKeyError(
                 f"key.order_algorithm is {key.order_algorithm!r}, this version knows {list(ORDER_ALGORITHMS)}"
             )
+        if key.world_size is None:  # an earlier version's key: the bound it was checked against
+            limit = p.dataset_len + p.world_size
+        else:
+            check_key_int("world_size", key.world_size, 1)
+            limit = math.ceil(p.dataset_len / key.world_size) * key.world_size  # the padded order
+        # a batch holds at most one rank's share of an epoch: at most len(dataset) samples
+        positions = _key_positions(key.positions, limit, p.dataset_len)
+        if not p.batch_size and len(positions) != 1:
+            raise RestoreKeyError(f"key.positions names {len(positions)} samples, this loader is unbatched (one)")
         # the key's own order: a key made before a restore from an older state still names its batch
-        return self.torch_dataset[self.plan.key(key.epoch, positions, key.order_algorithm)]
+        return self.torch_dataset[p.key(key.epoch, positions, key.order_algorithm)]
 
     def restore(self, position: IndexPosition) -> None:
         if position.consumed and position.consumed >= self.plan.epoch_len(tuple(position.stages)):
@@ -231,6 +252,53 @@ def check_batch_size(saved: int | None, current: int | None) -> None:
         raise ConfigMismatchError(
             "batch_size", saved, current, "a restore may keep the batch size or use one that divides it"
         )
+
+
+def check_key_setting(name: str, in_key: Any, current: Any, hint: str = "") -> None:
+    """RestoreKeyError naming the setting and both values if a key (made after the setting
+    was recorded: ``in_key`` is not None) was made under another one."""
+    if in_key is not None and in_key != current:
+        raise RestoreKeyError(
+            f"key.{name} is {in_key!r}, this loader's {name} is {current!r}: the key names data of a loader "
+            f"built with another {name}{f' ({hint})' if hint else ''}"
+        )
+
+
+def check_key_int(name: str, value: Any, low: int = 0) -> None:
+    """RestoreKeyError unless a key field is an int >= ``low`` (a key built in Python is
+    not validated as a parsed one is)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise RestoreKeyError(f"key.{name} is {value!r}, expected an int >= {low}")
+
+
+def _key_positions(runs: Any, limit: int, most: int) -> list[int]:
+    """The positions of a key's ``(start, stop, step)`` runs, each checked to lie below
+    ``limit`` and counted (at most ``most``) before any is expanded: constant memory for
+    any key."""
+    if not isinstance(runs, (list, tuple)) or not runs:
+        raise RestoreKeyError(f"key.positions is {runs!r}, expected at least one [start, stop, step] range")
+    if len(runs) > most:
+        raise RestoreKeyError(f"key.positions has {len(runs)} ranges, a batch of this dataset has at most {most} samples")
+    total = 0
+    for i, run in enumerate(runs):
+        if not (isinstance(run, (list, tuple)) and len(run) == 3):
+            raise RestoreKeyError(f"key.positions[{i}] is {run!r}, expected [start, stop, step]")
+        start, stop, step = run
+        for name, value, low in (("start", start, 0), ("stop", stop, 0), ("step", step, 1)):
+            check_key_int(f"positions[{i}].{name}", value, low)
+        count = (stop - start + step - 1) // step  # len(range(...)) overflows beyond 2**63
+        if count <= 0:
+            raise RestoreKeyError(f"key.positions[{i}] is {list(run)}: stop {stop} is not after start {start}")
+        last = start + (count - 1) * step
+        if last >= limit:
+            raise RestoreKeyError(f"key.positions[{i}] reaches position {last}, expected positions below {limit}")
+        total += count
+        if total > most:
+            raise RestoreKeyError(f"key.positions name more than {most} samples, a batch of this dataset has at most {most}")
+    positions = [x for start, stop, step in runs for x in range(start, stop, step)]
+    if len(set(positions)) != len(positions):
+        raise RestoreKeyError("key.positions names a position twice; a batch holds each position once")
+    return positions
 
 
 def _ranges(positions: list[int]) -> list[tuple[int, int, int]]:

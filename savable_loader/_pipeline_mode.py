@@ -17,7 +17,7 @@ import msgspec
 
 from savable_loader._channels import WorkerChannels
 from savable_loader._elastic import batch_rescale_factor
-from savable_loader._index_mode import check_dataset_config
+from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting
 from savable_loader._values import plain_dataset_state
 from savable_loader._worker import END, PipelineWorkerDataset
 from savable_loader.config import WorkerConfig, _ActiveWorker
@@ -149,10 +149,14 @@ class PipelineMode:
     def _end_state(self, cur: _Iteration, w: int, produced: int) -> DatasetState | None:
         """Worker ``w``'s state at its end marker (after ``produced`` samples), if a
         snapshot of exactly that point was taken (pipelines that carry state across epochs)."""
+        start = cur.starts[w]
         if cur.attaching[w]:
             held = cur.held[w]
             if held is None or held[0] != produced:
-                return None
+                # no snapshot since the start: the start itself may be the end (restored
+                # right after the worker's last sample)
+                same = start.dataset is not None and start.snapshot_index == produced
+                return start.dataset if same else None
             if held[2] is None:
                 held[2] = decode_part(held[1], DatasetState)
             return held[2]  # type: ignore[no-any-return]
@@ -314,9 +318,10 @@ class PipelineMode:
             sample = msgspec.to_builtins(key)
         except TypeError as e:
             raise RestoreKeyError(f"the pipeline's sample key {key!r} is not plain data: {e}") from None
+        wc = self.worker_config
         return RestoreKey(
-            kind="pipeline", seed=seed, fingerprint=self.fingerprint, epoch=epoch,
-            rank=self.worker_config.rank, worker=worker, index=index, sample=sample,
+            kind="pipeline", seed=seed, fingerprint=self.fingerprint, epoch=epoch, rank=wc.rank, worker=worker,
+            index=index, sample=sample, world_size=wc.world_size, num_workers=wc.num_workers,
         )
 
     def restore_sample(self, key: RestoreKey) -> Any:
@@ -329,6 +334,10 @@ class PipelineMode:
             raise RestoreKeyError(f"this pipeline cannot rebuild samples: {reason}")
         if key.sample is None:
             raise RestoreKeyError("key.sample is None: the pipeline gave this item no key")
+        check_key_setting("world_size", key.world_size, self.worker_config.world_size)
+        check_key_setting("num_workers", key.num_workers, self.worker_config.num_workers)
+        for name in ("epoch", "worker", "index"):
+            check_key_int(name, getattr(key, name))
         if key.rank != self.worker_config.rank:
             raise RestoreKeyError(
                 f"key.rank is {key.rank}, this loader is rank {self.worker_config.rank}: a pipeline's keys are "

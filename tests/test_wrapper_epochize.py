@@ -158,12 +158,15 @@ def test_inner_samples_produced_in_worker_processes(persistent, tmp_path):
         assert produced == epochs * per_epoch
 
 
-def test_fresh_workers_resume_at_every_step_without_replay(tmp_path):
+@pytest.mark.parametrize(("num_workers", "policy"), [(2, "default"), (2, "every"), (0, "default"), (0, "every")])
+def test_fresh_workers_resume_at_every_step_without_replay(num_workers, policy, monkeypatch):
     # every save point (mid-epoch and between epochs) of 4 epochs with fresh workers;
-    # no restore replays an earlier epoch
+    # no restore replays an earlier epoch ("every": a snapshot after each sample, so
+    # that states saved right after a worker's last sample hold its end state)
+    set_snapshot_policy(monkeypatch, policy)
     with warnings.catch_warnings():
         warnings.simplefilter("error", EpochizeReplayWarning)
-        assert check_resume_everywhere(lambda: epochized(2), 4, steps=range(4 * LENGTH + 1)) >= 4 * LENGTH
+        assert check_resume_everywhere(lambda: epochized(num_workers), 4) >= 4 * LENGTH
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ resumed on another world size continues with the samples no rank had consumed
 
 A sample is identified by its **position** in the epoch's global order. Before loading
 it, the worker re-seeds Python ``random``, NumPy's and torch's global RNGs from
-``counter_seed(derive_seed(seed, "sample", epoch), position)``; so the data of a sample does not depend on ``num_workers``,
+``counter_seed(derive_seed(seed, "sample", epoch), position)``, and the generators the
+dataset owns the same way (``savable_loader/_owned_rng.py``); so the data of a sample does not depend on ``num_workers``,
 the batch size or the world size, and a resume needs no RNG snapshot.
 """
 
@@ -30,6 +31,7 @@ import numpy as np
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from savable_loader._elastic import Share, epoch_length, rank_share, share_length
+from savable_loader._owned_rng import OwnedRngs
 from savable_loader._permutation import ORDER_FEISTEL, EpochOrder
 from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
 from savable_loader.state.schema import IndexStage
@@ -223,10 +225,13 @@ class IndexedDataset(Dataset):
         samples = []
         base = self._sample_base(key.epoch)
         dataset = self.dataset
+        owned = OwnedRngs.cached(self.__dict__, dataset, self.collate_fn, self.seed, key.epoch)
         for position, index in zip(key.positions, key.indices):
             seed_global(counter_seed(base, position))
+            owned.seed_sample(position)
             samples.append(dataset[index])
         seed_global(derive_seed(self.seed, "collate", key.epoch, key.positions[0]))
+        owned.seed_collate(key.positions[0])
         return self.collate_fn(samples if self.batched else samples[0])
 
     def _sample_base(self, epoch: int) -> int:

@@ -238,12 +238,19 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     ``positions`` in the epoch's order, as ``(start, stop, step)`` ranges) or
     ``"pipeline"`` (the logical ``worker``, its item ``index`` in the epoch and the
     pipeline's own ``sample`` key). ``seed`` and ``fingerprint`` (of the dataset
-    configuration) let a loader refuse a key made by another one.
+    configuration) let a loader refuse a key made by another one, as do the settings
+    that decide which data a key names: ``shuffle`` and ``batched`` (``batch_size`` not
+    None) for ``"index"`` keys, whose ``world_size`` bounds their positions;
+    ``world_size`` and ``num_workers`` for ``"pipeline"`` keys (the sources split the data
+    by them). Keys made before these fields existed have them None: an ``"index"`` key
+    without ``shuffle`` is refused (it cannot tell which order it names), the others are
+    checked as before. ``order_algorithm``: which shuffle the positions of an ``"index"``
+    key refer to; a loader rebuilds a key with the key's own order.
 
     Example::
 
-        key = RestoreKey.parse('{"kind":"index","seed":0,"fingerprint":"ab","epoch":1,'
-                               '"rank":0,"positions":[[0,64,2]]}')
+        key = RestoreKey.parse('{"kind":"index","seed":0,"fingerprint":"ab","epoch":1,"rank":0,'
+                               '"positions":[[0,64,2]],"shuffle":true,"batched":true,"world_size":2}')
         key.sample_positions()  # [0, 2, 4, ..., 62]
     """
 
@@ -253,12 +260,17 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     epoch: NonNeg
     rank: NonNeg
     positions: list[tuple[NonNeg, NonNeg, Positive]] = []
-    #: ``"index"`` keys: the epoch order the positions refer to (see
-    #: ``LoaderConfig.order_algorithm``; keys made before the field existed: the default).
-    order_algorithm: str = "numpy-permutation"
     worker: NonNeg = 0
     index: NonNeg = 0
     sample: Any = None
+    shuffle: bool | None = None
+    batched: bool | None = None
+    world_size: Positive | None = None
+    num_workers: NonNeg | None = None
+    #: ``"index"`` keys: the epoch order the positions refer to (see
+    #: ``LoaderConfig.order_algorithm``; keys made before the field existed: the default,
+    #: which is also left out of ``str(key)``).
+    order_algorithm: str = "numpy-permutation"
 
     def __str__(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -271,6 +283,8 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
         try:
             return msgspec.json.decode(text, type=cls)
         except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:
+            if isinstance(text, (bytes, bytearray, memoryview)):
+                text = bytes(text).decode("utf-8", "replace")
             shown = text if len(text) <= 80 else text[:77] + "..."
             raise RestoreKeyError(f"not a restore key: {e} (got {shown!r})") from None
 
