@@ -27,7 +27,6 @@ divided by the batch size, 64):
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 import sys
 import time
@@ -132,10 +131,7 @@ def render(out: dict[str, Any]) -> str:
     rows = [["step", "µs per sample"]]
     for name, fig in out["us_per_sample"].items():
         rows.append([name.replace("  ", "· "), M.fmt_spread(fig)])
-    widths = [max(len(r[i]) for r in rows) for i in range(2)]
-    lines = ["| " + " | ".join(x.ljust(w) for x, w in zip(r, widths)) + " |" for r in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return M.table(rows)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -144,11 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
     out = run(args.repeats)
-    print(render(out))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    return M.finish(out, render(out), args.json)
 
 
 if __name__ == "__main__":

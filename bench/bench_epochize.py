@@ -25,7 +25,6 @@ start by replaying all earlier epochs, so its epoch-start time grows with the ep
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -94,12 +93,8 @@ def epoch_starts(epochs: int, replaying: bool = False) -> list[float]:
     return starts
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def run(repeats: int, epochs: int, replay_repeats: int = 1) -> dict[str, Any]:
-    log(f"epochize: {repeats} fresh loaders x {epochs} epochs, fresh workers every epoch")
+    M.log(f"epochize: {repeats} fresh loaders x {epochs} epochs, fresh workers every epoch")
     runs = [epoch_starts(epochs) for _ in range(repeats)]
     last = epochs - 1
     out: dict[str, Any] = {
@@ -107,7 +102,7 @@ def run(repeats: int, epochs: int, replay_repeats: int = 1) -> dict[str, Any]:
         "start_ms": {str(e): M.spread([r[e] * 1e3 for r in runs]) for e in range(epochs)},
         "ratio": M.paired([r[last] for r in runs], [r[1] for r in runs]),
     }
-    log(f"epochize: the replaying version (earlier releases), {replay_repeats} loader(s)")
+    M.log(f"epochize: the replaying version (earlier releases), {replay_repeats} loader(s)")
     replays = [epoch_starts(epochs, replaying=True) for _ in range(replay_repeats)]
     out["replaying_start_ms"] = {str(e): M.spread([r[e] * 1e3 for r in replays]) for e in range(epochs)}
     out["replaying_ratio"] = M.paired([r[last] for r in replays], [r[1] for r in replays])
@@ -124,10 +119,7 @@ def render(out: dict[str, Any]) -> str:
     for e in shown:
         rows.append([str(e), M.fmt_spread(out["start_ms"][str(e)]), M.fmt_spread(out["replaying_start_ms"][str(e)])])
     rows.append([f"{last} / 1", M.fmt_spread(out["ratio"]), M.fmt_spread(out["replaying_ratio"])])
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["| " + " | ".join(x.ljust(w) for x, w in zip(r, widths)) + " |" for r in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return M.table(rows)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -138,13 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
     out = run(args.repeats or (3 if args.quick else 5), args.epochs or (10 if args.quick else 21))
-    print(render(out))
-    t = out["target"]
-    print(f"{t['figure']}: {M.fmt_spread(t['value'])} (target {t['target']}): {t['result']}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    return M.finish(out, render(out), args.json)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -157,17 +156,13 @@ def run_probe(n: int, order: str) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def run(repeats: int, sizes: tuple[int, ...] = SIZES, legacy_sizes: tuple[int, ...] = LEGACY_SIZES) -> dict[str, Any]:
     """Interleaved timings and RSS probes; figures against the smallest size."""
     base = sizes[0]
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        log(f"scale: operations at N = {', '.join(f'{n:.0e}' for n in sizes)}; {repeats} interleaved repeats")
+        M.log(f"scale: operations at N = {', '.join(f'{n:.0e}' for n in sizes)}; {repeats} interleaved repeats")
         ops = {n: operations(n) for n in sizes}
         for n in sizes:  # warm-up (imports, first numpy calls), not measured
             for fn in ops[n].values():
@@ -178,7 +173,7 @@ def run(repeats: int, sizes: tuple[int, ...] = SIZES, legacy_sizes: tuple[int, .
             times[name] = {n: got[str(n)] for n in sizes}
     finally:
         torch.set_num_threads(torch_threads)
-    log("scale: peak RSS, one fresh process per size and repeat")
+    M.log("scale: peak RSS, one fresh process per size and repeat")
     probes = [(n, ORDER_FEISTEL) for n in sizes] + [(n, ORDER_LEGACY) for n in (base, *legacy_sizes)]
     rss = M.interleaved({f"{n}/{order}": (lambda r, n=n, order=order: run_probe(n, order)["peak_rss_mib"])
                          for n, order in probes}, max(3, repeats))
@@ -203,7 +198,7 @@ def run(repeats: int, sizes: tuple[int, ...] = SIZES, legacy_sizes: tuple[int, .
             "rss_growth_mib": M.spread([a - b for a, b in zip(rss[f"{n}/{ORDER_LEGACY}"],
                                                               rss[f"{base}/{ORDER_LEGACY}"])]),
         }
-    log("scale: legacy order first batch (contrast)")
+    M.log("scale: legacy order first batch (contrast)")
     for n in legacy_sizes:
         legacy = operations(n, ORDER_LEGACY)
         runs = [legacy["first_batch"]() for _ in range(3)]
@@ -253,15 +248,8 @@ def render(out: dict[str, Any]) -> str:
             if kind:
                 row += [M.fmt_spread(r["peak_rss_mib"]), M.fmt_spread(r["rss_growth_mib"])]
             rows.append(row)
-        parts.append(table(rows))
+        parts.append(M.table(rows))
     return "\n\n".join(parts)
-
-
-def table(rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -278,13 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
     repeats = args.repeats or (3 if args.quick else 7)
     out = run(repeats)
-    print(render(out))
-    for t in out["targets"]:
-        print(f"{t['figure']}: {M.fmt_spread(t['value'])} (target {t['target']}): {t['result']}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    return M.finish(out, render(out), args.json)
 
 
 if __name__ == "__main__":

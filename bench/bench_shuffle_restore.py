@@ -27,9 +27,7 @@ in a worker) and the throughput cost, since a snapshot policy trades one for the
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +43,12 @@ from bench.workloads import make_workloads
 TARGET = 1.5
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def run(buffer: int, points: int, repeats: int, workers: int = 2) -> dict[str, Any]:
     w = make_workloads(False, workers, buffer=buffer)["shuffle"]
     c = CONTENDERS["savable-pipe"]
     n_batches = w.num_batches
     steps = sorted({max(1, n_batches * (i + 1) // (points + 1)) for i in range(points)})
-    log(f"shuffle restore: {buffer:,}-sample buffer, {n_batches} batches; saving at {len(steps)} points")
+    M.log(f"shuffle restore: {buffer:,}-sample buffer, {n_batches} batches; saving at {len(steps)} points")
     loader = c.make(w, workers)
     it = iter(loader)
     saved: dict[int, tuple[bytes, Any]] = {}
@@ -94,7 +88,7 @@ def run(buffer: int, points: int, repeats: int, workers: int = 2) -> dict[str, A
             "ratio": M.paired(got["restore"], got["cold"]),
             "skip": _skips(data),
         }
-        log(f"  step {step}: restore/cold {M.fmt_spread(out['points'][str(step)]['ratio'])}")
+        M.log(f"  step {step}: restore/cold {M.fmt_spread(out['points'][str(step)]['ratio'])}")
     worst = max(out["points"].values(), key=lambda p: p["ratio"]["median"])
     out["worst"] = worst
     out["target"] = {"figure": f"shuffle restore/cold at every save point ({buffer:,} buffer, worst point)",
@@ -114,10 +108,7 @@ def render(out: dict[str, Any]) -> str:
     for step, p in out["points"].items():
         rows.append([step, f"{p['fraction'] * 100:.0f}%", ", ".join(map(str, p["skip"])),
                      M.fmt_spread(p["restore_ms"]), M.fmt_spread(p["cold_ms"]), M.fmt_spread(p["ratio"])])
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(str(x).ljust(wd) for x, wd in zip(r, widths)) + " |" for r in rows]
-    lines.insert(1, "|" + "|".join("-" * (wd + 2) for wd in widths) + "|")
-    return "\n".join(lines)
+    return M.table(rows)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -130,13 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     buffer = args.buffer or (10_000 if args.quick else 100_000)
     out = run(buffer, args.points or (6 if args.quick else 12), args.repeats or (3 if args.quick else 5))
-    print(render(out))
-    t = out["target"]
-    print(f"{t['figure']}: {M.fmt_spread(t['value'])} (target {t['target']}): {t['result']}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    return M.finish(out, render(out), args.json)
 
 
 if __name__ == "__main__":

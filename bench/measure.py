@@ -4,31 +4,21 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 __all__ = [
-    "Timer",
-    "batch_len",
-    "batches_equal",
-    "close",
-    "epoch_run",
-    "first_batch",
-    "fmt_spread",
-    "interleaved",
-    "paired",
-    "peak_rss_mib",
-    "percentiles_ms",
-    "resume_check",
-    "save_latencies",
-    "spread",
-    "verdict",
+    "Timer", "batch_len", "batches_equal", "close", "epoch_run", "finish", "first_batch", "fmt_spread", "interleaved",
+    "log", "paired", "peak_rss_mib", "percentiles_ms", "resume_check", "save_latencies", "spread", "table", "verdict",
 ]
 
 
@@ -250,6 +240,30 @@ class Timer:
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self._wall
         self.cpu = time.process_time() - self._cpu
+
+
+def log(message: str) -> None:
+    """A progress line on stderr, with the time."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def table(rows: list[list[str]]) -> str:
+    """A Markdown table; the first row is the header."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def finish(out: dict[str, Any], text: str, json_path: str | None) -> dict[str, Any]:
+    """Print a section's tables and its targets; write its JSON if asked."""
+    print(text)
+    for t in out.get("targets", [out["target"]] if "target" in out else []):
+        print(f"{t['figure']}: {fmt_spread(t['value'])} (target {t['target']}): {t['result']}")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(out, indent=1) + "\n")
+    return out
 
 
 def peak_rss_mib() -> float:

@@ -43,8 +43,7 @@ EXTRAS = ("scale", "epochize", "shuffle-restore", "costs")
 OURS = ("savable", "savable-pipe")
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = M.log
 
 
 def per_call_us(fn: Any, n: int) -> float:
@@ -266,14 +265,7 @@ def fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, r in enumerate(rows):
-        lines.append("| " + " | ".join(c.ljust(wd) for c, wd in zip(r, widths)) + " |")
-        if n == 0:
-            lines.append("|" + "|".join("-" * (wd + 2) for wd in widths) + "|")
-    return "\n".join(lines)
+table = M.table
 
 
 def render(results: dict[str, Any]) -> str:

@@ -47,6 +47,24 @@ def make(rank: int, world: int, num_workers: int = 0, batch: int = BATCH, drop_l
     )
 
 
+def saved_states(world: int, steps: list[int], **kw) -> list:
+    """The states of ``world`` in-process ranks after ``steps[rank]`` batches each."""
+    states = []
+    for rank in range(world):
+        loader = make(rank, world, **kw)
+        it = iter(loader)
+        for _ in range(steps[rank]):
+            next(it)
+        states.append(loader.save_state_rank())
+    return states
+
+
+def consumed_of(states: list, world: int) -> list[int]:
+    """Samples each old rank consumed in epoch 0 (a rank that finished its share saved
+    "next epoch, nothing consumed")."""
+    return [s.position.consumed if s.position.epoch == 0 else math.ceil(N / world) for s in states]
+
+
 def keyed_epoch(loader) -> list[tuple[list[int], torch.Tensor]]:
     """One epoch as (global positions, batch) pairs."""
     return [(loader.restore_key.sample_positions(), batch) for batch in loader]
@@ -231,15 +249,8 @@ def test_states_too_far_apart_or_inconsistent_are_refused():
 
 @pytest.mark.parametrize(("old", "new", "steps"), [(2, 3, [2, 4]), (3, 2, [1, 1, 3]), (2, 1, [5, 0]), (4, 3, [3, 3, 2, 2])])
 def test_world_size_change_in_process(old, new, steps):
-    states = []
-    for rank in range(old):
-        loader = make(rank, old)
-        it = iter(loader)
-        for _ in range(steps[rank]):
-            next(it)
-        states.append(loader.save_state_rank())
-    # a rank that finished its share saved "next epoch, nothing consumed"
-    consumed = [s.position.consumed if s.position.epoch == 0 else math.ceil(N / old) for s in states]
+    states = saved_states(old, steps)
+    consumed = consumed_of(states, old)
     restored = []
     for rank in range(new):
         loader = make(rank, new)
@@ -253,13 +264,7 @@ def test_world_size_change_in_process(old, new, steps):
 
 
 def test_two_world_size_changes_in_one_epoch():
-    states = []
-    for rank in range(2):
-        loader = make(rank, 2)
-        it = iter(loader)
-        for _ in range(rank + 1):
-            next(it)
-        states.append(loader.save_state_rank())
+    states = saved_states(2, [1, 2])
     first = [s.position.consumed for s in states]
     middle, streams = [], []
     for rank in range(3):
@@ -462,13 +467,7 @@ def test_an_empty_share_is_an_empty_epoch_not_the_next_one():
 
 
 def test_drop_last_gives_every_new_rank_the_same_number_of_batches():
-    states = []
-    for rank in range(2):
-        loader = make(rank, 2, drop_last=True)
-        it = iter(loader)
-        for _ in range(rank + 1):  # uneven counts at the save point
-            next(it)
-        states.append(loader.save_state_rank())
+    states = saved_states(2, [1, 2], drop_last=True)  # uneven counts at the save point
     counts = []
     for rank in range(3):
         loader = make(rank, 3, drop_last=True)
@@ -509,13 +508,7 @@ def test_resume_at_every_step_on_every_rank(world, batch, drop_last, num_workers
     [(2, 3, [3, 5], False, 0), (3, 2, [1, 3, 2], True, 0), (4, 3, [2, 2, 1, 3], False, 2)],
 )
 def test_resume_at_every_step_of_a_resized_remainder(old, new, steps, drop_last, num_workers):
-    states = []
-    for rank in range(old):
-        loader = make(rank, old, drop_last=drop_last)
-        it = iter(loader)
-        for _ in range(steps[rank]):
-            next(it)
-        states.append(loader.save_state_rank())
+    states = saved_states(old, steps, drop_last=drop_last)
 
     for rank in range(new):
         def resized(rank=rank):
@@ -535,14 +528,8 @@ def test_every_old_save_step_leaves_each_sample_once(old, new):
     per_rank = [list(make(rank, old)) for rank in range(old)]
     for step in range(len(per_rank[0]) + 1):
         counts = [min(step + (rank % 2), len(per_rank[rank])) for rank in range(old)]  # uneven ranks
-        states = []
-        for rank in range(old):
-            loader = make(rank, old)
-            it = iter(loader)
-            for _ in range(counts[rank]):
-                next(it)
-            states.append(loader.save_state_rank())
-        consumed = [s.position.consumed if s.position.epoch == 0 else math.ceil(N / old) for s in states]
+        states = saved_states(old, counts)
+        consumed = consumed_of(states, old)
         streams = []
         for rank in range(new):
             loader = make(rank, new)

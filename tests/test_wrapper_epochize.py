@@ -4,6 +4,7 @@ restores, fresh and persistent worker processes."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import msgspec
 import pytest
@@ -83,7 +84,9 @@ def test_epochs_continue_the_stream(num_workers, persistent):
         assert per_worker[w] == worker_stream(N, w, workers, len(per_worker[w]))
 
 
-def test_no_replay_in_process_nor_after_a_boundary_restore():
+def recording() -> tuple[list[int], list[EpochizeDataset], Any]:
+    """In-process loaders over one stream that record every inner sample pulled: the
+    pulled values, the wrappers built and the factory."""
     pulled: list[int] = []
     built: list[EpochizeDataset] = []
 
@@ -93,6 +96,11 @@ def test_no_replay_in_process_nor_after_a_boundary_restore():
         built.append(EpochizeDataset(inner, LENGTH))
         return make_loader(built[-1])
 
+    return pulled, built, factory
+
+
+def test_no_replay_in_process_nor_after_a_boundary_restore():
+    pulled, built, factory = recording()
     loader = factory()
     reference = epochs_of(loader, 3)
     # the same inner iterator went on across epochs: every inner sample produced once
@@ -113,15 +121,7 @@ def test_no_replay_in_process_nor_after_a_boundary_restore():
 
 def test_a_boundary_state_without_its_carried_end_replays_exactly():
     # states saved between epochs by earlier versions had no carried end state
-    pulled: list[int] = []
-    built: list[EpochizeDataset] = []
-
-    def factory():
-        wc = make_wc(0)
-        inner = MapDataset(RepeatDataset(RangeSource(N, wc)), lambda x: pulled.append(int(x[0])) or x)
-        built.append(EpochizeDataset(inner, LENGTH))
-        return make_loader(built[-1])
-
+    pulled, built, factory = recording()
     loader = factory()
     reference = epochs_of(loader, 4)
     state = loader.save_state_rank()
