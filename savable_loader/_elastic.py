@@ -155,7 +155,8 @@ class Remaining:
     progressions (memory O(total world size of the stages), never O(dataset_len)).
 
     Stage 0 is the padded ``W``-rank epoch (``ceil(N / W) * W`` positions); a position
-    ``p < N`` is left if neither ``p`` nor its padding copy ``p + N`` was consumed. Each
+    ``p < N`` is left if neither ``p`` nor a padding copy of it (``p + N``, ``p + 2N``,
+    ...) was consumed. Each
     later stage keeps the positions of the previous stage's list that its ranks did not
     take (rank ``r`` took the list's entries ``r, r + W', ...``).
 
@@ -309,12 +310,19 @@ def epoch_length(
     """Samples ``rank`` yields in an epoch: its share, with ``drop_last`` cut to full
     batches — after a world-size change to the full batches of the *smallest* share, so
     that every rank takes the same number of steps."""
-    length = share_length(dataset_len, world_size, rank, stages)
+    if not stages:
+        return _cut(share_length(dataset_len, world_size, rank, ()), batch_size, drop_last)
+    left = len(remaining_positions(dataset_len, stages))
+    return _cut(len(range(rank, left, world_size)), batch_size, drop_last, len(range(world_size - 1, left, world_size)))
+
+
+def _cut(length: int, batch_size: int | None, drop_last: bool, smallest: int | None = None) -> int:
+    """A share's length, with ``drop_last`` cut to full batches (of the smallest share)."""
     if not drop_last:
         return length
     step = batch_size or 1
-    if stages:
-        length = min(length, share_length(dataset_len, world_size, world_size - 1, stages))
+    if smallest is not None:
+        length = min(length, smallest)
     return length // step * step
 
 
@@ -347,19 +355,26 @@ def elastic_position(states: Sequence[RankState], new_world_size: int) -> IndexP
     n = positions[0].dataset_len  # type: ignore[union-attr]
     if any(p.stages != stages for p in current):  # type: ignore[union-attr]
         raise StateError(f"the ranks' states disagree on the earlier stages of epoch {epoch}")
+    # every old rank's share (one arithmetic pass over the stages, whatever the world size)
+    if stages:
+        left = len(remaining_positions(n, stages))
+        shares = [len(range(rank, left, old_world)) for rank in range(old_world)]
+    else:
+        shares = [share_length(n, old_world, rank, ()) for rank in range(old_world)]
     consumed = []
     for rank, p in enumerate(positions):
         if p.epoch == epoch:  # type: ignore[union-attr]
             consumed.append(p.consumed)  # type: ignore[union-attr]
         elif p.epoch == epoch + 1 and p.consumed == 0 and not p.stages:  # type: ignore[union-attr]
-            consumed.append(epoch_length(n, old_world, rank, stages, first.batch_size, first.drop_last))
+            smallest = shares[-1] if stages else None
+            consumed.append(_cut(shares[rank], first.batch_size, first.drop_last, smallest))
         else:
             raise StateError(
                 f"rank {rank} was saved in epoch {p.epoch}, rank {positions.index(current[0])} in epoch {epoch}: "  # type: ignore[union-attr]
                 "the ranks were more than one epoch apart"
             )
     for rank, count in enumerate(consumed):
-        share = share_length(n, old_world, rank, stages)
+        share = shares[rank]
         if count > share:
             raise StateError(f"rank {rank} consumed {count} samples of a share of {share}")
     if not any(consumed):  # nothing consumed in this stage: it leaves what it was given
