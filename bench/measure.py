@@ -18,7 +18,7 @@ import torch
 
 __all__ = [
     "Timer", "batch_len", "batches_equal", "close", "epoch_run", "finish", "first_batch", "fmt_spread", "interleaved",
-    "log", "paired", "peak_rss_mib", "percentiles_ms", "resume_check", "save_latencies", "spread", "table", "verdict",
+    "log", "paired", "peak_rss_mib", "percentiles_ms", "reset_peak_rss", "rss_mib", "resume_check", "save_latencies", "spread", "table", "verdict",
 ]
 
 
@@ -267,5 +267,38 @@ def finish(out: dict[str, Any], text: str, json_path: str | None) -> dict[str, A
 
 
 def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far, in MiB (Linux: ru_maxrss is KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set size of this process (since :func:`reset_peak_rss`), in MiB."""
+    status = _proc_status()
+    if "VmHWM" in status:
+        return status["VmHWM"] / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def rss_mib() -> float:
+    """Resident set size of this process now, in MiB (0 where /proc is missing)."""
+    return _proc_status().get("VmRSS", 0) / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak (Linux >= 4.0: ``/proc/self/clear_refs``); False if not possible,
+    then the peak stays the lifetime's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _proc_status() -> dict[str, int]:
+    """KiB fields of /proc/self/status (VmRSS, VmHWM)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in ("VmRSS", "VmHWM"):
+                    out[name] = int(value.split()[0])
+    except OSError:
+        pass
+    return out
