@@ -86,7 +86,7 @@ class Synthetic:
 def make(n: int, rank: int = RANK, world: int = WORLD, order: str = ORDER_FEISTEL) -> sl.SavableDataLoader:
     wc = sl.WorkerConfig(rank=rank, world_size=world, num_workers=0, seed=SEED)
     loader = sl.SavableDataLoader(Synthetic(n), batch_size=BATCH, shuffle=True, worker_config=wc)
-    loader._mode.plan.order_algorithm = order  # the legacy order only for the contrast rows
+    loader._mode.set_order(order)  # the legacy order only for the contrast rows
     return loader
 
 

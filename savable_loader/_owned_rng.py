@@ -296,7 +296,7 @@ class OwnedRngs:
         """The generators for ``epoch``, found again only when the epoch or the process
         changes (``cache`` is the holder's ``__dict__``: a forked worker finds its own
         copies, after ``worker_init_fn``)."""
-        key = (epoch, os.getpid())
+        key = (epoch, os.getpid(), seed)  # a restore may adopt another seed
         entry = cache.get("_owned_rngs")
         if entry is None or entry[0] != key:
             entry = (key, cls(dataset, collate_fn, seed, epoch))

@@ -59,7 +59,7 @@ def ordered_as(loader: Any, state: RankState) -> Any:
     that version, to compare the continuation with (drop-in states of schema 1 predate
     ``order_algorithm`` and use the materialised numpy permutation)."""
     if isinstance(state.position, IndexPosition):
-        loader._mode.plan.order_algorithm = state.config.order_algorithm
+        loader._mode.set_order(state.config.order_algorithm)
     return loader
 
 
