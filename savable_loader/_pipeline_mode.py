@@ -22,7 +22,7 @@ from savable_loader._elastic import batch_rescale_factor
 from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting
 from savable_loader._mode import SKIP, Iteration, Mode
 from savable_loader._values import plain_dataset_state
-from savable_loader._worker import END, PipelineWorkerDataset
+from savable_loader._worker import END, PipelineWorkerDataset, walk
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
@@ -240,6 +240,9 @@ class PipelineMode(Mode):
         # (epoch, each logical worker's state at the end of the epoch before it): what that
         # epoch goes on from (pipelines that carry state across epochs)
         self.carry: tuple[int, list[DatasetState | None]] | None = None
+        self.carries = any(type(ds).carries_across_epochs for ds in walk(dataset))
+        # the rotation of the worker pool started last (persistent workers keep theirs)
+        self.pool_rotation = 0
 
     def carry_on(self, epoch: int, ended: list[DatasetState | None] | None) -> None:
         """``epoch`` goes on from the workers' states ``ended`` (None: from scratch)."""
@@ -263,6 +266,12 @@ class PipelineMode(Mode):
     def reuses_epochs(self, persistent: bool) -> bool:
         """Persistent pipeline workers count their epochs themselves."""
         return not persistent
+
+    def workers_reusable(self) -> bool:
+        """Persistent workers started rotated (by a restore) play other logical workers
+        than the next epoch's: a pipeline that carries state across epochs then needs new
+        workers, which restore each logical worker's end state (else they would replay)."""
+        return not (self.carries and self.pool_rotation)
 
     def loader_config(self, num_workers: int) -> LoaderConfig:
         wc = self.worker_config
@@ -304,6 +313,7 @@ class PipelineMode(Mode):
                 self.channels = WorkerChannels(context, self.worker_config.num_workers)
                 pipes = self.channels.worker_ends()
             self.torch_dataset.set_plan(epoch, rotation, starts, pipes)
+            self.pool_rotation = rotation
         return PipelineIteration(self, epoch, rotation, starts, self.channels, resumed=resume is not None)
 
     def check(

@@ -53,7 +53,7 @@ from savable_loader.rng import (
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
-__all__ = ["END", "SNAPSHOT_BUDGET", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime", "snapshot_due"]
+__all__ = ["END", "SNAPSHOT_BUDGET", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime", "snapshot_due", "walk"]
 
 #: Fraction of sample-production time that snapshots may cost.
 SNAPSHOT_BUDGET = 0.02
@@ -173,7 +173,7 @@ class WorkerRuntime:
         self._release = threading.Condition()
         self._released_epoch = -1
         #: The pipeline has a dataset whose position crosses epochs: snapshot each epoch's end.
-        self.carries = any(type(ds).carries_across_epochs for ds in _walk(dataset))
+        self.carries = any(type(ds).carries_across_epochs for ds in walk(dataset))
         #: The previous epoch's end state this epoch started from (``WorkerState.carried``).
         self.carried: DatasetState | None = None
 
@@ -341,10 +341,11 @@ class WorkerRuntime:
                 return
 
 
-def _walk(dataset: SavableDataset) -> Iterator[SavableDataset]:
+def walk(dataset: SavableDataset) -> Iterator[SavableDataset]:
+    """``dataset`` and every dataset it wraps, depth first."""
     yield dataset
     for child in dataset.children():
-        yield from _walk(child)
+        yield from walk(child)
 
 
 class _NoScope:

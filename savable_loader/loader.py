@@ -295,6 +295,9 @@ class SavableDataLoader(DataLoader[T_co]):
             resume = self._pending
             epoch = resume.epoch if resume is not None else self._next_epoch
             reuse = self._persistent and self._engine._iterator is not None
+            if reuse and not mode.workers_reusable():  # (see PipelineMode.workers_reusable)
+                self._shutdown(self._engine._iterator)
+                reuse = False
             iteration = mode.begin(epoch, resume, self._mp_context(), reuse)
             self._pending = None
             self._next_epoch = epoch + 1

@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+import savable_loader as sl
 from savable_loader.errors import StateVersionError
 from savable_loader.rng import derive_seed
-from savable_loader.state import SCHEMA_VERSION, IndexPosition, RankState, decode, encode, load_file
-from tests.common import assert_streams, epochs_of
+from savable_loader.state import SCHEMA_VERSION, RankState, decode, encode, load_file
+from tests.common import RandomMapDataset, assert_streams, epochs_of
 from tests.data.make_fixtures import FACTORIES
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,7 +46,7 @@ def test_kept_state_decodes_and_restores_exactly(name: str) -> None:
     factory = FACTORIES[entry["loader"]]
     for rank, state in enumerate(states):
         make = (lambda r=rank: factory(r, len(states))) if len(states) > 1 else factory
-        reference = epochs_of(ordered_as(make(), state), 2)
+        reference = epochs_of(make(), 2)
         flat = [x for e in reference for x in e]
         k = entry["steps"]
         fresh = make()
@@ -54,20 +55,11 @@ def test_kept_state_decodes_and_restores_exactly(name: str) -> None:
         assert_streams(rest, flat[k:], f"{name} rank {rank}: continuation")
 
 
-def ordered_as(loader: Any, state: RankState) -> Any:
-    """``loader`` ordering its epochs as the state's writer did: the uninterrupted run of
-    that version, to compare the continuation with (drop-in states of schema 1 predate
-    ``order_algorithm`` and use the materialised numpy permutation)."""
-    if isinstance(state.position, IndexPosition):
-        loader._mode.set_order(state.config.order_algorithm)
-    return loader
-
-
 def test_schema1_dropin_state_keeps_its_numpy_permutation() -> None:
     # Independent of the loader's own order code: the documented legacy derivation.
     state = load_file(DATA / "schema1_dropin.state")
     assert state.config.order_algorithm == "numpy-permutation"  # the default: the field is not in the file
-    fresh = FACTORIES["dropin"]()
+    fresh = new_dropin()  # a loader of this version adopts the state's order
     fresh.restore_state_rank(state)
     got = [int(x) for epoch in range(2) for batch in fresh for x in batch[:, 0]]
     perms = [np.random.Generator(np.random.PCG64(derive_seed(7, "permutation", e))).permutation(40) for e in (0, 1)]
@@ -76,7 +68,13 @@ def test_schema1_dropin_state_keeps_its_numpy_permutation() -> None:
 
 
 def test_new_drop_in_states_write_the_feistel_order() -> None:
-    assert FACTORIES["dropin"]().save_state_rank().config.order_algorithm == "feistel-1"
+    assert new_dropin().save_state_rank().config.order_algorithm == "feistel-1"
+
+
+def new_dropin() -> sl.SavableDataLoader:
+    """The fixture's drop-in loader as this version builds it (no older state restored)."""
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=7)
+    return sl.SavableDataLoader(RandomMapDataset(40), batch_size=4, shuffle=True, worker_config=wc)
 
 
 def test_newer_schema_asks_to_upgrade() -> None:

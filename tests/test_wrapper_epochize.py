@@ -158,15 +158,20 @@ def test_inner_samples_produced_in_worker_processes(persistent, tmp_path):
         assert produced == epochs * per_epoch
 
 
-@pytest.mark.parametrize(("num_workers", "policy"), [(2, "default"), (2, "every"), (0, "default"), (0, "every")])
-def test_fresh_workers_resume_at_every_step_without_replay(num_workers, policy, monkeypatch):
-    # every save point (mid-epoch and between epochs) of 4 epochs with fresh workers;
-    # no restore replays an earlier epoch ("every": a snapshot after each sample, so
-    # that states saved right after a worker's last sample hold its end state)
+@pytest.mark.parametrize(
+    ("num_workers", "policy", "persistent"),
+    [(2, "default", False), (2, "every", False), (0, "default", False), (0, "every", False), (2, "every", True)],
+)
+def test_resume_at_every_step_without_replay(num_workers, policy, persistent, monkeypatch):
+    # every save point (mid-epoch and between epochs) of 4 epochs; no restore replays an
+    # earlier epoch ("every": a snapshot after each sample, so that states saved right
+    # after a worker's last sample hold its end state; persistent workers restored with a
+    # rotation are replaced by new ones for the next epoch, which restore the end states)
     set_snapshot_policy(monkeypatch, policy)
     with warnings.catch_warnings():
         warnings.simplefilter("error", EpochizeReplayWarning)
-        assert check_resume_everywhere(lambda: epochized(num_workers), 4) >= 4 * LENGTH
+        factory = lambda: epochized(num_workers, persistent_workers=persistent)  # noqa: E731
+        assert check_resume_everywhere(factory, 4) >= 4 * LENGTH
 
 
 @pytest.mark.parametrize(

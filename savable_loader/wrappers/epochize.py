@@ -44,12 +44,13 @@ class EpochizeDataset(BaseWrapperDataset):
     at the previous epoch's end: each worker sends that state with its end of epoch
     (``carries_across_epochs``), the main process keeps it (also in the states it saves
     between epochs and early in the next one, as ``WorkerState.carried``) and hands it to
-    the next epoch's worker, which restores it before the epoch starts. Nothing is
-    replayed, whatever the number of epochs.
+    the next epoch's worker, which restores it before the epoch starts. (Persistent
+    workers that a restore started rotated, so that they play other logical workers than
+    the next epoch's, are replaced by new ones for that epoch.) Nothing is replayed,
+    whatever the number of epochs.
 
-    Only when no such state exists — an abandoned (``break``) epoch, the epoch after a
-    restore that rotated persistent workers, a state saved between epochs by an earlier
-    version — it rebuilds the inner position deterministically: it resets the inner
+    Only when no such state exists — an abandoned (``break``) epoch, a state saved
+    between epochs by an earlier version — it rebuilds the inner position deterministically: it resets the inner
     dataset as in epoch 0 and replays ``e`` epochs' worth of inner samples before
     yielding (``replayed`` counts them; an ``EpochizeReplayWarning`` says so). The replay
     is exact when the inner pipeline's state does not depend on global random draws other
@@ -138,7 +139,7 @@ class EpochizeDataset(BaseWrapperDataset):
             warnings.warn(
                 f"EpochizeDataset replayed {replayed} inner samples to rebuild the start of epoch {epoch} "
                 f"for worker {worker}: no end state of epoch {epoch - 1} was at hand (an abandoned epoch, "
-                "persistent workers after a restore, or a state saved by an earlier version)",
+                "or a state saved between epochs by an earlier version)",
                 EpochizeReplayWarning,
                 stacklevel=2,
             )
