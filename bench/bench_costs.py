@@ -17,7 +17,8 @@ divided by the batch size, 64):
   ``BatchKey`` tuples); **key round trip**: pickling a key to a worker and back, as
   torch's index queue does;
 * **build overhead**: ``IndexedDataset.build`` on a dataset that does nothing, minus the
-  same loop without the library (re-seeds, seed derivation and bookkeeping together);
+  same loop without the library (re-seeds, seed derivation and bookkeeping together),
+  per sample (the default) and with ``reseed="batch"``;
 * **in-process RNG preservation**: ``preserve_global_rng`` around a batch, which only
   ``num_workers=0`` pays.
 
@@ -66,6 +67,7 @@ def steps() -> dict[str, tuple[Callable[[int], Any], int, int]]:
     plan = IndexPlan(10**6, seed=0, shuffle=True, rank=1, world_size=2, batch_size=BATCH, drop_last=False)
     keys = list(plan.batches(0, 0))[:200]
     ds = IndexedDataset(Nothing(), seed=0, collate_fn=_identity, batched=True)
+    per_batch = IndexedDataset(Nothing(), seed=0, collate_fn=_identity, batched=True, reseed="batch")
     nothing = Nothing()
     base = rng.derive_seed(0, "sample", 0)
 
@@ -94,6 +96,8 @@ def steps() -> dict[str, tuple[Callable[[int], Any], int, int]]:
             lambda i: pickle.loads(pickle.dumps(keys[i % len(keys)], pickle.HIGHEST_PROTOCOL)), 5_000, BATCH),
         "build overhead (IndexedDataset.build - plain loop)": (lambda i: ds.build(keys[i % len(keys)]), 1_000, BATCH),
         "  the plain loop it is measured against": (plain_loop, 1_000, BATCH),
+        'build overhead with reseed="batch" (- plain loop)': (lambda i: per_batch.build(keys[i % len(keys)]), 5_000,
+                                                              BATCH),
         "in-process RNG preservation (per batch)": (preserve, 2_000, BATCH),
     }
 
@@ -120,10 +124,11 @@ def run(repeats: int) -> dict[str, Any]:
     for name, (_, calls, per_call) in table.items():
         out["us_per_sample"][name] = M.spread([s / (calls * per_call) * 1e6 for s in got[name]])
     plain = got["  the plain loop it is measured against"]
-    build = got["build overhead (IndexedDataset.build - plain loop)"]
-    calls = table["build overhead (IndexedDataset.build - plain loop)"][1]
-    out["us_per_sample"]["build overhead (IndexedDataset.build - plain loop)"] = M.spread(
-        [(b - p) / (calls * BATCH) * 1e6 for b, p in zip(build, plain)])
+    plain_calls = table["  the plain loop it is measured against"][1]
+    for name in ("build overhead (IndexedDataset.build - plain loop)", 'build overhead with reseed="batch" (- plain loop)'):
+        calls = table[name][1]
+        out["us_per_sample"][name] = M.spread(
+            [(b / calls - p / plain_calls) / BATCH * 1e6 for b, p in zip(got[name], plain)])
     return out
 
 

@@ -40,7 +40,7 @@ from bench.workloads import WORKLOADS, Workload, make_workloads
 
 EXTRAS = ("scale", "epochize", "shuffle-restore", "costs")
 
-OURS = ("savable", "savable-pipe")
+OURS = ("savable", "savable-batch", "savable-pipe")
 
 
 log = M.log
@@ -232,7 +232,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             tag = f"{wname} / {cname}"
             if "throughput_ratio" in d:
                 add(f"{tag}: throughput ratio (wall)", d["throughput_ratio"], 0.97)
-            if cname == "savable" and wname in CPU_TARGETS and "cpu_ratio" in d:
+            if cname in ("savable", "savable-batch") and wname in CPU_TARGETS and "cpu_ratio" in d:
                 add(f"{tag}: CPU ratio (all processes)", d["cpu_ratio"], CPU_TARGETS[wname])
             if "save_ms" in d:
                 add(f"{tag}: save p50 (ms)", round(d["save_ms"]["p50"], 3), 1.0, higher=False)

@@ -133,8 +133,10 @@ class IndexMode(Mode):
         collate_fn: Callable[[Any], Any],
         salt: tuple[int | str, ...],
         batched: bool | None = None,
+        reseed: str = "sample",
     ) -> None:
         self.dataset = dataset
+        self.reseed = reseed
         self.seed = seed
         self.seed_explicit = seed_explicit
         self.seed_formula = SEED_FORMULA
@@ -146,7 +148,7 @@ class IndexMode(Mode):
         self.feed_sampler = IndexSampler()
         self.torch_dataset = IndexedDataset(
             dataset, seed, collate_fn, batched=batch_size is not None if batched is None else batched, salt=salt,
-            seed_formula=self.seed_formula,
+            seed_formula=self.seed_formula, reseed=reseed,
         )
         #: (iteration, key) of the batch yielded last
         self.last: tuple[IndexIteration, BatchKey] | None = None
@@ -183,6 +185,7 @@ class IndexMode(Mode):
             batch_size=self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last,
             dataset_fingerprint=self.fingerprint, dataset_config=self.dataset_config,
             seed_formula=self.seed_formula, sampler=self.sampler_name(), order_algorithm=self.order_algorithm,
+            reseed=self.reseed,
         )
 
     def check_common(self, saved: LoaderConfig, position: IndexPosition, num_workers: int) -> LoaderConfig:
@@ -201,6 +204,15 @@ class IndexMode(Mode):
         for name in names:
             if getattr(saved, name) != getattr(current, name):
                 raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name))
+        if saved.reseed != current.reseed:
+            raise ConfigMismatchError(
+                "reseed", saved.reseed, current.reseed, "re-seeding per sample or per batch draws other values"
+            )
+        if current.reseed == "batch" and saved.batch_size != current.batch_size:
+            raise ConfigMismatchError(
+                "batch_size", saved.batch_size, current.batch_size,
+                'with reseed="batch" a sample\'s random draws depend on its batch: restore with the same batch size',
+            )
         return current
 
     def check_resume_length(self, position: IndexPosition) -> None:
@@ -221,8 +233,10 @@ class IndexMode(Mode):
             positions=_ranges([int(p) for p in key.positions]), sample=self.key_sample(key), shuffle=self.shuffle,
             batched=self.torch_dataset.batched, world_size=self.world_size,
         )  # the default order is left out of str(key), as earlier versions wrote it
-        order = self.order_algorithm
-        return made if order == ORDER_LEGACY else msgspec.structs.replace(made, order_algorithm=order)
+        order, reseed = self.order_algorithm, self.reseed
+        if order != ORDER_LEGACY:
+            made = msgspec.structs.replace(made, order_algorithm=order)
+        return made if reseed == "sample" else msgspec.structs.replace(made, reseed=reseed)
 
     def key_sample(self, key: BatchKey) -> Any:
         """What a restore key carries besides positions (the loader's own order: nothing)."""
@@ -388,6 +402,7 @@ class OrderMode(IndexMode):
         check_key_setting(
             "batched", key.batched, p.batch_size is not None, f"batch_size is {p.batch_size}; None means unbatched"
         )
+        check_key_setting("reseed", key.reseed, self.reseed, "re-seeding per sample or per batch draws other values")
         check_key_int("epoch", key.epoch)
         if key.order_algorithm not in ORDER_ALGORITHMS:
             raise RestoreKeyError(

@@ -202,7 +202,10 @@ class IndexedDataset(Dataset):
     function runs after re-seeding from the batch's first position. A dataset with
     ``__getitems__`` of its own (as torch's fetcher uses it; not torch's ``Subset`` or
     ``StackDataset`` forwarding, which index per sample) gets the whole batch in one
-    call, after one re-seed from the first position. In the main process (``num_workers=0``) the
+    call, after one re-seed from the first position; with ``reseed="batch"`` every dataset
+    does (one re-seed before the batch's first sample, the samples then drawing in turn:
+    for samples of a few microseconds, where re-seeding three generators per sample would
+    cost as much as the sample). In the main process (``num_workers=0``) the
     caller's RNG streams are saved and put back around the batch. ``user_dataset`` is the
     user's dataset (in a worker: the worker's copy, which ``get_worker_info().dataset``
     shows).
@@ -222,6 +225,7 @@ class IndexedDataset(Dataset):
         *,
         salt: tuple[int | str, ...] = ("sample",),
         seed_formula: int = SEED_FORMULA,
+        reseed: str = "sample",
     ) -> None:
         self.dataset = dataset
         self.seed = seed
@@ -229,6 +233,7 @@ class IndexedDataset(Dataset):
         self.batched = batched
         self.salt = salt
         self.seed_formula = seed_formula
+        self.reseed = reseed
 
     @property
     def user_dataset(self) -> Any:
@@ -240,12 +245,12 @@ class IndexedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         # cloudpickle carries lambdas and local classes to spawn/forkserver workers.
-        fields = (self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula)
+        fields = (self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula, self.reseed)
         return {"payload": cloudpickle.dumps(fields)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         fields = cloudpickle.loads(state["payload"])
-        self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula = fields
+        self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula, self.reseed = fields
 
     def build(self, key: BatchKey) -> Any:
         """The batch (or sample, when unbatched) that ``key`` names."""
@@ -254,10 +259,10 @@ class IndexedDataset(Dataset):
         formula = self.seed_formula
         owned = OwnedRngs.cached(self.__dict__, dataset, self.collate_fn, self._owned_seed(), key.epoch)
         many = _own_getitems(dataset) if self.batched else None
-        if many is not None:
+        if many is not None or self.reseed == "batch":
             seed_global(item_seed(counter_seed(base, key.positions[0]), formula))
             owned.seed_sample(key.positions[0])
-            samples = many(list(key.indices))
+            samples = many(list(key.indices)) if many is not None else [dataset[index] for index in key.indices]
         else:
             samples = []
             for position, index in zip(key.positions, key.indices):

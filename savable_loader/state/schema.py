@@ -111,6 +111,10 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     #: Drop-in path: ``""`` when the loader builds the order itself, else the qualified
     #: class name of the sampler (or batch sampler) that decides it.
     sampler: str = ""
+    #: Drop-in path: when the global (and dataset-owned) RNGs are re-seeded, ``"sample"``
+    #: (before every sample; the default, and all earlier versions did) or ``"batch"``
+    #: (before every batch's first sample: ``SavableDataLoader(reseed="batch")``).
+    reseed: str = "sample"
     #: How the drop-in path orders an epoch (pipelines have no order and keep the
     #: default). ``"numpy-permutation"``: a materialised ``Generator.permutation``, the
     #: only order before this field existed, hence the default, so that older states keep
@@ -308,6 +312,8 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     #: ``LoaderConfig.order_algorithm``; keys made before the field existed: the default,
     #: which is also left out of ``str(key)``).
     order_algorithm: str = "numpy-permutation"
+    #: ``"index"`` keys: ``LoaderConfig.reseed`` of the loader that made the key.
+    reseed: str = "sample"
 
     def __str__(self) -> str:
         return msgspec.json.encode(self).decode()
