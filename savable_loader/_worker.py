@@ -64,28 +64,36 @@ SNAPSHOT_BUDGET = 0.02
 #: process start, reset, filling a shuffle buffer), so that a restore (a process start,
 #: the snapshot's restore, the replay) costs at most about 1.5 cold starts at any save
 #: point ...
-REPLAY_FRACTION = 0.3
+REPLAY_FRACTION = 0.15
 #: ... but the replay bound is never below this many snapshot costs (snapshots then take
 #: at most a quarter of the worker's time, when a snapshot is costly next to a cold start) ...
 REPLAY_FLOOR_SNAPSHOTS = 3
 #: ... nor below this many seconds (small states keep to the budget: a replay of a few
 #: tens of milliseconds is small next to starting a worker process).
-REPLAY_FLOOR_SECONDS = 0.05
+REPLAY_FLOOR_SECONDS = 0.02
 
 
-def snapshot_due(work: float, cost: float, cold: float, first: bool = False) -> bool:
+def snapshot_due(work: float, cost: float | None, cold: float, first: bool = False) -> bool:
     """The snapshot policy: ``work`` seconds of sample production since the last snapshot,
-    which cost ``cost`` seconds; ``cold`` the worker's cold start (0: not measured);
-    ``first``: the last snapshot was the run's first.
+    which cost ``cost`` seconds (``None``: not measured, the restored snapshot a run
+    started from); ``cold`` the worker's cold start (0: not measured); ``first``: the last
+    snapshot was the run's first.
 
     Due when the budget pays for it (``work * SNAPSHOT_BUDGET >= cost``), or when a
     restore would replay more than ``max(REPLAY_FRACTION * cold, REPLAY_FLOOR_SNAPSHOTS *
     cost, REPLAY_FLOOR_SECONDS)`` seconds of work. A run's first snapshot pays for first
     touches (a fresh process's pages, caches): its cost does not raise the replay floor.
+    After a restore only the replay bound applies until the run's own first snapshot
+    (a snapshot of a big state right away would delay the restored first sample).
+
+    >>> snapshot_due(work=0.5, cost=0.01, cold=0.0)  # 2 % of 0.5 s pays for 10 ms
+    True
+    >>> snapshot_due(work=0.04, cost=None, cold=1.0)  # restored: 0.3 x cold not reached
+    False
     """
-    if work * SNAPSHOT_BUDGET >= cost:
+    if cost is not None and work * SNAPSHOT_BUDGET >= cost:
         return True
-    floor = 0.0 if first else REPLAY_FLOOR_SNAPSHOTS * cost
+    floor = 0.0 if first or cost is None else REPLAY_FLOOR_SNAPSHOTS * cost
     return work >= max(REPLAY_FRACTION * cold, floor, REPLAY_FLOOR_SECONDS)
 
 #: Index of the item a worker sends after its last sample (its payload: samples produced).
@@ -211,9 +219,14 @@ class WorkerRuntime:
         self.ring.reset(index, snapshot)
         self.epoch, self.worker_id = epoch, worker_id
         self.outbox = None
-        snapshot_cost = 0.0
+        # A fresh run snapshots its first sample (which measures the cost); a restored run
+        # holds the restored snapshot already, of unknown cost: no snapshot while it
+        # replays (nothing is yielded, so nothing can be saved past it), and then one
+        # when the replay bound says so (see ``snapshot_due``).
+        snapshot_cost: float | None = 0.0 if snapshot is None else None
         work = 0.0
         taken = 0  # snapshots of this run
+        costs: list[float] = []
         iterator: Iterator[Any] | None = None
         while True:
             with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
@@ -232,8 +245,12 @@ class WorkerRuntime:
                     self.cold_seconds = cold if 0 < cold < 3600 else work
                 # The state after `index` samples, taken before the sample leaves: attached
                 # to it, the main process holds the snapshot of the position it yields.
-                if snapshot_due(work, snapshot_cost, self.cold_seconds, first=taken == 1):
-                    snapshot_cost = self._snapshot(index)
+                if not skip and snapshot_due(work, snapshot_cost, self.cold_seconds, first=taken == 1):
+                    # the policy's cost: the cheapest of the last 3 snapshots, so that one
+                    # slowed by a garbage collection or a page fault burst does not push
+                    # the next snapshot (and the replay) far out
+                    costs = [*costs[-2:], self._snapshot(index)]
+                    snapshot_cost = min(costs)
                     taken += 1
                     work = 0.0
             if skip:
