@@ -467,3 +467,38 @@ def test_pipeline_worker_dataset_pickles_lambda_and_plan():
     assert loaded.runtime.epoch == 4 and loaded.runtime.worker_id == 0
     assert [int(s[0]) for _, _, _, s in second[:-1]] == [0, 20, 40, 60, 80, 100, 120]
     assert second[-1] == (0, END, None, 7)
+
+
+def test_saves_of_a_restored_loader_before_its_first_snapshot_restore_exactly(monkeypatch):
+    # The original run snapshots only its first sample (zero budget); restored runs take
+    # none (the replay bound is out of reach): every save of a restored loader is the
+    # restored snapshot plus a growing skip, and must restore to the same continuation.
+    monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", 0.0)
+    monkeypatch.setattr(worker_module, "REPLAY_FLOOR_SECONDS", 3600.0)  # forked workers inherit
+
+    def make() -> sl.SavableDataLoader:
+        ds = stateful_pipeline(num_workers=2, n=24)
+        return sl.SavableDataLoader(ds, batch_size=None, worker_config=ds.worker_config,
+                                    multiprocessing_context="fork", timeout=60)
+
+    ref = list(make())
+    assert len(ref) == 24
+    for k in (1, 11):
+        first = make()
+        it = iter(first)
+        for _ in range(k):
+            next(it)
+        state = first.save_state_rank()
+        del it
+        restored = make()
+        restored.restore_state_rank(state)
+        it = iter(restored)
+        for j in range(len(ref) - k + 1):
+            again = restored.save_state_rank()
+            assert again.position.workers[0].snapshot_index <= 1  # still the first snapshot
+            third = make()
+            third.restore_state_rank(again)
+            assert_streams(ref[k + j :], list(third), f"saved {j} after a restore at {k}")
+            if k + j < len(ref):
+                assert_same(next(it), ref[k + j], f"restored at {k}, item {j}")
+        del it
