@@ -167,6 +167,7 @@ def _plain(value: Any) -> Any:
         if isinstance(value, WorkerState):
             out["skip"] = value.skip
             out["dataset_size"] = len(encode_part(value.dataset)) if value.dataset is not None else 0
+            out["carried_size"] = len(encode_part(value.carried)) if value.carried is not None else 0
         return out
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
@@ -285,14 +286,22 @@ def _render_worker(lines: list[str], worker: dict[str, Any]) -> None:
     wid, dataset = worker.pop("worker_id", "?"), worker.pop("dataset", None)
     index, snap, skip = worker.pop("index", "?"), worker.pop("snapshot_index", "?"), worker.pop("skip", "?")
     exhausted, size = worker.pop("exhausted", False), worker.pop("dataset_size", 0)
+    carried, carried_size = worker.pop("carried", None), worker.pop("carried_size", 0)
     text = f"consumed {index}, snapshot at {snap} (skip {skip})"
     if exhausted:
         text += ", exhausted"
     text += "".join(f", {k}={_compact(v)}" for k, v in worker.items())
-    text += f"; dataset state {size:,} bytes" if dataset is not None else "; no dataset state (epoch start)"
+    if dataset is not None:
+        text += f"; dataset state {size:,} bytes"
+    elif carried is not None:
+        text += f"; epoch start from the previous epoch's end state ({carried_size:,} bytes)"
+    else:
+        text += "; no dataset state (epoch start)"
     _adder(lines, "  ")(f"worker {wid}", text)
     if dataset is not None:
         _render_node(lines, dataset, "    ")
+    elif carried is not None:
+        _render_node(lines, carried, "    ")
 
 
 def _render_node(lines: list[str], node: dict[str, Any], indent: str) -> None:

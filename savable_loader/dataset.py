@@ -155,6 +155,11 @@ class SavableDataset(IterableDataset):
     #: written): restoring such a state keeps the value ``reset_state_own()`` gives them.
     _savable_optional: ClassVar[frozenset[str]] = frozenset()
 
+    #: True for a dataset whose position goes on from one epoch into the next
+    #: (``EpochizeDataset``): worker processes then send their state at each epoch's end,
+    #: and a fresh worker starts the next epoch from it (``WorkerState.carried``).
+    carries_across_epochs: ClassVar[bool] = False
+
     #: The restore key of the sample this dataset yielded last (None: it gives no keys).
     sample_key: Any = None
 

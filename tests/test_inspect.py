@@ -260,7 +260,7 @@ def test_every_schema_field_is_reported(tmp_path: Path, capsys: pytest.CaptureFi
     rank = inspect_json(path, capsys)["ranks"][0]
     assert set(rank["config"]) == set(LoaderConfig.__struct_fields__)
     assert set(rank["position"]) == {"type", *PipelinePosition.__struct_fields__}
-    assert set(rank["position"]["workers"][0]) == {"skip", "dataset_size", *WorkerState.__struct_fields__}
+    assert set(rank["position"]["workers"][0]) == {"skip", "dataset_size", "carried_size", *WorkerState.__struct_fields__}
     assert set(IndexPosition.__struct_fields__) <= set(_inspect._plain(index_state(0, 1).position))
 
 
@@ -387,3 +387,18 @@ def test_readme_documents_every_json_key() -> None:
     section = section[:section.index("\n## ")]
     for key in (*_inspect.DOCUMENT_KEYS, *RANK_KEYS, "extra", "skip", "dataset_size", "item_types"):
         assert f"`{key}`" in section or f" {key}," in section or f"{key}?" in section, key
+
+
+def test_a_carried_end_state_is_outlined(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = synthetic_state()
+    carried = DatasetState(type="pkg.Epochize", fields={"count": 3})
+    workers = [state.position.workers[0], WorkerState(worker_id=1, index=2, snapshot_index=0, carried=carried)]
+    state = msgspec.structs.replace(state, position=msgspec.structs.replace(state.position, workers=workers))
+    path = tmp_path / "c.state"
+    save_file(path, state)
+    code, text, _ = inspect(path, capsys)
+    assert code == 0
+    assert "worker 1        consumed 2, snapshot at 0 (skip 2); epoch start from the previous epoch's end state (" in text
+    assert "pkg.Epochize (" in text and ".count: int 3" in text
+    doc = inspect_json(path, capsys)
+    assert doc["ranks"][0]["position"]["workers"][1]["carried_size"] > 0
