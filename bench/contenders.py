@@ -165,6 +165,14 @@ class SavableDropIn(_Savable):
                                     num_workers=num_workers)
 
 
+class SavableDropInPerBatch(SavableDropIn):
+    name, label = "savable-batch", 'SavableDataLoader (drop-in, reseed="batch")'
+
+    def make(self, w: Workload, num_workers: int) -> Any:
+        return sl.SavableDataLoader(w.map_dataset(), batch_size=w.batch_size, shuffle=True, seed=SEED,
+                                    num_workers=num_workers, reseed="batch")
+
+
 class SavablePipeline(_Savable):
     name, label, baseline, styles = "savable-pipe", "SavableDataLoader (pipeline)", "torch-iter", ("map", "stream")
 
@@ -294,7 +302,10 @@ class Energon(Contender):
 
 CONTENDERS: dict[str, Contender] = {
     c.name: c
-    for c in (TorchMap(), SavableDropIn(), TorchDataMap(), TorchIter(), SavablePipeline(), TorchDataIter(), Energon())
+    for c in (
+        TorchMap(), SavableDropIn(), SavableDropInPerBatch(), TorchDataMap(), TorchIter(), SavablePipeline(),
+        TorchDataIter(), Energon(),
+    )
 }
 
 

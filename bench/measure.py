@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 __all__ = [
-    "batch_len", "batches_equal", "close", "epoch_run", "first_batch", "percentiles_ms", "resume_check",
-    "save_latencies",
+    "Timer", "batch_len", "batches_equal", "close", "epoch_run", "finish", "first_batch", "fmt_spread", "interleaved",
+    "log", "paired", "peak_rss_mib", "percentiles_ms", "reset_peak_rss", "rss_mib", "resume_check", "save_latencies", "spread", "table", "verdict",
 ]
 
 
@@ -163,3 +166,140 @@ def resume_check(
 
 def median(values: list[float]) -> float:
     return float(statistics.median(values))
+
+
+# -- interleaved repeats, ratios with their spread, verdicts ----------------------------
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median with min and max (and the values themselves)."""
+    return {"median": median(values), "min": float(min(values)), "max": float(max(values)),
+            "values": [float(v) for v in values]}
+
+
+def paired(numerators: list[float], denominators: list[float]) -> dict[str, Any]:
+    """The ratios ``numerators[i] / denominators[i]`` of runs made side by side (the same
+    repeat of an interleaved sequence), as :func:`spread`."""
+    if len(numerators) != len(denominators) or not numerators:
+        raise ValueError(f"paired ratios need equal, non-empty lists, got {len(numerators)} and {len(denominators)}")
+    return spread([a / b for a, b in zip(numerators, denominators)])
+
+
+def interleaved(runs: dict[str, Callable[[int], Any]], repeats: int) -> dict[str, list[Any]]:
+    """Run every entry of ``runs`` once per repeat, in turn (A B A B ..., or A B C A B C
+    ...), ``repeats`` times; ``runs[name](repeat)`` returns one measurement. The order
+    within a repeat rotates, so that no entry always runs first (after a pause) or
+    last."""
+    names = list(runs)
+    out: dict[str, list[Any]] = {name: [] for name in names}
+    for r in range(repeats):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            out[name].append(runs[name](r))
+    return out
+
+
+def verdict(figure: dict[str, Any], target: float, higher_is_better: bool) -> str:
+    """PASS when every repeat meets ``target``; MISS when the median misses it; NOISY when
+    the median meets it but the spread reaches past it (the margin is smaller than the
+    noise: not a result either way)."""
+    def ok(x: float) -> bool:
+        return x >= target if higher_is_better else x <= target
+
+    if not ok(figure["median"]):
+        return "MISS"
+    worst = figure["min"] if higher_is_better else figure["max"]
+    return "PASS" if ok(worst) else "NOISY"
+
+
+def fmt_spread(figure: dict[str, Any], digits: int = 3) -> str:
+    """``median (min-max)`` with ``digits`` significant digits."""
+    def g(x: float) -> str:
+        return f"{x:,.{digits}g}" if abs(x) < 10 ** digits else f"{x:,.0f}"
+
+    return f"{g(figure['median'])} ({g(figure['min'])}-{g(figure['max'])})"
+
+
+class Timer:
+    """Wall and CPU seconds (this process, all threads) of a block (after a garbage collection).
+
+    Example::
+
+        with Timer() as t:
+            work()
+        t.wall, t.cpu
+    """
+
+    wall = 0.0
+    cpu = 0.0
+
+    def __enter__(self) -> Timer:
+        gc.collect()  # a collection left over from earlier work is not the block's cost
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._wall
+        self.cpu = time.process_time() - self._cpu
+
+
+def log(message: str) -> None:
+    """A progress line on stderr, with the time."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def table(rows: list[list[str]]) -> str:
+    """A Markdown table; the first row is the header."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def finish(out: dict[str, Any], text: str, json_path: str | None) -> dict[str, Any]:
+    """Print a section's tables and its targets; write its JSON if asked."""
+    print(text)
+    for t in out.get("targets", [out["target"]] if "target" in out else []):
+        print(f"{t['figure']}: {fmt_spread(t['value'])} (target {t['target']}): {t['result']}")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process (since :func:`reset_peak_rss`), in MiB."""
+    status = _proc_status()
+    if "VmHWM" in status:
+        return status["VmHWM"] / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def rss_mib() -> float:
+    """Resident set size of this process now, in MiB (0 where /proc is missing)."""
+    return _proc_status().get("VmRSS", 0) / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak (Linux >= 4.0: ``/proc/self/clear_refs``); False if not possible,
+    then the peak stays the lifetime's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _proc_status() -> dict[str, int]:
+    """KiB fields of /proc/self/status (VmRSS, VmHWM)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in ("VmRSS", "VmHWM"):
+                    out[name] = int(value.split()[0])
+    except OSError:
+        pass
+    return out

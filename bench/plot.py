@@ -34,7 +34,7 @@ def plot(results: dict[str, Any], path: Path) -> str:
         for name, values in pos.items():
             if name == "workload":
                 continue
-            ax.plot([10, 50, 90], [values[p] for p in ("10", "50", "90")], "o-", label=name)
+            ax.plot([10, 50, 90], [values[p]["median"] for p in ("10", "50", "90")], "o-", label=name)
         ax.set(xlabel="% of the epoch at the save", ylabel="restore to first batch (ms)",
                title=f"restore time against position ({pos['workload']})", ylim=(0, None))
         ax.legend(fontsize=7)

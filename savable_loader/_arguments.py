@@ -97,9 +97,16 @@ def check_torch_arguments(
 
 
 def check_our_arguments(
-    *, num_workers: int, in_order: bool, prefetch_factor: int | None, save_timeout: float, snapshot_every_n_steps: Any
+    *, num_workers: int, in_order: bool, prefetch_factor: int | None, save_timeout: float, snapshot_every_n_steps: Any,
+    reseed: Any = "sample", pipeline: bool = False,
 ) -> None:
     """What torch accepts but a resumable loader cannot honour, and our own arguments."""
+    if reseed not in ("sample", "batch"):
+        raise LoaderUsageError(f"reseed must be 'sample' or 'batch', got {reseed!r}")
+    if reseed != "sample" and pipeline:
+        raise LoaderUsageError(
+            f"reseed={reseed!r} is for map-style datasets: a savable pipeline re-seeds once per item it yields"
+        )
     if not in_order and num_workers > 0:
         raise LoaderUsageError(
             "in_order=False delivers batches in the order the workers finish them, which a state cannot "

@@ -20,7 +20,10 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
+
 from savable_loader._mode import Iteration, Mode
+from savable_loader._permutation import ORDER_ALGORITHMS, ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.dataset import config_fingerprint, current_names, plain_config, type_name
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError
 from savable_loader.rng import SEED_FORMULA
@@ -113,6 +116,8 @@ class IndexMode(Mode):
 
     position_type = IndexPosition
     path_name = "drop-in"
+    #: ``LoaderConfig.order_algorithm`` (a sampler's order is the sampler's: the default)
+    order_algorithm = ORDER_LEGACY
 
     def __init__(
         self,
@@ -128,8 +133,10 @@ class IndexMode(Mode):
         collate_fn: Callable[[Any], Any],
         salt: tuple[int | str, ...],
         batched: bool | None = None,
+        reseed: str = "sample",
     ) -> None:
         self.dataset = dataset
+        self.reseed = reseed
         self.seed = seed
         self.seed_explicit = seed_explicit
         self.seed_formula = SEED_FORMULA
@@ -141,7 +148,7 @@ class IndexMode(Mode):
         self.feed_sampler = IndexSampler()
         self.torch_dataset = IndexedDataset(
             dataset, seed, collate_fn, batched=batch_size is not None if batched is None else batched, salt=salt,
-            seed_formula=self.seed_formula,
+            seed_formula=self.seed_formula, reseed=reseed,
         )
         #: (iteration, key) of the batch yielded last
         self.last: tuple[IndexIteration, BatchKey] | None = None
@@ -177,7 +184,8 @@ class IndexMode(Mode):
             rank=self.rank, world_size=self.world_size, num_workers=num_workers, seed=self.seed,
             batch_size=self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last,
             dataset_fingerprint=self.fingerprint, dataset_config=self.dataset_config,
-            seed_formula=self.seed_formula, sampler=self.sampler_name(),
+            seed_formula=self.seed_formula, sampler=self.sampler_name(), order_algorithm=self.order_algorithm,
+            reseed=self.reseed,
         )
 
     def check_common(self, saved: LoaderConfig, position: IndexPosition, num_workers: int) -> LoaderConfig:
@@ -196,6 +204,15 @@ class IndexMode(Mode):
         for name in names:
             if getattr(saved, name) != getattr(current, name):
                 raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name))
+        if saved.reseed != current.reseed:
+            raise ConfigMismatchError(
+                "reseed", saved.reseed, current.reseed, "re-seeding per sample or per batch draws other values"
+            )
+        if current.reseed == "batch" and saved.batch_size != current.batch_size:
+            raise ConfigMismatchError(
+                "batch_size", saved.batch_size, current.batch_size,
+                'with reseed="batch" a sample\'s random draws depend on its batch: restore with the same batch size',
+            )
         return current
 
     def check_resume_length(self, position: IndexPosition) -> None:
@@ -211,11 +228,15 @@ class IndexMode(Mode):
         if self.last is None:
             return None
         iteration, key = self.last
-        return RestoreKey(
+        made = RestoreKey(
             kind="index", seed=seed, fingerprint=iteration.fingerprint, epoch=iteration.epoch, rank=self.rank,
             positions=_ranges([int(p) for p in key.positions]), sample=self.key_sample(key), shuffle=self.shuffle,
             batched=self.torch_dataset.batched, world_size=self.world_size,
-        )
+        )  # the default order is left out of str(key), as earlier versions wrote it
+        order, reseed = self.order_algorithm, self.reseed
+        if order != ORDER_LEGACY:
+            made = msgspec.structs.replace(made, order_algorithm=order)
+        return made if reseed == "sample" else msgspec.structs.replace(made, reseed=reseed)
 
     def key_sample(self, key: BatchKey) -> Any:
         """What a restore key carries besides positions (the loader's own order: nothing)."""
@@ -248,6 +269,8 @@ class OrderMode(IndexMode):
 
     def __init__(self, dataset: Any, **kwargs: Any) -> None:
         self.plan: IndexPlan | None = None
+        #: ``"feistel-1"`` for a new loader; a restored state's order goes on (``check``)
+        self.order_algorithm = ORDER_FEISTEL
         super().__init__(dataset, salt=("sample",), **kwargs)
 
     def refresh(self) -> None:
@@ -257,11 +280,17 @@ class OrderMode(IndexMode):
             self.plan = IndexPlan(
                 self.dataset_len, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
                 world_size=self.world_size, batch_size=self.batch_size, drop_last=self.drop_last,
+                order_algorithm=self.order_algorithm,
             )
 
     def adopt(self, seed: int, seed_formula: int) -> None:
         super().adopt(seed, seed_formula)
         self.refresh()
+
+    def set_order(self, algorithm: str) -> None:
+        """Order the epochs with ``algorithm`` from now on (a restored state's order)."""
+        self.order_algorithm = algorithm
+        self.current_plan.order_algorithm = algorithm
 
     @property
     def current_plan(self) -> IndexPlan:
@@ -318,6 +347,11 @@ class OrderMode(IndexMode):
             )
         current = self.check_common(saved, position, num_workers)
         plan = self.current_plan
+        if saved.order_algorithm not in ORDER_ALGORITHMS:
+            raise ConfigMismatchError(
+                "order_algorithm", saved.order_algorithm, current.order_algorithm,
+                f"this version knows {list(ORDER_ALGORITHMS)}: the state was written by a newer savable_loader",
+            )
         if not elastic and saved.world_size != current.world_size:
             raise ConfigMismatchError(
                 "world_size", saved.world_size, current.world_size,
@@ -339,6 +373,9 @@ class OrderMode(IndexMode):
             raise ConfigMismatchError(
                 "position.consumed", position.consumed, f"a multiple of batch_size={current.batch_size}"
             )
+        # The saved order goes on (a state of an earlier version keeps its stream); the
+        # loader writes it from now on. Set last: nothing changes if a check fails.
+        self.set_order(saved.order_algorithm)
         return position
 
     def restore_sample(self, key: RestoreKey) -> Any:
@@ -365,7 +402,12 @@ class OrderMode(IndexMode):
         check_key_setting(
             "batched", key.batched, p.batch_size is not None, f"batch_size is {p.batch_size}; None means unbatched"
         )
+        check_key_setting("reseed", key.reseed, self.reseed, "re-seeding per sample or per batch draws other values")
         check_key_int("epoch", key.epoch)
+        if key.order_algorithm not in ORDER_ALGORITHMS:
+            raise RestoreKeyError(
+                f"key.order_algorithm is {key.order_algorithm!r}, this version knows {list(ORDER_ALGORITHMS)}"
+            )
         if key.world_size is None:  # an earlier version's key: the bound it was checked against
             limit = p.dataset_len + p.world_size
         else:
@@ -375,7 +417,8 @@ class OrderMode(IndexMode):
         positions = _key_positions(key.positions, limit, p.dataset_len)
         if not p.batch_size and len(positions) != 1:
             raise RestoreKeyError(f"key.positions names {len(positions)} samples, this loader is unbatched (one)")
-        return self.torch_dataset[p.key(key.epoch, positions)]
+        # the key's own order: a key made before a restore from an older state still names its batch
+        return self.torch_dataset[p.key(key.epoch, positions, key.order_algorithm)]
 
 
 def check_batch_size(saved: int | None, current: int | None) -> None:

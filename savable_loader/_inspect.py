@@ -30,7 +30,7 @@ import msgspec
 from savable_loader.errors import StateError
 from savable_loader.state.codec import decode, encode_part
 from savable_loader.state.files import FILE_FORMAT, MAGIC, load_file
-from savable_loader.state.schema import ArrayValue, DatasetState, RankState, WorkerState
+from savable_loader.state.schema import ArrayValue, DatasetState, RankState, TupleValue, WorkerState
 
 __all__ = ["DOCUMENT_KEYS", "FORMAT", "StateBlob", "read_state", "render_text", "summarize"]
 
@@ -156,6 +156,8 @@ def _plain(value: Any) -> Any:
         return _outline(value)
     if isinstance(value, ArrayValue):
         return _value(value)
+    if isinstance(value, TupleValue):
+        return [_plain(v) for v in value.items]
     if isinstance(value, msgspec.Struct):
         out: dict[str, Any] = {}
         tag = _tag(value)
@@ -165,6 +167,7 @@ def _plain(value: Any) -> Any:
         if isinstance(value, WorkerState):
             out["skip"] = value.skip
             out["dataset_size"] = len(encode_part(value.dataset)) if value.dataset is not None else 0
+            out["carried_size"] = len(encode_part(value.carried)) if value.carried is not None else 0
         return out
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
@@ -199,10 +202,21 @@ def _value(value: Any) -> dict[str, Any]:
             out["value"] = value
     elif isinstance(value, (bytes, bytearray, dict)):
         out["length"] = len(value)
-    elif isinstance(value, (list, tuple)):
-        out["length"] = len(value)
-        out["item_types"] = sorted({"array" if isinstance(v, ArrayValue) else type(v).__name__ for v in value})
+    elif isinstance(value, (list, tuple, TupleValue)):
+        items = value.items if isinstance(value, TupleValue) else value
+        if isinstance(value, TupleValue):
+            out["type"] = "tuple"
+        out["length"] = len(items)
+        out["item_types"] = sorted({_item_type(v) for v in items})
     return out
+
+
+def _item_type(value: Any) -> str:
+    if isinstance(value, ArrayValue):
+        return "array"
+    if isinstance(value, TupleValue):
+        return "tuple"
+    return type(value).__name__
 
 
 # -- text ---------------------------------------------------------------------------------
@@ -272,14 +286,22 @@ def _render_worker(lines: list[str], worker: dict[str, Any]) -> None:
     wid, dataset = worker.pop("worker_id", "?"), worker.pop("dataset", None)
     index, snap, skip = worker.pop("index", "?"), worker.pop("snapshot_index", "?"), worker.pop("skip", "?")
     exhausted, size = worker.pop("exhausted", False), worker.pop("dataset_size", 0)
+    carried, carried_size = worker.pop("carried", None), worker.pop("carried_size", 0)
     text = f"consumed {index}, snapshot at {snap} (skip {skip})"
     if exhausted:
         text += ", exhausted"
     text += "".join(f", {k}={_compact(v)}" for k, v in worker.items())
-    text += f"; dataset state {size:,} bytes" if dataset is not None else "; no dataset state (epoch start)"
+    if dataset is not None:
+        text += f"; dataset state {size:,} bytes"
+    elif carried is not None:
+        text += f"; epoch start from the previous epoch's end state ({carried_size:,} bytes)"
+    else:
+        text += "; no dataset state (epoch start)"
     _adder(lines, "  ")(f"worker {wid}", text)
     if dataset is not None:
         _render_node(lines, dataset, "    ")
+    elif carried is not None:
+        _render_node(lines, carried, "    ")
 
 
 def _render_node(lines: list[str], node: dict[str, Any], indent: str) -> None:

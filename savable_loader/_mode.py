@@ -153,3 +153,8 @@ class Mode(ABC):
     def reuses_epochs(self, persistent: bool) -> bool:
         """Whether an abandoned side iteration may give its epoch number back."""
         return True
+
+    def workers_reusable(self) -> bool:
+        """Whether running persistent workers may start the next epoch (else the loader
+        starts new ones, which take the next epoch's plan)."""
+        return True

@@ -20,37 +20,24 @@ from torch.utils.data import default_convert
 from savable_loader._channels import WorkerChannels
 from savable_loader._elastic import batch_rescale_factor
 from savable_loader._guards import release
-from savable_loader._index_mode import (
-    check_dataset_config,
-    check_key_int,
-    check_key_setting,
-)
+from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting
 from savable_loader._mode import SKIP, Iteration, Mode
 from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._torch_internals import worker_processes
-from savable_loader._worker import END, PipelineWorkerDataset
+from savable_loader._values import plain_dataset_state
+from savable_loader._worker import END, PipelineWorkerDataset, walk
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
-from savable_loader.rng import (
-    SEED_FORMULA,
-    preserve_global_rng,
-    seed_global,
-)
+from savable_loader.rng import SEED_FORMULA, preserve_global_rng, seed_global
 from savable_loader.state.codec import decode_part
-from savable_loader.state.schema import (
-    DatasetState,
-    LoaderConfig,
-    PipelinePosition,
-    RestoreKey,
-    WorkerState,
-)
+from savable_loader.state.schema import DatasetState, LoaderConfig, PipelinePosition, RestoreKey, WorkerState
 
 __all__ = ["SKIP", "PipelineIteration", "PipelineMode"]
 
 
-def _fresh(worker_id: int) -> WorkerState:
-    return WorkerState(worker_id=worker_id, index=0, snapshot_index=0, dataset=None)
+def _fresh(worker_id: int, carried: DatasetState | None = None) -> WorkerState:
+    return WorkerState(worker_id=worker_id, index=0, snapshot_index=0, dataset=None, carried=carried)
 
 
 class _TaggedCollate:
@@ -87,6 +74,9 @@ class PipelineIteration(Iteration):
         # [snapshot index, encoded DatasetState, decoded DatasetState or None].
         self.held: list[list[Any] | None] = [None] * self.workers
         self.attaching = [False] * self.workers  # its items carry a snapshot slot
+        # Per logical worker: its state at the end of this epoch (pipelines that carry
+        # state across epochs): the start of the next epoch.
+        self.ended: list[DatasetState | None] = [s.dataset if s.exhausted else None for s in self.starts]
         self.channels = channels
         self.processes: list[Any] | None = None
         # The last save and the position it was taken at: a save at the same position
@@ -120,10 +110,32 @@ class PipelineIteration(Iteration):
                 self.mode.last_item = (self.epoch, worker_id, index, key)
                 return payload
             self.exhausted[worker_id] = True
+            self.ended[worker_id] = self._end_state(worker_id, payload)
         # The worker holds its end of iteration back until this release (see _worker.py).
         if self.channels is not None:
             self.channels.release(self.physical(worker_id), self.epoch)
         return SKIP
+
+    def _end_state(self, w: int, produced: int) -> DatasetState | None:
+        """Worker ``w``'s state at its end marker (after ``produced`` samples), if a
+        snapshot of exactly that point was taken (pipelines that carry state across epochs)."""
+        start = self.starts[w]
+        if self.attaching[w]:
+            held = self.held[w]
+            if held is None or held[0] != produced:
+                # no snapshot since the start: the start itself may be the end (restored
+                # right after the worker's last sample)
+                same = start.dataset is not None and start.snapshot_index == produced
+                return start.dataset if same else None
+            if held[2] is None:
+                held[2] = decode_part(held[1], DatasetState)
+            return held[2]
+        runtime = self.mode.torch_dataset.runtime
+        if self.mode.worker_config.num_workers == 0 and runtime is not None:
+            found = runtime.ring.find(produced)
+            if found is not None and found[0] == produced:
+                return plain_dataset_state(found[1])
+        return None
 
     def on_error(self, error: BaseException) -> bool:
         """A pipeline's iterator cannot go on after it raised: the iteration fails."""
@@ -136,6 +148,8 @@ class PipelineIteration(Iteration):
         runtime = self.mode.torch_dataset.runtime
         if runtime is not None and runtime.in_process:  # the pipeline object is free again
             release(self.mode.torch_dataset.dataset, runtime)
+        # a finished epoch hands each worker's end state on to the next; an abandoned one nothing
+        self.mode.carry_on(self.epoch + 1, list(self.ended) if finished and all(self.exhausted) else None)
         channels = self.channels
         if channels is not None and not finished:
             # An abandoned iteration: workers holding back their end (see _worker.py) must
@@ -160,7 +174,8 @@ class PipelineIteration(Iteration):
         for w in range(self.workers):
             if exhausted[w] and not states[w].exhausted:
                 states[w] = WorkerState(
-                    worker_id=w, index=consumed[w], snapshot_index=consumed[w], exhausted=True
+                    worker_id=w, index=consumed[w], snapshot_index=consumed[w], exhausted=True,
+                    dataset=self.ended[w],
                 )
         asks = {
             w: consumed[w] for w in range(self.workers) if not exhausted[w] and consumed[w] != self.starts[w].index
@@ -195,8 +210,8 @@ class PipelineIteration(Iteration):
             return None
         held = self.held[w]
         start = self.starts[w]
-        if held is None:
-            return WorkerState(worker_id=w, index=index, snapshot_index=start.snapshot_index, dataset=start.dataset)
+        if held is None:  # the start state (with what it carried from the previous epoch)
+            return msgspec.structs.replace(start, worker_id=w, index=index)
         snap_index, data, decoded = held
         if snap_index > index:
             return None
@@ -233,6 +248,20 @@ class PipelineMode(Mode):
         self.channels: WorkerChannels | None = None
         # (epoch, logical worker, index, key) of the item yielded last
         self.last_item: tuple[int, int, int, Any] | None = None
+        # (epoch, each logical worker's state at the end of the epoch before it): what that
+        # epoch goes on from (pipelines that carry state across epochs)
+        self.carry: tuple[int, list[DatasetState | None]] | None = None
+        self.carries = any(type(ds).carries_across_epochs for ds in walk(dataset))
+        # the rotation of the worker pool started last (persistent workers keep theirs)
+        self.pool_rotation = 0
+
+    def carry_on(self, epoch: int, ended: list[DatasetState | None] | None) -> None:
+        """``epoch`` goes on from the workers' states ``ended`` (None: from scratch)."""
+        self.carry = None if ended is None or not any(e is not None for e in ended) else (epoch, ended)
+
+    def _carried(self, epoch: int) -> list[DatasetState | None]:
+        carry = self.carry
+        return carry[1] if carry is not None and carry[0] == epoch else [None] * self.workers
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {"dataset": self.torch_dataset, "batch_size": None, "collate_fn": self.collate}
@@ -249,6 +278,12 @@ class PipelineMode(Mode):
         """Persistent pipeline workers count their epochs themselves."""
         return not persistent
 
+    def workers_reusable(self) -> bool:
+        """Persistent workers started rotated (by a restore) play other logical workers
+        than the next epoch's: a pipeline that carries state across epochs then needs new
+        workers, which restore each logical worker's end state (else they would replay)."""
+        return not (self.carries and self.pool_rotation)
+
     def loader_config(self, num_workers: int) -> LoaderConfig:
         wc = self.worker_config
         return LoaderConfig(
@@ -259,13 +294,16 @@ class PipelineMode(Mode):
         )
 
     def start_position(self, epoch: int) -> PipelinePosition:
-        return PipelinePosition(epoch=epoch, next_worker=0, workers=[_fresh(w) for w in range(self.workers)])
+        return PipelinePosition(
+            epoch=epoch, next_worker=0, workers=[_fresh(w, c) for w, c in enumerate(self._carried(epoch))]
+        )
 
     def remaining(self, position: Any) -> int | None:
         return None
 
     def restored(self) -> None:
         self.last_item = None
+        self.carry = None  # the restored position carries its own
 
     # -- iteration --------------------------------------------------------------------
 
@@ -278,13 +316,15 @@ class PipelineMode(Mode):
             for ws in resume.workers:
                 starts[ws.worker_id] = ws
         else:
-            rotation, starts = 0, [None] * self.workers
+            rotation = 0
+            starts = [None if c is None else _fresh(w, c) for w, c in enumerate(self._carried(epoch))]
         if not reuse_workers:
             pipes = None
             if self.worker_config.num_workers > 0:
                 self.channels = WorkerChannels(context, self.worker_config.num_workers)
                 pipes = self.channels.worker_ends()
             self.torch_dataset.set_plan(epoch, rotation, starts, pipes)
+            self.pool_rotation = rotation
         return self.iteration_type(self, epoch, rotation, starts, self.channels, resumed=resume is not None)
 
     def check(

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import torch
 
-from savable_loader._index_mode import IndexIteration, IndexMode
+from savable_loader._index_mode import IndexIteration, IndexMode, check_key_setting
 from savable_loader._seeds import sampler_seed
 from savable_loader.dataset import type_name
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError
@@ -228,4 +228,5 @@ class SamplerMode(IndexMode):
         if key.rank != self.rank:
             raise RestoreKeyError(f"key.rank is {key.rank}, this loader is rank {self.rank}: a sampler's keys are "
                                   "rebuilt on the rank that made them")
+        check_key_setting("reseed", key.reseed, self.reseed, "re-seeding per sample or per batch draws other values")
         return self.torch_dataset[BatchKey(key.epoch, tuple(positions), tuple(key.sample))]

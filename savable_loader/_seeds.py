@@ -26,6 +26,7 @@ __all__ = [
     "collate_seed",
     "datapipe_shuffle_seed",
     "draw",
+    "feistel_key",
     "engine_generator_seed",
     "key_seed",
     "owned_rng_base",
@@ -49,7 +50,7 @@ __all__ = [
 NAMESPACES = (
     "collate", "key", "owned-rng", "pcg-increment", "pcg-increment-low", "permutation", "pipeline", "sample",
     "sampler", "shard-order", "shard-samples", "worker", "worker-epoch", "workers",
-    "datapipe-shuffle", "torch-iterable", "torch-worker-info",
+    "datapipe-shuffle", "torch-iterable", "torch-worker-info", "order",
 )
 
 
@@ -59,6 +60,11 @@ NAMESPACES = (
 def permutation_seed(seed: int, epoch: int) -> int:
     """The PCG64 seed of epoch ``epoch``'s shuffled order."""
     return derive_seed(seed, "permutation", epoch)
+
+
+def feistel_key(seed: int, epoch: int) -> int:
+    """The key of epoch ``epoch``'s Feistel order (``_permutation.FeistelPermutation``)."""
+    return derive_seed(seed, "order", epoch)
 
 
 def sample_base(seed: int, salt: tuple[str | int, ...], epoch: int) -> int:

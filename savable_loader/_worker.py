@@ -3,7 +3,8 @@
 Each loading context (a worker process, or the main process when ``num_workers=0``) runs
 one :class:`WorkerRuntime`. Its iterating thread walks the pipeline and, between two
 samples, may take a **snapshot** (the pipeline's ``save_state()``) into a small ring; the
-policy keeps snapshot time below ``SNAPSHOT_BUDGET`` of sample time. Before producing
+policy (:func:`snapshot_due`) keeps snapshot time below ``SNAPSHOT_BUDGET`` of sample
+time, and bounds the replay a restore needs by the worker's cold start. Before producing
 sample ``i`` it re-seeds the global RNGs from ``(seed, rank, worker, epoch, i)`` (a seed
 below ``2**63``, see ``savable_loader.rng.item_seed``), so the RNG state at any sample
 is implied by its index and never needs saving.
@@ -56,10 +57,51 @@ from savable_loader.rng import (
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
-__all__ = ["END", "SNAPSHOT_BUDGET", "ItemError", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime"]
+__all__ = [
+    "END", "SNAPSHOT_BUDGET", "ItemError", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime", "snapshot_due",
+    "walk",
+]
 
 #: Fraction of sample-production time that snapshots may cost.
 SNAPSHOT_BUDGET = 0.02
+
+#: A restore replays the samples produced since the snapshot it starts from. Besides the
+#: budget above, a snapshot is also due once that replay would exceed this fraction of
+#: the worker's cold start (from the plan of its first iteration to its first sample:
+#: process start, reset, filling a shuffle buffer), so that a restore (a process start,
+#: the snapshot's restore, the replay) costs at most about 1.5 cold starts at any save
+#: point ...
+REPLAY_FRACTION = 0.15
+#: ... but the replay bound is never below this many snapshot costs (snapshots then take
+#: at most a quarter of the worker's time, when a snapshot is costly next to a cold start) ...
+REPLAY_FLOOR_SNAPSHOTS = 3
+#: ... nor below this many seconds (small states keep to the budget: a replay of a few
+#: tens of milliseconds is small next to starting a worker process).
+REPLAY_FLOOR_SECONDS = 0.02
+
+
+def snapshot_due(work: float, cost: float | None, cold: float, first: bool = False) -> bool:
+    """The snapshot policy: ``work`` seconds of sample production since the last snapshot,
+    which cost ``cost`` seconds (``None``: not measured, the restored snapshot a run
+    started from); ``cold`` the worker's cold start (0: not measured); ``first``: the last
+    snapshot was the run's first.
+
+    Due when the budget pays for it (``work * SNAPSHOT_BUDGET >= cost``), or when a
+    restore would replay more than ``max(REPLAY_FRACTION * cold, REPLAY_FLOOR_SNAPSHOTS *
+    cost, REPLAY_FLOOR_SECONDS)`` seconds of work. A run's first snapshot pays for first
+    touches (a fresh process's pages, caches): its cost does not raise the replay floor.
+    After a restore only the replay bound applies until the run's own first snapshot
+    (a snapshot of a big state right away would delay the restored first sample).
+
+    >>> snapshot_due(work=0.5, cost=0.01, cold=0.0)  # 2 % of 0.5 s pays for 10 ms
+    True
+    >>> snapshot_due(work=0.04, cost=None, cold=1.0)  # restored: 0.3 x cold not reached
+    False
+    """
+    if cost is not None and work * SNAPSHOT_BUDGET >= cost:
+        return True
+    floor = 0.0 if first or cost is None else REPLAY_FLOOR_SNAPSHOTS * cost
+    return work >= max(REPLAY_FRACTION * cold, floor, REPLAY_FLOOR_SECONDS)
 
 #: Index of the item a worker sends after its last sample (its payload: samples produced).
 END = -1
@@ -177,6 +219,9 @@ class WorkerRuntime:
         self.worker_id = -1
         self.snapshots_taken = 0
         self.snapshot_seconds = 0.0
+        #: Seconds from the plan of this context's first iteration (process start
+        #: included) to its first sample: the cold start a restore compares with (0: not yet).
+        self.cold_seconds = 0.0
         #: Encode each snapshot into ``outbox`` for the main process (worker processes).
         self.attach = False
         #: An exception the pipeline raises for an item is sent as an :class:`ItemError`
@@ -187,29 +232,53 @@ class WorkerRuntime:
         self._parent_pid = -1
         self._release = threading.Condition()
         self._released_epoch = -1
+        #: The pipeline has a dataset whose position crosses epochs: snapshot each epoch's end.
+        self.carries = any(type(ds).carries_across_epochs for ds in walk(dataset))
+        #: The previous epoch's end state this epoch started from (``WorkerState.carried``).
+        self.carried: DatasetState | None = None
 
     # -- iterating thread -------------------------------------------------------------
 
-    def run(self, epoch: int, worker_id: int, start: WorkerState | None) -> Iterator[tuple[int, int, Any, Any]]:
+    def run(
+        self, epoch: int, worker_id: int, start: WorkerState | None, started: float | None = None
+    ) -> Iterator[tuple[int, int, Any, Any]]:
         """Yield ``(worker_id, index, restore key, sample)`` for the epoch, from ``start``
-        on, then the end marker ``(worker_id, END, None, samples produced)``."""
+        on, then the end marker ``(worker_id, END, None, samples produced)``.
+
+        ``started``: ``time.monotonic()`` when the main process planned the iteration, so
+        that this worker's cold start counts its process start too (see ``snapshot_due``).
+        """
+        begun = time.monotonic() if started is None else started
         if start is not None and start.exhausted:
             return
         wc = self.worker_config
         base_seed = pipeline_base(wc.seed, wc.rank, worker_id, epoch)
+        self.carried = None if start is None or start.dataset is not None else start.carried
         # reset/restore run user code too (reset_state_own): keep the caller's RNG out of it
+        if self.carried is not None:  # go on from the previous epoch's end (EpochizeDataset)
+            with _ActiveWorker(worker_id, epoch - 1), _rng_scope(self.in_process):
+                self.dataset.restore_state(self.carried)
         with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
             if start is None:
                 self.dataset.reset_state_deep()
                 index, skip, snapshot = 0, 0, None
+            elif start.dataset is None:  # the epoch's start, then a replay of `skip` samples
+                self.dataset.reset_state_deep()
+                index, skip, snapshot = start.snapshot_index, start.skip, None
             else:
                 self.dataset.restore_state(start.dataset)
                 index, skip, snapshot = start.snapshot_index, start.skip, start.dataset
         self.ring.reset(index, snapshot)
         self.epoch, self.worker_id = epoch, worker_id
         self.outbox = None
-        snapshot_cost = 0.0
+        # A fresh run snapshots its first sample (which measures the cost); a restored run
+        # holds the restored snapshot already, of unknown cost: no snapshot while it
+        # replays (nothing is yielded, so nothing can be saved past it), and then one
+        # when the replay bound says so (see ``snapshot_due``).
+        snapshot_cost: float | None = 0.0 if snapshot is None else None
         work = 0.0
+        taken = 0  # snapshots of this run
+        costs: list[float] = []
         iterator: Iterator[Any] | None = None
         while True:
             with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
@@ -232,15 +301,28 @@ class WorkerRuntime:
                     sample = ItemError.capture(e, self.in_process, worker_id)  # counts as an item
                 work += time.perf_counter() - t0
                 index += 1
+                if not self.cold_seconds:  # what a restore is measured against (first run)
+                    cold = time.monotonic() - begun
+                    self.cold_seconds = cold if 0 < cold < 3600 else work
                 # The state after `index` samples, taken before the sample leaves: attached
                 # to it, the main process holds the snapshot of the position it yields.
-                if work * SNAPSHOT_BUDGET >= snapshot_cost:
-                    snapshot_cost = self._snapshot(index)
+                if not skip and snapshot_due(work, snapshot_cost, self.cold_seconds, first=taken == 1):
+                    # the policy's cost: the cheapest of the last 3 snapshots, so that one
+                    # slowed by a garbage collection or a page fault burst does not push
+                    # the next snapshot (and the replay) far out
+                    costs = [*costs[-2:], self._snapshot(index)]
+                    snapshot_cost = min(costs)
+                    taken += 1
                     work = 0.0
             if skip:
                 skip -= 1
                 continue
             yield worker_id, index - 1, self.dataset.sample_key, sample
+        if self.carries and self.ring.newest_index() != index:
+            # the state at the epoch's end rides with the end marker: the next epoch's
+            # (fresh) worker goes on from it (WorkerState.carried)
+            with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
+                self._snapshot(index)
         # Tell the main process this worker is done before torch retires it, so that a
         # later save knows its final state without asking a process that may be gone.
         yield worker_id, END, None, index
@@ -254,15 +336,18 @@ class WorkerRuntime:
 
         With ``attach`` the snapshot is also encoded into ``outbox`` (the next item sent
         carries it to the main process); encoding counts towards the snapshot budget.
+        The cost returned is the thread's CPU time (the policy's measure: a snapshot
+        preempted by other work on the machine did not cost more), ``snapshot_seconds``
+        adds up wall time.
         """
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         state = self.dataset.save_state()
         self.ring.add(index, state, index - self.max_in_flight)
         if self.attach:
             self.outbox = (index, encode_part(plain_dataset_state(state)))
-        cost = time.perf_counter() - t0
+        cost = time.thread_time() - c0
         self.snapshots_taken += 1
-        self.snapshot_seconds += cost
+        self.snapshot_seconds += time.perf_counter() - t0
         return cost
 
     def release(self, epoch: int) -> None:
@@ -299,6 +384,7 @@ class WorkerRuntime:
             index=index,
             snapshot_index=snap_index,
             dataset=plain_dataset_state(state),
+            carried=self.carried if state is None else None,
         )
 
     def serve(self, cmd: Any, res: Any) -> None:
@@ -331,6 +417,13 @@ class WorkerRuntime:
                 res.send_bytes(msgspec.msgpack.encode(reply))
             except (OSError, ValueError):
                 return
+
+
+def walk(dataset: SavableDataset) -> Iterator[SavableDataset]:
+    """``dataset`` and every dataset it wraps, depth first."""
+    yield dataset
+    for child in dataset.children():
+        yield from walk(child)
 
 
 class _NoScope:
@@ -366,6 +459,7 @@ class PipelineWorkerDataset(IterableDataset):
         #: Worker processes attach each new snapshot to the next item they send, so that
         #: the main process answers a save alone; False: saves ask the command threads.
         self.attach = True
+        self.planned_at: float | None = None
         #: The per-item seed formula (``savable_loader.rng.item_seed``).
         self.seed_formula = SEED_FORMULA
         #: ``WorkerRuntime.errors_go_on``.
@@ -375,6 +469,7 @@ class PipelineWorkerDataset(IterableDataset):
 
     def set_plan(self, epoch: int, rotation: int, starts: list[WorkerState | None], pipes: Any) -> None:
         self.epoch, self.rotation, self.starts, self.pipes = epoch, rotation, starts, pipes
+        self.planned_at = time.monotonic()  # the workers' cold start counts from here
         self._iterations = 0
 
     @property
@@ -421,7 +516,7 @@ class PipelineWorkerDataset(IterableDataset):
         runtime = self._runtime
         runtime.seed_formula = self.seed_formula
         runtime.errors_go_on = self.errors_go_on
-        items = runtime.run(epoch, logical, starts[logical])
+        items = runtime.run(epoch, logical, starts[logical], self.planned_at if count == 0 else None)
         if info is None:  # in the main process: one live iteration per pipeline object
             return exclusive(items, self.dataset, runtime)
         runtime.attach = self.attach

@@ -96,8 +96,11 @@ class SavableDataLoader(DataLoader[T_co]):
     ``seed`` (default None: drawn from torch's global RNG, see below), ``worker_config``
     (a :class:`~savable_loader.WorkerConfig`: rank, world size, workers, seed),
     ``snapshot_every_n_steps`` (accepted for torchdata's ``StatefulDataLoader``
-    programs and ignored: every step can be saved here at no cost) and ``save_timeout``
-    (seconds a pipeline save may wait for a worker). Example::
+    programs and ignored: every step can be saved here at no cost), ``save_timeout``
+    (seconds a pipeline save may wait for a worker) and ``reseed`` (map-style datasets:
+    ``"sample"``, the default, re-seeds the global RNGs before every sample; ``"batch"``
+    once per batch, for samples of a few microseconds: see docs/performance.md for what
+    each keeps). Example::
 
         loader = SavableDataLoader(dataset, batch_size=32, shuffle=True, num_workers=4)
         for batch in loader:
@@ -161,6 +164,7 @@ class SavableDataLoader(DataLoader[T_co]):
         worker_config: WorkerConfig | None = None,
         snapshot_every_n_steps: int | None = None,
         save_timeout: float = _DEFAULT_SAVE_TIMEOUT,
+        reseed: str = "sample",
     ) -> None:
         if num_workers < 0:  # before the WorkerConfig check, with torch's message
             raise refused("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
@@ -173,7 +177,7 @@ class SavableDataLoader(DataLoader[T_co]):
         )
         check_our_arguments(
             num_workers=workers, in_order=in_order, prefetch_factor=prefetch_factor, save_timeout=save_timeout,
-            snapshot_every_n_steps=snapshot_every_n_steps,
+            snapshot_every_n_steps=snapshot_every_n_steps, reseed=reseed, pipeline=isinstance(dataset, SavableDataset),
         )
         if wc is None:
             probe = WorkerConfig(num_workers=workers)  # rank and world size (torch.distributed)
@@ -185,6 +189,7 @@ class SavableDataLoader(DataLoader[T_co]):
         public, make_mode = self._choose_path(
             dataset, wc, seed_explicit=seed_explicit, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, drop_last=drop_last, generator=generator, prefetch_factor=prefetch_factor,
+            reseed=reseed,
         )
         try:
             super().__init__(
@@ -214,6 +219,7 @@ class SavableDataLoader(DataLoader[T_co]):
     def _choose_path(
         self, dataset: Any, wc: WorkerConfig, *, seed_explicit: bool, batch_size: int | None, shuffle: Any,
         sampler: Any, batch_sampler: Any, drop_last: bool, generator: Any, prefetch_factor: int | None,
+        reseed: str,
     ) -> tuple[dict[str, Any], Callable[[], Mode]]:
         """The one place where the kind of dataset (and sampler) decides the path: the
         arguments torch's ``__init__`` gets for the public attributes, and the mode,
@@ -245,7 +251,7 @@ class SavableDataLoader(DataLoader[T_co]):
             )
         common = {
             "seed": wc.seed, "seed_explicit": seed_explicit, "rank": wc.rank, "world_size": wc.world_size,
-            "drop_last": drop_last, "shuffle": bool(shuffle),
+            "drop_last": drop_last, "shuffle": bool(shuffle), "reseed": reseed,
         }
         if sampler is None and batch_sampler is None and not (generator is not None and shuffle):
             order_sampler = OrderSampler(self)
@@ -323,6 +329,9 @@ class SavableDataLoader(DataLoader[T_co]):
             resume = self._pending
             epoch = resume.epoch if resume is not None else self._next_epoch
             reuse = self._persistent and loader_iterator(self._engine) is not None
+            if reuse and not mode.workers_reusable():  # (see PipelineMode.workers_reusable)
+                self._shutdown(loader_iterator(self._engine))
+                reuse = False
             iteration = mode.begin(epoch, resume, self._mp_context(), reuse)
             self._pending = None
             self._next_epoch = epoch + 1

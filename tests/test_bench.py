@@ -19,25 +19,53 @@ def test_quick_run_writes_json_with_every_figure(tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--workloads", "tiny", "--contenders", "savable",
-         "--scale", "0.4", "--no-scaling", "--json", str(out)],
+         "--scale", "0.4", "--no-scaling", "--extras", "costs", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["mode"] == "quick" and results["machine"]["cpu_count"] >= 1 and results["date"]
+    assert results["parameters"]["repeats"] == 2
     tiny = results["workloads"]["tiny"]["contenders"]
     assert set(tiny) == {"savable", "torch-map"}  # the baseline is added
     for name in ("savable",):
         d = tiny[name]
         assert d["bit_identical"] is True, d["resume_detail"]
-        assert d["samples_per_s"] > 0 and d["throughput_ratio"] > 0 and d["cpu_ratio"] > 0
+        # every ratio: paired per interleaved repeat, median with min and max
+        for figure in ("throughput_ratio", "cpu_ratio", "restore_ratio"):
+            f = d[figure]
+            assert len(f["values"]) == 2 and f["min"] <= f["median"] <= f["max"] and f["min"] > 0, figure
+        assert d["throughput_ratio"]["values"] == [a / b for a, b in zip(d["rates"], tiny["torch-map"]["rates"])]
+        assert d["cpu_ratio"]["values"] == [b / a for a, b in zip(d["cpu_us"], tiny["torch-map"]["cpu_us"])]
+        assert d["samples_per_s"]["median"] > 0 and d["cpu_us_per_sample"]["median"] > 0
         assert set(d["save_ms"]) == {"p50", "p99", "max"} and 0 < d["save_ms"]["p50"] <= d["save_ms"]["max"]
         assert len(d["save_series_ms"]) == min(60, -(-results["workloads"]["tiny"]["samples"] // 64) - 1)
-        assert d["state_bytes"] > 0 and d["restore_ms"] > 0 and d["cold_ms"] > 0 and d["restore_ratio"] > 0
-    assert tiny["torch-map"]["samples_per_s"] > 0 and "save_ms" not in tiny["torch-map"]
-    figures = {t["figure"] for t in results["targets"]}
-    assert "tiny / savable: resume bit-identical" in figures and "tiny / savable: save p99 (ms)" in figures
+        assert d["state_bytes"] > 0 and d["restore_ms"]["median"] > 0 and d["cold_ms"]["median"] > 0
+    assert tiny["torch-map"]["samples_per_s"]["median"] > 0 and "save_ms" not in tiny["torch-map"]
+    results_by_figure = {t["figure"]: t for t in results["targets"]}
+    assert "tiny / savable: resume bit-identical" in results_by_figure
+    assert "tiny / savable: save p99 (ms)" in results_by_figure
+    assert {t["result"] for t in results["targets"]} <= {"PASS", "NOISY", "MISS"}
+    cpu = results_by_figure["tiny / savable: CPU ratio (all processes)"]
+    assert cpu["target"] == ">= 0.9" and cpu["value"] == tiny["savable"]["cpu_ratio"]
+    assert "re-seed (seed_global)" in results["costs"]["us_per_sample"]
     assert "| SavableDataLoader (drop-in)" in proc.stdout  # the table
+
+
+def test_verdicts_flag_a_spread_wider_than_the_margin():
+    from bench.measure import interleaved, paired, verdict
+
+    assert verdict({"median": 0.99, "min": 0.975, "max": 1.1}, 0.97, higher_is_better=True) == "PASS"
+    assert verdict({"median": 0.99, "min": 0.95, "max": 1.1}, 0.97, higher_is_better=True) == "NOISY"
+    assert verdict({"median": 0.96, "min": 0.95, "max": 0.99}, 0.97, higher_is_better=True) == "MISS"
+    assert verdict({"median": 1.2, "min": 1.0, "max": 1.6}, 1.5, higher_is_better=False) == "NOISY"
+    assert verdict({"median": 1.2, "min": 1.0, "max": 1.4}, 1.5, higher_is_better=False) == "PASS"
+    order: list[str] = []
+    got = interleaved({"a": lambda r: order.append("a") or r, "b": lambda r: order.append("b") or 10 * r}, 4)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]  # A B, then B A: the order rotates
+    assert got == {"a": [0, 1, 2, 3], "b": [0, 10, 20, 30]}
+    ratio = paired([2.0, 3.0, 8.0], [1.0, 1.0, 2.0])
+    assert (ratio["median"], ratio["min"], ratio["max"]) == (3.0, 2.0, 4.0)
 
 
 def test_unknown_workload_is_a_usage_error():

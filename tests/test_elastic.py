@@ -12,14 +12,24 @@ import math
 import random
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import savable_loader as sl
-from savable_loader._elastic import batch_rescale_factor, elastic_position, rank_share, remaining_positions
+from savable_loader._elastic import (
+    batch_rescale_factor,
+    elastic_position,
+    epoch_length,
+    rank_share,
+    remaining_positions,
+    share_length,
+)
 from savable_loader.state.schema import IndexPosition, IndexStage, LoaderConfig, RankState
-from tests.common import RandomMapDataset, RangeSource, assert_same, assert_streams
+from tests.common import RandomMapDataset, RangeSource, assert_same, assert_streams, check_resume_everywhere
 from tests.dist_harness import run_ranks, values
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,6 +45,24 @@ def make(rank: int, world: int, num_workers: int = 0, batch: int = BATCH, drop_l
         RandomMapDataset(N), batch_size=batch, shuffle=True, drop_last=drop_last, worker_config=wc,
         multiprocessing_context="fork" if num_workers else None,
     )
+
+
+def saved_states(world: int, steps: list[int], **kw) -> list:
+    """The states of ``world`` in-process ranks after ``steps[rank]`` batches each."""
+    states = []
+    for rank in range(world):
+        loader = make(rank, world, **kw)
+        it = iter(loader)
+        for _ in range(steps[rank]):
+            next(it)
+        states.append(loader.save_state_rank())
+    return states
+
+
+def consumed_of(states: list, world: int) -> list[int]:
+    """Samples each old rank consumed in epoch 0 (a rank that finished its share saved
+    "next epoch, nothing consumed")."""
+    return [s.position.consumed if s.position.epoch == 0 else math.ceil(N / world) for s in states]
 
 
 def keyed_epoch(loader) -> list[tuple[list[int], torch.Tensor]]:
@@ -55,8 +83,7 @@ def contents(world: int, epoch: int) -> dict[int, torch.Tensor]:
 
 
 def order(epoch: int) -> np.ndarray:
-    rng = np.random.Generator(np.random.PCG64(sl.rng.derive_seed(SEED, "permutation", epoch)))
-    return rng.permutation(N)
+    return make(0, 1)._mode.plan.global_order(epoch)
 
 
 def check_remainder(old_world, consumed, new_streams, epoch=0, even=True):
@@ -96,13 +123,102 @@ def test_remaining_positions_leave_each_unconsumed_sample_once(seed):
         stages.append(IndexStage(world_size=world, consumed=counts))
         world = rnd.randint(1, 5)
     left = remaining_positions(n, stages)
-    assert list(left) == sorted(set(left.tolist())) and all(p < n for p in left)
-    assert set(left.tolist()) == set(range(n)) - taken
+    assert list(left) == sorted(set(left)) and all(p < n for p in left)
+    assert set(left) == set(range(n)) - taken
 
 
-def _state(rank, world, epoch, consumed, stages=(), batch=BATCH):
+# -- the arithmetic against the O(N) arrays it replaced (hypothesis) ----------------------
+
+
+def old_remaining_positions(n: int, stages) -> list[int]:
+    """The array implementation of earlier versions (boolean masks over every position),
+    extended to padding that wraps more than once (it failed when ceil(n / W) * W > 2n)."""
+    first = stages[0]
+    w0 = first.world_size
+    total = math.ceil(n / w0) * w0 if n else 0
+    consumed = np.zeros(total, dtype=bool)
+    for rank, count in enumerate(first.consumed):
+        consumed[rank : rank + count * w0 : w0] = True
+    keep = ~consumed[:n]
+    for start in range(n, total, max(n, 1)):  # padding copies of position p: p + n, p + 2n, ...
+        copies = consumed[start : min(start + n, total)]
+        keep[: len(copies)] &= ~copies
+    left = np.flatnonzero(keep)
+    for stage in stages[1:]:
+        mask = np.ones(len(left), dtype=bool)
+        for rank, count in enumerate(stage.consumed):
+            mask[rank : rank + count * stage.world_size : stage.world_size] = False
+        left = left[mask]
+    return left.tolist()
+
+
+@st.composite
+def epochs_with_stages(draw):
+    n = draw(st.integers(0, 120))
+    world = draw(st.integers(1, 9))
+    size = math.ceil(n / world) * world if n else 0
+    stages: list[IndexStage] = []
+    for _ in range(draw(st.integers(1, 4))):
+        shares = [len(range(r, size, world)) for r in range(world)]
+        counts = [draw(st.sampled_from([0, s, s // 2]) | st.integers(0, s)) for s in shares]
+        stages.append(IndexStage(world_size=world, consumed=counts))
+        size = len(old_remaining_positions(n, stages))
+        world = draw(st.integers(1, 9))
+    return n, stages, world
+
+
+@settings(max_examples=400, deadline=None)
+@given(epochs_with_stages())
+def test_arithmetic_equals_the_old_arrays(case):
+    n, stages, new_world = case
+    old = old_remaining_positions(n, stages)
+    left = remaining_positions(n, stages)
+    assert len(left) == len(old)
+    assert list(left) == old
+    assert [left[k] for k in range(len(old))] == old and left[-1:] == old[-1:]
+    for p in range(n + 2):
+        assert left.count_below(p) == sum(1 for x in old if x < p)
+    for rank in range(new_world):
+        share = rank_share(n, new_world, rank, stages)
+        assert list(share) == old[rank::new_world]
+        assert len(share) == share_length(n, new_world, rank, stages) == len(old[rank::new_world])
+        assert share[1:5] == old[rank::new_world][1:5]
+        for batch, drop_last in ((3, False), (3, True), (None, True)):
+            smallest = len(old[new_world - 1 :: new_world])
+            want = min(len(share), smallest) // (batch or 1) * (batch or 1) if drop_last else len(share)
+            assert epoch_length(n, new_world, rank, stages, batch, drop_last) == want
+
+
+def test_stage_arithmetic_at_ten_billion_samples_and_many_ranks():
+    n, world = 10**10, 4096
+    per = math.ceil(n / world)
+    rnd = random.Random(0)
+    first = IndexStage(world_size=world, consumed=[rnd.randint(per // 2, per) for _ in range(world)])
+    size = len(remaining_positions(n, [first]))
+    second = IndexStage(world_size=1000, consumed=[rnd.randint(0, size // 1000) for _ in range(1000)])
+    left = remaining_positions(n, [first, second])
+    share = rank_share(n, 7, 3, [first, second])
+    picks = [0, 1, len(share) // 2, len(share) - 1]
+    values = [share[k] for k in picks]
+    assert values == sorted(values) and all(0 <= v < n for v in values)
+    for k, v in zip(picks, values):
+        assert left.count_below(v) == 3 + 7 * k  # the k-th of rank 3 of 7
+        assert left.count_below(v + 1) == 4 + 7 * k
+    assert share[len(share) // 2 : len(share) // 2 + 3] == [share[len(share) // 2 + i] for i in range(3)]
+
+
+def test_malformed_stage_counts_are_a_state_error():
+    with pytest.raises(sl.StateError, match="consumed 6 samples of a share of 5"):
+        remaining_positions(10, [IndexStage(world_size=2, consumed=[6, 0])])
+    with pytest.raises(sl.StateError, match="2 consumed counts, expected 3"):
+        remaining_positions(10, [IndexStage(world_size=3, consumed=[1, 1])])
+    with pytest.raises(sl.StateError, match="share of"):
+        remaining_positions(10, [IndexStage(world_size=2, consumed=[1, 1]), IndexStage(world_size=1, consumed=[9])])
+
+
+def _state(rank, world, epoch, consumed, stages=(), batch=BATCH, order="feistel-1"):
     config = LoaderConfig(rank=rank, world_size=world, num_workers=0, seed=SEED, batch_size=batch,
-                          shuffle=True, drop_last=False, dataset_fingerprint="f")
+                          shuffle=True, drop_last=False, dataset_fingerprint="f", order_algorithm=order)
     return RankState(config=config, position=IndexPosition(epoch=epoch, consumed=consumed, dataset_len=N,
                                                           stages=list(stages)))
 
@@ -121,6 +237,11 @@ def test_states_too_far_apart_or_inconsistent_are_refused():
         elastic_position([_state(0, 2, 3, 20), _state(1, 2, 5, 0)], 3)
     with pytest.raises(sl.StateError, match="batch_size"):
         elastic_position([_state(0, 2, 3, 20), _state(1, 2, 3, 8, batch=8)], 3)
+    legacy = _state(1, 2, 3, 8)
+    legacy = msgspec.structs.replace(legacy, config=msgspec.structs.replace(legacy.config,
+                                                                            order_algorithm="numpy-permutation"))
+    with pytest.raises(sl.StateError, match="order_algorithm='numpy-permutation'"):
+        elastic_position([_state(0, 2, 3, 20, order="feistel-1"), legacy], 3)
 
 
 # -- world size, in one process (explicit ranks) ---------------------------------------
@@ -128,15 +249,8 @@ def test_states_too_far_apart_or_inconsistent_are_refused():
 
 @pytest.mark.parametrize(("old", "new", "steps"), [(2, 3, [2, 4]), (3, 2, [1, 1, 3]), (2, 1, [5, 0]), (4, 3, [3, 3, 2, 2])])
 def test_world_size_change_in_process(old, new, steps):
-    states = []
-    for rank in range(old):
-        loader = make(rank, old)
-        it = iter(loader)
-        for _ in range(steps[rank]):
-            next(it)
-        states.append(loader.save_state_rank())
-    # a rank that finished its share saved "next epoch, nothing consumed"
-    consumed = [s.position.consumed if s.position.epoch == 0 else math.ceil(N / old) for s in states]
+    states = saved_states(old, steps)
+    consumed = consumed_of(states, old)
     restored = []
     for rank in range(new):
         loader = make(rank, new)
@@ -150,13 +264,7 @@ def test_world_size_change_in_process(old, new, steps):
 
 
 def test_two_world_size_changes_in_one_epoch():
-    states = []
-    for rank in range(2):
-        loader = make(rank, 2)
-        it = iter(loader)
-        for _ in range(rank + 1):
-            next(it)
-        states.append(loader.save_state_rank())
+    states = saved_states(2, [1, 2])
     first = [s.position.consumed for s in states]
     middle, streams = [], []
     for rank in range(3):
@@ -359,13 +467,7 @@ def test_an_empty_share_is_an_empty_epoch_not_the_next_one():
 
 
 def test_drop_last_gives_every_new_rank_the_same_number_of_batches():
-    states = []
-    for rank in range(2):
-        loader = make(rank, 2, drop_last=True)
-        it = iter(loader)
-        for _ in range(rank + 1):  # uneven counts at the save point
-            next(it)
-        states.append(loader.save_state_rank())
+    states = saved_states(2, [1, 2], drop_last=True)  # uneven counts at the save point
     counts = []
     for rank in range(3):
         loader = make(rank, 3, drop_last=True)
@@ -383,3 +485,54 @@ def test_saving_an_empty_loader_is_idempotent():
     again.restore_state_rank(state)
     assert again.save_state_rank() == state
     assert list(again) == [] and again.save_state_rank().position.epoch == 1
+
+
+# -- resume at every step with the Feistel order -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("world", "batch", "drop_last", "num_workers"),
+    [(1, BATCH, False, 0), (2, BATCH, False, 0), (4, 3, True, 0), (3, None, False, 0), (2, BATCH, True, 2)],
+)
+def test_resume_at_every_step_on_every_rank(world, batch, drop_last, num_workers):
+    # N = 45 pads on 2, 3 (no), 4 ranks; every rank's stream resumes at every step
+    for rank in range(world):
+        checked = check_resume_everywhere(
+            lambda rank=rank: make(rank, world, num_workers=num_workers, batch=batch, drop_last=drop_last), epochs=2
+        )
+        assert checked > 2
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "steps", "drop_last", "num_workers"),
+    [(2, 3, [3, 5], False, 0), (3, 2, [1, 3, 2], True, 0), (4, 3, [2, 2, 1, 3], False, 2)],
+)
+def test_resume_at_every_step_of_a_resized_remainder(old, new, steps, drop_last, num_workers):
+    states = saved_states(old, steps, drop_last=drop_last)
+
+    for rank in range(new):
+        def resized(rank=rank):
+            loader = make(rank, new, num_workers=num_workers, drop_last=drop_last)
+            loader.restore_state_global(states)
+            return loader
+
+        assert resized().save_state_rank().position.stages  # the remainder is a stage
+        check_resume_everywhere(
+            resized, epochs=2, restore_factory=lambda rank=rank: make(rank, new, num_workers=num_workers,
+                                                                      drop_last=drop_last)
+        )
+
+
+@pytest.mark.parametrize(("old", "new"), [(3, 2), (2, 5)])
+def test_every_old_save_step_leaves_each_sample_once(old, new):
+    per_rank = [list(make(rank, old)) for rank in range(old)]
+    for step in range(len(per_rank[0]) + 1):
+        counts = [min(step + (rank % 2), len(per_rank[rank])) for rank in range(old)]  # uneven ranks
+        states = saved_states(old, counts)
+        consumed = consumed_of(states, old)
+        streams = []
+        for rank in range(new):
+            loader = make(rank, new)
+            loader.restore_state_global(states)
+            streams.append(keyed_epoch(loader) if loader.save_state_rank().position.epoch == 0 else [])
+        check_remainder(old, consumed, streams)

@@ -3,15 +3,14 @@ its state and the configuration checks of a restore."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
+import torch
 from torch.utils.data import default_collate
 
-from savable_loader._index_mode import (
-    OrderMode,
-    check_dataset_config,
-    map_dataset_config,
-)
-from savable_loader.errors import ConfigMismatchError
+from savable_loader._index_mode import OrderMode, check_dataset_config, map_dataset_config
+from savable_loader._permutation import ORDER_FEISTEL, ORDER_LEGACY
+from savable_loader.errors import ConfigMismatchError, RestoreKeyError
 from savable_loader.state.codec import decode_part, encode_part
 from savable_loader.state.schema import IndexPosition
 from tests.common import RandomMapDataset
@@ -131,6 +130,61 @@ def test_loader_config_records_the_configuration():
     assert c.dataset_config == {"type": "tests.common.RandomMapDataset", "len": 10}
     assert c.dataset_fingerprint == m.fingerprint
     assert mode().fingerprint == mode(seed=1).fingerprint != mode(RandomMapDataset(11)).fingerprint
+
+
+def legacy_mode(**kw) -> OrderMode:
+    """A mode ordering its epochs as a state of an earlier version says."""
+    m = mode(**kw)
+    m.set_order(ORDER_LEGACY)
+    return m
+
+
+def test_new_loaders_write_the_feistel_order_and_adopt_a_saved_one():
+    m = mode()
+    assert m.loader_config(0).order_algorithm == ORDER_FEISTEL
+    legacy_config = legacy_mode().loader_config(0)
+    fresh = mode()
+    fresh.check(legacy_config, pos(0, 4), 0)
+    assert fresh.plan.order_algorithm == ORDER_LEGACY and fresh.loader_config(0).order_algorithm == ORDER_LEGACY
+    fresh.refresh()  # a new plan (len(dataset) re-read) keeps the adopted order
+    assert fresh.current_plan.order_algorithm == ORDER_LEGACY
+    fresh.check(m.loader_config(0), pos(0, 4), 0)  # and back, for a state of this version
+    assert fresh.plan.order_algorithm == ORDER_FEISTEL
+
+
+def test_an_unknown_order_is_refused_and_nothing_changes():
+    future = msgspec.structs.replace(mode().loader_config(0), order_algorithm="feistel-7")
+    fresh = mode()
+    with pytest.raises(ConfigMismatchError, match="newer savable_loader") as info:
+        fresh.check(future, pos(0, 4), 0)
+    assert (info.value.field, info.value.saved, info.value.current) == ("order_algorithm", "feistel-7", ORDER_FEISTEL)
+    assert fresh.plan.order_algorithm == ORDER_FEISTEL
+    # a failed check later in the list leaves the order alone too
+    changed = mode(seed=6)
+    with pytest.raises(ConfigMismatchError):
+        changed.check(legacy_mode().loader_config(0), pos(0, 4), 0)
+    assert changed.order_algorithm == ORDER_FEISTEL
+
+
+def test_keys_name_their_order_and_rebuild_with_it():
+    legacy, new = legacy_mode(), mode()
+    batches = {}
+    for name, m in (("legacy", legacy), ("new", new)):
+        it = m.begin(0, None)
+        keys = drawn(m)
+        it.on_item(None)
+        key = m.restore_key(5)
+        assert key.order_algorithm == m.order_algorithm
+        batches[name] = (key, m.torch_dataset[keys[0]])
+    assert "order_algorithm" not in str(batches["legacy"][0])  # the default, as in keys of earlier versions
+    assert '"order_algorithm":"feistel-1"' in str(batches["new"][0])
+    assert not torch.equal(batches["legacy"][1], batches["new"][1])  # two different orders
+    for key, batch in batches.values():  # a loader of either order rebuilds either key
+        for m in (mode(), legacy):
+            assert torch.equal(m.restore_sample(key), batch)
+    bad = msgspec.structs.replace(batches["new"][0], order_algorithm="feistel-7")
+    with pytest.raises(RestoreKeyError, match="order_algorithm"):
+        new.restore_sample(bad)
 
 
 # -- check ------------------------------------------------------------------------------

@@ -12,14 +12,10 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from savable_loader._permutation import ORDER_LEGACY, FeistelPermutation
 from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import counter_seed, derive_seed, item_seed, seed_global
-from savable_loader.sources.index import (
-    BatchKey,
-    IndexedDataset,
-    IndexPlan,
-    IndexSampler,
-)
+from savable_loader.sources.index import BatchKey, IndexedDataset, IndexPlan, IndexSampler
 from tests.common import RandomMapDataset, assert_same
 
 pytestmark = pytest.mark.timeout(60)
@@ -153,9 +149,43 @@ def test_shuffle_is_deterministic_per_seed_and_epoch():
     assert plan(50, seed=4, shuffle=True).global_order(0).tolist() != orders[0]  # differs across seeds
     # the cache does not leak one epoch's order into another
     assert a.global_order(0).tolist() == orders[0] and a.global_order(3).tolist() == orders[3]
-    # the documented derivation
+    # the documented derivation: a Feistel permutation keyed by (seed, "order", epoch)
+    perm = FeistelPermutation(50, derive_seed(3, "order", 2))
+    assert orders[2] == perm(np.arange(50)).tolist()
+    # a plan restored from an older state: numpy's permutation of (seed, "permutation", epoch)
+    legacy = plan(50, seed=3, shuffle=True)
+    legacy.order_algorithm = ORDER_LEGACY
     rng = np.random.Generator(np.random.PCG64(derive_seed(3, "permutation", 2)))
-    assert orders[2] == rng.permutation(50).tolist()
+    assert legacy.global_order(2).tolist() == rng.permutation(50).tolist()
+    legacy_order = legacy.global_order(2).tolist()
+    assert [k.indices for k in legacy.batches(2, 0)] == [tuple(legacy_order[i : i + 3]) for i in range(0, 50, 3)]
+
+
+def test_batches_are_made_a_chunk_at_a_time_and_match_the_order(monkeypatch):
+    monkeypatch.setattr(IndexPlan, "CHUNK", 8)
+    for batch_size, drop_last in ((3, False), (3, True), (None, False), (16, False)):
+        p = plan(101, seed=2, shuffle=True, rank=1, world_size=3, batch_size=batch_size, drop_last=drop_last)
+        order = p.global_order(4)
+        keys = list(p.batches(4, 0))
+        positions, indices = flat(keys)
+        assert positions == list(range(1, 102, 3))[: p.epoch_len()]
+        assert indices == [int(order[q % 101]) for q in positions]
+        assert [len(k.positions) for k in keys[:-1]] == [batch_size or 1] * (len(keys) - 1)
+        step = batch_size or 1
+        for b in range(len(keys)):
+            assert list(p.batches(4, b * step)) == keys[b:]
+
+
+def test_a_billion_sample_plan_holds_no_array():
+    n = 10**9
+    p = plan(n, seed=1, shuffle=True, rank=3, world_size=8, batch_size=64)
+    start = p.epoch_len() * 9 // 10 // 64 * 64
+    key = next(p.batches(0, start))
+    assert key.positions[0] == 3 + 8 * start and len(key.indices) == 64
+    assert all(0 <= i < n for i in key.indices) and len(set(key.indices)) == 64
+    assert p.key(0, key.positions) == key
+    order = p.order(0)
+    assert order._table is None and order._perm is not None  # nothing of size n
 
 
 def test_shuffle_does_not_depend_on_rank_or_batching():

@@ -23,6 +23,7 @@ from savable_loader.state import (
     LoaderConfig,
     PipelinePosition,
     RankState,
+    TupleValue,
     WorkerState,
     encode,
     save_file,
@@ -70,7 +71,9 @@ def synthetic_state(rank: int = 0, world_size: int = 1) -> RankState:
     node = DatasetState(type="pkg.Outer", fields={"n": 7, "name": "x" * 100, "blob": b"\x00" * 40},
                         children=[DatasetState(type="pkg.Inner", fields={
                             "arr": ArrayValue(library="numpy", dtype="float32", shape=(2, 3), data=b"\x00" * 24),
-                            "items": [1, "a"], "d": {"k": None}})])
+                            "items": [1, "a"], "d": {"k": None},
+                            "pair": TupleValue([1, ArrayValue(library="numpy-scalar", dtype="float32", shape=(),
+                                                              data=b"\x00\x00\xc0?")])})])
     return RankState(
         config=LoaderConfig(rank=rank, world_size=world_size, num_workers=2, seed=9, batch_size=None,
                             shuffle=False, drop_last=False, dataset_fingerprint="b" * 24),
@@ -239,6 +242,7 @@ def test_synthetic_pipeline_outline(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert inner["arr"] | {"size": 0} == {"type": "array", "size": 0, "library": "numpy", "dtype": "float32",
                                          "shape": [2, 3]}
     assert inner["items"]["item_types"] == ["int", "str"]
+    assert inner["pair"] | {"size": 0} == {"type": "tuple", "size": 0, "length": 2, "item_types": ["array", "int"]}
     code, text, _ = inspect(path, capsys)
     assert code == 0
     assert "worker 0        consumed 10, snapshot at 7 (skip 3), exhausted; dataset state" in text
@@ -256,7 +260,7 @@ def test_every_schema_field_is_reported(tmp_path: Path, capsys: pytest.CaptureFi
     rank = inspect_json(path, capsys)["ranks"][0]
     assert set(rank["config"]) == set(LoaderConfig.__struct_fields__)
     assert set(rank["position"]) == {"type", *PipelinePosition.__struct_fields__}
-    assert set(rank["position"]["workers"][0]) == {"skip", "dataset_size", *WorkerState.__struct_fields__}
+    assert set(rank["position"]["workers"][0]) == {"skip", "dataset_size", "carried_size", *WorkerState.__struct_fields__}
     assert set(IndexPosition.__struct_fields__) <= set(_inspect._plain(index_state(0, 1).position))
 
 
@@ -383,3 +387,18 @@ def test_readme_documents_every_json_key() -> None:
     section = section[:section.index("\n## ")]
     for key in (*_inspect.DOCUMENT_KEYS, *RANK_KEYS, "extra", "skip", "dataset_size", "item_types"):
         assert f"`{key}`" in section or f" {key}," in section or f"{key}?" in section, key
+
+
+def test_a_carried_end_state_is_outlined(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = synthetic_state()
+    carried = DatasetState(type="pkg.Epochize", fields={"count": 3})
+    workers = [state.position.workers[0], WorkerState(worker_id=1, index=2, snapshot_index=0, carried=carried)]
+    state = msgspec.structs.replace(state, position=msgspec.structs.replace(state.position, workers=workers))
+    path = tmp_path / "c.state"
+    save_file(path, state)
+    code, text, _ = inspect(path, capsys)
+    assert code == 0
+    assert "worker 1        consumed 2, snapshot at 0 (skip 2); epoch start from the previous epoch's end state (" in text
+    assert "pkg.Epochize (" in text and ".count: int 3" in text
+    doc = inspect_json(path, capsys)
+    assert doc["ranks"][0]["position"]["workers"][1]["carried_size"] > 0

@@ -12,11 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+import savable_loader as sl
 from savable_loader.errors import StateVersionError
+from savable_loader.rng import derive_seed
 from savable_loader.state import SCHEMA_VERSION, RankState, decode, encode, load_file
-from tests.common import assert_streams, epochs_of
+from tests.common import RandomMapDataset, assert_streams, epochs_of
 from tests.data.make_fixtures import FACTORIES
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,6 +53,28 @@ def test_kept_state_decodes_and_restores_exactly(name: str) -> None:
         fresh.restore_state_rank(state)
         rest = list(fresh) + list(fresh)  # the rest of the saved epoch, then the next one
         assert_streams(rest, flat[k:], f"{name} rank {rank}: continuation")
+
+
+def test_schema1_dropin_state_keeps_its_numpy_permutation() -> None:
+    # Independent of the loader's own order code: the documented legacy derivation.
+    state = load_file(DATA / "schema1_dropin.state")
+    assert state.config.order_algorithm == "numpy-permutation"  # the default: the field is not in the file
+    fresh = new_dropin()  # a loader of this version adopts the state's order
+    fresh.restore_state_rank(state)
+    got = [int(x) for epoch in range(2) for batch in fresh for x in batch[:, 0]]
+    perms = [np.random.Generator(np.random.PCG64(derive_seed(7, "permutation", e))).permutation(40) for e in (0, 1)]
+    assert got == perms[0][state.position.consumed :].tolist() + perms[1].tolist()
+    assert fresh.save_state_rank().config.order_algorithm == "numpy-permutation"  # and it is written on
+
+
+def test_new_drop_in_states_write_the_feistel_order() -> None:
+    assert new_dropin().save_state_rank().config.order_algorithm == "feistel-1"
+
+
+def new_dropin() -> sl.SavableDataLoader:
+    """The fixture's drop-in loader as this version builds it (no older state restored)."""
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=7)
+    return sl.SavableDataLoader(RandomMapDataset(40), batch_size=4, shuffle=True, worker_config=wc)
 
 
 def test_newer_schema_asks_to_upgrade() -> None:

@@ -31,6 +31,7 @@ GOLDEN = [
     ("worker_seed", S.worker_seed(7, 1, 2), 8296181787550485606),
     ("worker_epoch_seed", S.worker_epoch_seed(7, 1, 2, 3, (4,)), 9593139345557521410),
     ("draw", S.draw(12345, 6), 2262534019502804546),
+    ("feistel_key", S.feistel_key(7, 3), 12199752852984971372),
     ("shard_order_seed", S.shard_order_seed(7, (3, 1)), 13128273705462840260),
     ("shard_samples_seed", S.shard_samples_seed(7, (3, 1), 5), 7841282420573183072),
     ("torch_iterable_base", S.torch_iterable_base(7, 1, 2, 3, (4,)), 17581849285874706381),

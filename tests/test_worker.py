@@ -359,6 +359,73 @@ def test_snapshot_budget_controls_snapshot_count(budget, taken, monkeypatch):
     assert rt.snapshot_seconds > 0
 
 
+def test_snapshot_policy_bounds_the_replay_by_the_cold_start():
+    due = worker_module.snapshot_due
+    frac, floor_s, floor_k = (worker_module.REPLAY_FRACTION, worker_module.REPLAY_FLOOR_SECONDS,
+                              worker_module.REPLAY_FLOOR_SNAPSHOTS)
+    assert (frac, floor_s, floor_k) == (0.15, 0.02, 3)  # the values the bench measured
+    # the budget: 2 % of the work pays for the last snapshot's cost (0.1 ms: under the floors)
+    assert due(work=0.006, cost=0.0001, cold=0.0) and not due(work=0.004, cost=0.0001, cold=0.0)
+    # a costly snapshot (10 ms) next to a 1 s cold start: due after 0.15 s of work, not 0.5 s
+    assert not due(work=0.14, cost=0.01, cold=1.0) and due(work=0.16, cost=0.01, cold=1.0)
+    # ... but never after less than 3 snapshot costs (at most a quarter of the time) ...
+    assert not due(work=0.2, cost=0.08, cold=0.1) and due(work=0.25, cost=0.08, cold=0.1)
+    # ... except after a run's first snapshot, whose cost includes first touches
+    assert due(work=0.03, cost=0.08, cold=0.1, first=True)
+    # ... nor after less than 20 ms: a cheap state keeps to the budget
+    assert not due(work=0.015, cost=0.002, cold=0.01) and due(work=0.025, cost=0.002, cold=0.01)
+
+
+@pytest.mark.parametrize("at", range(1, N + 1))
+def test_a_restored_run_takes_no_snapshot_while_it_replays(at, monkeypatch):
+    # save after `at` samples of a run whose only snapshot is its first (zero budget):
+    # the restore starts from that snapshot and replays `at - 1` samples
+    monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", 0.0)
+    ref = reference()
+    rt = runtime(stateful_pipeline(), max_in_flight=10**6)
+    run = rt.run(0, 0, None)
+    for _ in range(at):
+        next(run)
+    start = rt.checkpoint(0, at)
+    assert (start.snapshot_index, start.skip) == (1, at - 1)
+    # a huge budget would snapshot before every sample if the restored snapshot's cost
+    # counted as 0 (as a fresh run's first does): a restored run waits for the replay bound
+    monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", 1e12)
+    monkeypatch.setattr(worker_module, "REPLAY_FLOOR_SECONDS", 3600.0)  # not reached, even under load
+    restored = runtime(stateful_pipeline(), max_in_flight=10**6)
+    items = list(restored.run(0, 0, start))
+    assert_streams(ref[at:], items, f"restored after {at}")
+    assert restored.snapshots_taken == 0
+    # once the replay bound is reached, snapshots resume (and the stream stays exact)
+    monkeypatch.setattr(worker_module, "REPLAY_FLOOR_SECONDS", 0.0)
+    again = runtime(stateful_pipeline(), max_in_flight=10**6)
+    items = list(again.run(0, 0, start))
+    assert_streams(ref[at:], items, f"restored after {at}, snapshots on")
+    snaps = [i for i in range(N + 1) if again.ring.find(i) is not None and again.ring.find(i)[0] == i]
+    # the restored snapshot, then none while replaying (samples 2..at), then every sample
+    # once the replay reached 0.3 x the cold start (timing decides which sample that is)
+    assert snaps[0] == 1 and all(i > at for i in snaps[1:]), snaps
+    assert at == N or (again.snapshots_taken >= 1 and snaps[-1] == N), snaps
+
+
+def test_snapshot_policy_after_a_restore_waits_for_the_replay_bound():
+    due = worker_module.snapshot_due
+    assert due(work=10.0, cost=0.0, cold=1000.0)  # a fresh run's first: the budget pays
+    assert not due(work=0.015, cost=None, cold=0.0) and due(work=0.025, cost=None, cold=0.0)
+    assert not due(work=0.14, cost=None, cold=1.0) and due(work=0.16, cost=None, cold=1.0)
+
+
+def test_the_cold_start_counts_from_the_plan():
+    rt = runtime(stateful_pipeline())
+    list(rt.run(0, 0, None, started=time.monotonic() - 2.0))  # a process start of 2 s
+    assert 2.0 <= rt.cold_seconds < 60
+    list(rt.run(1, 0, None, started=time.monotonic() - 9.0))  # measured once per context
+    assert rt.cold_seconds < 9.0
+    fresh = runtime(stateful_pipeline())
+    list(fresh.run(0, 0, None))
+    assert 0 < fresh.cold_seconds < 2.0
+
+
 def test_run_as_another_logical_worker():
     items = list(runtime(plain_pipeline(num_workers=3)).run(0, 2, None))
     assert [(w, i) for w, i, _, _ in items[:-1]] == [(2, i) for i in range(4)]
@@ -400,3 +467,38 @@ def test_pipeline_worker_dataset_pickles_lambda_and_plan():
     assert loaded.runtime.epoch == 4 and loaded.runtime.worker_id == 0
     assert [int(s[0]) for _, _, _, s in second[:-1]] == [0, 20, 40, 60, 80, 100, 120]
     assert second[-1] == (0, END, None, 7)
+
+
+def test_saves_of_a_restored_loader_before_its_first_snapshot_restore_exactly(monkeypatch):
+    # The original run snapshots only its first sample (zero budget); restored runs take
+    # none (the replay bound is out of reach): every save of a restored loader is the
+    # restored snapshot plus a growing skip, and must restore to the same continuation.
+    monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", 0.0)
+    monkeypatch.setattr(worker_module, "REPLAY_FLOOR_SECONDS", 3600.0)  # forked workers inherit
+
+    def make() -> sl.SavableDataLoader:
+        ds = stateful_pipeline(num_workers=2, n=24)
+        return sl.SavableDataLoader(ds, batch_size=None, worker_config=ds.worker_config,
+                                    multiprocessing_context="fork", timeout=60)
+
+    ref = list(make())
+    assert len(ref) == 24
+    for k in (1, 11):
+        first = make()
+        it = iter(first)
+        for _ in range(k):
+            next(it)
+        state = first.save_state_rank()
+        del it
+        restored = make()
+        restored.restore_state_rank(state)
+        it = iter(restored)
+        for j in range(len(ref) - k + 1):
+            again = restored.save_state_rank()
+            assert again.position.workers[0].snapshot_index <= 1  # still the first snapshot
+            third = make()
+            third.restore_state_rank(again)
+            assert_streams(ref[k + j :], list(third), f"saved {j} after a restore at {k}")
+            if k + j < len(ref):
+                assert_same(next(it), ref[k + j], f"restored at {k}, item {j}")
+        del it

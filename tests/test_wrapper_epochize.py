@@ -3,10 +3,15 @@ restores, fresh and persistent worker processes."""
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
+import msgspec
 import pytest
 import torch
 
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
+from savable_loader.state import decode, encode
 from savable_loader.wrappers import (
     EpochizeDataset,
     EpochizeReplayWarning,
@@ -79,7 +84,9 @@ def test_epochs_continue_the_stream(num_workers, persistent):
         assert per_worker[w] == worker_stream(N, w, workers, len(per_worker[w]))
 
 
-def test_no_replay_in_process_and_replay_after_a_boundary_restore():
+def recording() -> tuple[list[int], list[EpochizeDataset], Any]:
+    """In-process loaders over one stream that record every inner sample pulled: the
+    pulled values, the wrappers built and the factory."""
     pulled: list[int] = []
     built: list[EpochizeDataset] = []
 
@@ -89,37 +96,82 @@ def test_no_replay_in_process_and_replay_after_a_boundary_restore():
         built.append(EpochizeDataset(inner, LENGTH))
         return make_loader(built[-1])
 
+    return pulled, built, factory
+
+
+def test_no_replay_in_process_nor_after_a_boundary_restore():
+    pulled, built, factory = recording()
     loader = factory()
     reference = epochs_of(loader, 3)
     # the same inner iterator went on across epochs: every inner sample produced once
     assert pulled == worker_stream(N, 0, 1, 3 * LENGTH)
     state = loader.save_state_rank()  # between epochs: epoch 3 about to start
+    assert state.position.epoch == 3 and state.position.workers[0].carried is not None
     pulled.clear()
     fresh = factory()
     fresh.restore_state_rank(state)
-    it = iter(fresh)
-    with pytest.warns(EpochizeReplayWarning, match="replayed 15 inner samples to rebuild the start of epoch 3 for worker 0"):
-        nxt = [int(next(it)[0])]
-    del it
-    assert built[1].replayed == 15 and built[0].replayed == 0
-    # a fresh object replays 3 epochs' worth of inner samples, then continues the stream
-    assert pulled == worker_stream(N, 0, 1, 3 * LENGTH + 1)
-    assert nxt == [worker_stream(N, 0, 1, 3 * LENGTH + 1)[-1]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EpochizeReplayWarning)
+        nxt = [int(x[0]) for x in fresh]
+    # the carried end state of epoch 2: epoch 3 goes on at once, nothing replayed
+    assert built[1].replayed == 0 and built[0].replayed == 0
+    assert pulled == nxt == worker_stream(N, 0, 1, 4 * LENGTH)[3 * LENGTH :]
     assert ids(reference[2])[-1] == worker_stream(N, 0, 1, 3 * LENGTH)[-1]
+
+
+def test_a_boundary_state_without_its_carried_end_replays_exactly():
+    # states saved between epochs by earlier versions had no carried end state
+    pulled, built, factory = recording()
+    loader = factory()
+    reference = epochs_of(loader, 4)
+    state = loader.save_state_rank()
+    old = msgspec.structs.replace(state, position=msgspec.structs.replace(
+        state.position, workers=[msgspec.structs.replace(w, carried=None) for w in state.position.workers]))
+    old = decode(encode(old))
+    fresh = factory()
+    fresh.restore_state_rank(old)
+    pulled.clear()
+    it = iter(fresh)
+    with pytest.warns(EpochizeReplayWarning, match="replayed 20 inner samples to rebuild the start of epoch 4 for worker 0"):
+        first = next(it)
+    assert built[1].replayed == 20
+    assert pulled == worker_stream(N, 0, 1, 4 * LENGTH + 1)
+    assert int(first[0]) == worker_stream(N, 0, 1, 4 * LENGTH + 1)[-1]
+    assert ids(reference[3])[-1] == worker_stream(N, 0, 1, 4 * LENGTH)[-1]
 
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_inner_samples_produced_in_worker_processes(persistent, tmp_path):
-    # a log inside the wrapper records every inner sample a worker produces, replays too
+    # a log inside the wrapper records every inner sample a worker produces, replays too:
+    # fresh worker processes every epoch produce each inner sample once, as persistent ones
     wc = make_wc(2)
     inner = LogSampleDataset(RepeatDataset(RangeSource(N, wc)), tmp_path)
     loader = make_loader(EpochizeDataset(inner, LENGTH), persistent_workers=persistent)
-    epochs_of(loader, 3)
+    epochs = 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EpochizeReplayWarning)
+        streams = epochs_of(loader, epochs)
+    assert [len(e) for e in streams] == [LENGTH] * epochs
     for w, per_epoch in enumerate((3, 2)):  # LENGTH 5 over 2 workers
         with open(tmp_path / f"rank0-worker{w}.jsonl") as f:
             produced = sum(1 for _ in f)
-        # persistent: each inner sample once; fresh processes: epoch e replays e epochs
-        assert produced == (3 * per_epoch if persistent else (1 + 2 + 3) * per_epoch)
+        assert produced == epochs * per_epoch
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "policy", "persistent"),
+    [(2, "default", False), (2, "every", False), (0, "default", False), (0, "every", False), (2, "every", True)],
+)
+def test_resume_at_every_step_without_replay(num_workers, policy, persistent, monkeypatch):
+    # every save point (mid-epoch and between epochs) of 4 epochs; no restore replays an
+    # earlier epoch ("every": a snapshot after each sample, so that states saved right
+    # after a worker's last sample hold its end state; persistent workers restored with a
+    # rotation are replaced by new ones for the next epoch, which restore the end states)
+    set_snapshot_policy(monkeypatch, policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EpochizeReplayWarning)
+        factory = lambda: epochized(num_workers, persistent_workers=persistent)
+        assert check_resume_everywhere(factory, 4) >= 4 * LENGTH
 
 
 @pytest.mark.parametrize(
@@ -203,3 +255,20 @@ def test_over_an_iterable_source_with_packing():
     fresh = _packed_stream(2)
     for key, row in run:
         assert_same(fresh.restore_sample(str(key)), row, str(key))
+
+
+@pytest.mark.parametrize(("n", "length", "limit"), [(2, 1, 5), (2, 2, 4), (3, 1, 7)])
+def test_inside_a_repeat_resumes_at_epoch_boundaries(n, length, limit):
+    # Found by tests/test_pipeline_properties.py: an EpochizeDataset inside a
+    # RepeatDataset kept (in-process) the inner stream it had built under the last pass's
+    # seeds across the loader's epoch boundary, while a restore there rebuilt it outside
+    # any pass: the next epoch drew another dataset of the blend first. The carry now
+    # serves only a reset in the context (repetitions) it was made in.
+    from savable_loader.wrappers import BlendDataset, LimitDataset
+
+    def make():
+        wc = make_wc(0)
+        blend = BlendDataset([RangeSource(n, wc), RangeSource(n, wc)])
+        return make_loader(LimitDataset(RepeatDataset(EpochizeDataset(blend, length)), limit))
+
+    assert check_resume_everywhere(make, 2) == 2 * limit + 3

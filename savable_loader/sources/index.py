@@ -1,8 +1,11 @@
 """The index source of the drop-in path: epochs of a map-style dataset as batch keys.
 
 For epoch ``e`` the global order is a permutation of ``range(len(dataset))`` drawn from
-``(seed, e)`` (the identity without ``shuffle``). If the dataset does not split evenly
-over ``world_size`` ranks, the order is padded by wrapping around to its start, as
+``(seed, e)`` (the identity without ``shuffle``): a keyed bijection evaluated position by
+position, so that no part of the drop-in path holds O(len(dataset)) memory or spends
+O(len(dataset)) time before a batch (``savable_loader/_permutation.py``). If the dataset
+does not split evenly over ``world_size`` ranks, the order is padded by wrapping around
+to its start (position ``p`` holds the sample of position ``p % N``), as
 ``torch.utils.data.DistributedSampler`` does, so every rank gets ``ceil(N / world_size)``
 samples; rank ``r`` takes global positions ``r, r + W, r + 2W, ...``. The rank's share
 is cut into batches; with ``drop_last`` the last, shorter batch is dropped. An epoch
@@ -28,9 +31,10 @@ import cloudpickle
 import numpy as np
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
-from savable_loader._elastic import epoch_length, rank_share, share_length
+from savable_loader._elastic import Share, epoch_length, rank_share, share_length
 from savable_loader._owned_rng import OwnedRngs
-from savable_loader._seeds import collate_seed, owned_stream_seed, permutation_seed, sample_base, sample_item
+from savable_loader._permutation import ORDER_FEISTEL, EpochOrder
+from savable_loader._seeds import collate_seed, owned_stream_seed, sample_base, sample_item
 from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import (
     SEED_FORMULA,
@@ -59,11 +63,21 @@ class BatchKey:
 class IndexPlan:
     """The per-epoch order of one rank's samples and its cutting into batches.
 
+    Nothing here grows with the dataset: the order is evaluated per position
+    (:class:`~savable_loader._permutation.EpochOrder`; ``order_algorithm`` is
+    ``"feistel-1"`` for new loaders, ``"numpy-permutation"`` after restoring a state of an
+    earlier version), a rank's share is a ``range`` or, after a world-size change, a lazy
+    :class:`~savable_loader._elastic.Share`, and batch keys are made a chunk of positions
+    at a time (one batch first, then doubling up to ``CHUNK``).
+
     Example::
 
         plan = IndexPlan(10, seed=0, shuffle=True, rank=1, world_size=2, batch_size=2, drop_last=False)
         [k.positions for k in plan.batches(epoch=0, start=0)]   # [(1, 3), (5, 7), (9,)]
     """
+
+    #: Positions whose dataset indices are computed together (one vectorised call).
+    CHUNK = 4096
 
     def __init__(
         self,
@@ -75,6 +89,7 @@ class IndexPlan:
         world_size: int,
         batch_size: int | None,
         drop_last: bool,
+        order_algorithm: str = ORDER_FEISTEL,
     ) -> None:
         self.dataset_len = dataset_len
         self.seed = seed
@@ -83,23 +98,16 @@ class IndexPlan:
         self.world_size = world_size
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self._cache: tuple[int, np.ndarray] | None = None
-        self._shares: dict[Any, range | np.ndarray] = {}
+        self.order_algorithm = order_algorithm
+        self._order: EpochOrder | None = None
 
-    def share(self, stages: tuple[IndexStage, ...] = ()) -> range | np.ndarray:
-        """This rank's global positions of an epoch (after ``stages``), in order."""
-        if not stages:
-            return rank_share(self.dataset_len, self.world_size, self.rank, ())
-        key = tuple((s.world_size, tuple(s.consumed)) for s in stages)
-        if key not in self._shares:
-            self._shares = {key: rank_share(self.dataset_len, self.world_size, self.rank, stages)}
-        return self._shares[key]
+    def share(self, stages: tuple[IndexStage, ...] = ()) -> range | Share:
+        """This rank's global positions of an epoch (after ``stages``), in order (lazy)."""
+        return rank_share(self.dataset_len, self.world_size, self.rank, stages)
 
     def rank_len(self, stages: tuple[IndexStage, ...] = ()) -> int:
         """Samples of this rank's share of an epoch (after padding)."""
-        if not stages:
-            return share_length(self.dataset_len, self.world_size, self.rank, ())
-        return len(self.share(stages))
+        return share_length(self.dataset_len, self.world_size, self.rank, stages)
 
     @property
     def step(self) -> int:
@@ -121,32 +129,45 @@ class IndexPlan:
         """Items (batches) this rank yields in a whole epoch."""
         return math.ceil(self.epoch_len(stages) / self.step)
 
-    def global_order(self, epoch: int) -> np.ndarray:
-        """The dataset indices of ``epoch`` in global order (not padded)."""
-        if self._cache is not None and self._cache[0] == epoch:
-            return self._cache[1]
-        if self.shuffle:
-            rng = np.random.Generator(np.random.PCG64(permutation_seed(self.seed, epoch)))
-            order = rng.permutation(self.dataset_len)
-        else:
-            order = np.arange(self.dataset_len)
-        self._cache = (epoch, order)
+    def order(self, epoch: int, algorithm: str | None = None) -> EpochOrder:
+        """The order of ``epoch`` (by default with this plan's ``order_algorithm``)."""
+        algorithm = self.order_algorithm if algorithm is None else algorithm
+        cached = self._order  # one read: the sampler and a restore_sample may race
+        if cached is not None and cached.epoch == epoch and cached.algorithm == algorithm:
+            return cached
+        order = EpochOrder(algorithm, self.dataset_len, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        self._order = order
         return order
 
-    def key(self, epoch: int, positions: Any) -> BatchKey:
+    def global_order(self, epoch: int) -> np.ndarray:
+        """The dataset indices of ``epoch`` in global order (not padded), materialised:
+        O(N) memory, for tests and inspection only."""
+        return self.order(epoch)(np.arange(self.dataset_len, dtype=np.int64))
+
+    def key(self, epoch: int, positions: Any, algorithm: str | None = None) -> BatchKey:
         """The batch key of the global ``positions`` of ``epoch``."""
-        order = self.global_order(epoch)
-        n = self.dataset_len
         positions = tuple(int(p) for p in positions)
-        return BatchKey(epoch, positions, tuple(int(order[p % n]) for p in positions))
+        indices = self.order(epoch, algorithm)(np.asarray(positions, dtype=np.int64)).tolist()
+        return BatchKey(epoch, positions, tuple(indices))
 
     def batches(self, epoch: int, start: int, stages: tuple[IndexStage, ...] = ()) -> Iterator[BatchKey]:
         """Batch keys of ``epoch`` from the ``start``-th sample of this rank on."""
         share = self.share(stages)
         end = self.epoch_len(stages)
         step = self.step
-        for first in range(start, end, step):
-            yield self.key(epoch, share[first : min(first + step, end)])
+        most = max(step, self.CHUNK // step * step)  # whole batches (start is a batch boundary)
+        chunk = step  # the first batch comes at once; chunks double up to `most`
+        order = self.order(epoch)
+        first = start
+        while first < end:
+            last = min(first + chunk, end)
+            part = share[first:last]
+            positions = np.arange(part.start, part.stop, part.step) if isinstance(part, range) else np.asarray(part)
+            pos = positions.tolist()
+            idx = order(positions).tolist()
+            for b in range(0, last - first, step):
+                yield BatchKey(epoch, tuple(pos[b : b + step]), tuple(idx[b : b + step]))
+            first, chunk = last, min(2 * chunk, most)
 
 
 class IndexSampler(Sampler[BatchKey]):
@@ -187,7 +208,10 @@ class IndexedDataset(Dataset):
     function runs after re-seeding from the batch's first position. A dataset with
     ``__getitems__`` of its own (as torch's fetcher uses it; not torch's ``Subset`` or
     ``StackDataset`` forwarding, which index per sample) gets the whole batch in one
-    call, after one re-seed from the first position. In the main process (``num_workers=0``) the
+    call, after one re-seed from the first position; with ``reseed="batch"`` every dataset
+    does (one re-seed before the batch's first sample, the samples then drawing in turn:
+    for samples of a few microseconds, where re-seeding three generators per sample would
+    cost as much as the sample). In the main process (``num_workers=0``) the
     caller's RNG streams are saved and put back around the batch. ``user_dataset`` is the
     user's dataset (in a worker: the worker's copy, which ``get_worker_info().dataset``
     shows).
@@ -207,6 +231,7 @@ class IndexedDataset(Dataset):
         *,
         salt: tuple[int | str, ...] = ("sample",),
         seed_formula: int = SEED_FORMULA,
+        reseed: str = "sample",
     ) -> None:
         self.dataset = dataset
         self.seed = seed
@@ -214,6 +239,7 @@ class IndexedDataset(Dataset):
         self.batched = batched
         self.salt = salt
         self.seed_formula = seed_formula
+        self.reseed = reseed
 
     @property
     def user_dataset(self) -> Any:
@@ -225,12 +251,12 @@ class IndexedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         # cloudpickle carries lambdas and local classes to spawn/forkserver workers.
-        fields = (self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula)
+        fields = (self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula, self.reseed)
         return {"payload": cloudpickle.dumps(fields)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         fields = cloudpickle.loads(state["payload"])
-        self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula = fields
+        self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula, self.reseed = fields
 
     def build(self, key: BatchKey) -> Any:
         """The batch (or sample, when unbatched) that ``key`` names."""
@@ -239,10 +265,10 @@ class IndexedDataset(Dataset):
         formula = self.seed_formula
         owned = OwnedRngs.cached(self.__dict__, dataset, self.collate_fn, self._owned_seed(), key.epoch)
         many = _own_getitems(dataset) if self.batched else None
-        if many is not None:
+        if many is not None or self.reseed == "batch":
             seed_global(sample_item(base, key.positions[0], formula))
             owned.seed_sample(key.positions[0])
-            samples = many(list(key.indices))
+            samples = many(list(key.indices)) if many is not None else [dataset[index] for index in key.indices]
         else:
             samples = []
             for position, index in zip(key.positions, key.indices):

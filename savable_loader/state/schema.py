@@ -28,6 +28,7 @@ __all__ = [
     "RankState",
     "RestoreKey",
     "SamplerState",
+    "TupleValue",
     "WorkerState",
 ]
 
@@ -40,14 +41,20 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class ArrayValue:
-    """A tensor or NumPy array inside a dataset state: library, dtype, shape, raw bytes.
+    """A tensor, NumPy array or NumPy scalar inside a dataset state: library, dtype,
+    shape, raw bytes.
 
-    Stored as a MessagePack extension (code 1), never as a pickle. A plain class rather
-    than a Struct so that msgspec hands it to the codec's extension hook.
+    ``library`` is ``"torch"``, ``"numpy"`` or ``"numpy-scalar"`` (a NumPy scalar such as
+    ``np.float32(1.5)``, shape ``()``; dtypes ``"str"`` and ``"bytes"`` hold ``np.str_``
+    as UTF-8 and ``np.bytes_`` as they are). Data is little-endian, except for NumPy
+    dtypes written with a leading ``">"`` (big-endian arrays). Stored as a MessagePack
+    extension (code 1), never as a pickle. A plain class rather than a Struct so that
+    msgspec hands it to the codec's extension hook.
 
     Example::
 
         ArrayValue(library="numpy", dtype="int64", shape=(2,), data=np.arange(2).tobytes())
+        ArrayValue(library="numpy-scalar", dtype="float32", shape=(), data=b"\x00\x00\xc0?")  # 1.5
     """
 
     __slots__ = ("data", "dtype", "library", "shape")
@@ -71,11 +78,39 @@ class ArrayValue:
         return f"ArrayValue(library={self.library!r}, dtype={self.dtype!r}, shape={self.shape}, {len(self.data)} bytes)"
 
 
+class TupleValue:
+    """A tuple inside a dataset state (MessagePack arrays decode as lists): its items.
+
+    Stored as a MessagePack extension (code 2) whose payload is the MessagePack array of
+    the items, so a tuple comes back as a tuple.
+
+    Example::
+
+        TupleValue([1, "a", [2, 3]])   # the state form of (1, "a", [2, 3])
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = list(items)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TupleValue):
+            return NotImplemented
+        return self.items == other.items
+
+    __hash__ = None  # type: ignore[assignment]  # holds lists
+
+    def __repr__(self) -> str:
+        return f"TupleValue({self.items!r})"
+
+
 class DatasetState(msgspec.Struct, kw_only=True):
     """One node of a pipeline's state tree, tagged with the class that made it.
 
     ``fields`` holds plain values (None, bool, int, float, str, bytes, lists, dicts,
-    :class:`ArrayValue`); ``children`` the states of the datasets this one wraps.
+    :class:`ArrayValue`, :class:`TupleValue`); ``children`` the states of the datasets
+    this one wraps.
 
     Example::
 
@@ -111,6 +146,16 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     #: Drop-in path: ``""`` when the loader builds the order itself, else the qualified
     #: class name of the sampler (or batch sampler) that decides it.
     sampler: str = ""
+    #: Drop-in path: when the global (and dataset-owned) RNGs are re-seeded, ``"sample"``
+    #: (before every sample; the default, and all earlier versions did) or ``"batch"``
+    #: (before every batch's first sample: ``SavableDataLoader(reseed="batch")``).
+    reseed: str = "sample"
+    #: How the drop-in path orders an epoch (pipelines have no order and keep the
+    #: default). ``"numpy-permutation"``: a materialised ``Generator.permutation``, the
+    #: only order before this field existed, hence the default, so that older states keep
+    #: their stream; ``"feistel-1"``: the constant-memory keyed bijection of
+    #: ``savable_loader/_permutation.py``, which new drop-in loaders write.
+    order_algorithm: str = "numpy-permutation"
 
 
 class IndexStage(msgspec.Struct, kw_only=True, frozen=True):
@@ -182,7 +227,14 @@ class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
     ``index`` samples of the epoch were yielded from this worker. ``dataset`` is the
     pipeline state captured after ``snapshot_index`` samples (None: the epoch's start,
     ``snapshot_index`` 0); a restore puts it back and replays ``index - snapshot_index``
-    samples (the skip offset). ``exhausted``: the worker had no more data this epoch.
+    samples (the skip offset). ``exhausted``: the worker had no more data this epoch
+    (``dataset`` is then its state at the end of the epoch, when the pipeline carries
+    state across epochs, else None).
+
+    ``carried`` (with ``dataset`` None, pipelines with an ``EpochizeDataset``): the
+    worker's pipeline state at the end of the previous epoch, which this epoch goes on
+    from; the worker restores it and then starts the epoch, instead of replaying the
+    earlier epochs. None: the epoch starts from scratch.
 
     Example::
 
@@ -195,6 +247,7 @@ class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
     snapshot_index: NonNeg
     dataset: DatasetState | None = None
     exhausted: bool = False
+    carried: DatasetState | None = None
 
     @property
     def skip(self) -> int:
@@ -267,7 +320,8 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     ``world_size`` and ``num_workers`` for ``"pipeline"`` keys (the sources split the data
     by them). Keys made before these fields existed have them None: an ``"index"`` key
     without ``shuffle`` is refused (it cannot tell which order it names), the others are
-    checked as before.
+    checked as before. ``order_algorithm``: which shuffle the positions of an ``"index"``
+    key refer to; a loader rebuilds a key with the key's own order.
 
     Example::
 
@@ -289,6 +343,12 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     batched: bool | None = None
     world_size: Positive | None = None
     num_workers: NonNeg | None = None
+    #: ``"index"`` keys: the epoch order the positions refer to (see
+    #: ``LoaderConfig.order_algorithm``; keys made before the field existed: the default,
+    #: which is also left out of ``str(key)``).
+    order_algorithm: str = "numpy-permutation"
+    #: ``"index"`` keys: ``LoaderConfig.reseed`` of the loader that made the key.
+    reseed: str = "sample"
 
     def __str__(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from savable_loader.config import _ActiveWorker
+from savable_loader.config import _ActiveWorker, active_repetitions
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers.base import BaseWrapperDataset
@@ -37,16 +37,23 @@ class EpochizeDataset(BaseWrapperDataset):
 
     How the inner position crosses an epoch boundary: the loader resets the whole
     pipeline at the start of every epoch (``reset_state_deep()``); this wrapper resets
-    only its own counter there and keeps the inner dataset, and its live iterator, as
-    they were at the end of the previous epoch, provided that the same object ran that
-    epoch for the same logical worker (in-process loading, persistent workers). Otherwise
-    (a fresh worker process: ``persistent_workers=False``; a restore at an epoch boundary;
-    a worker rotation after a restore) it rebuilds the inner position deterministically:
-    it resets the inner dataset as in epoch 0 and replays ``e`` epochs' worth of inner
-    samples before yielding. The replay costs the inner
-    samples' loading time (``replayed`` counts them; an ``EpochizeReplayWarning`` says so),
-    so prefer ``persistent_workers=True`` with this wrapper. It is
-    exact when the inner pipeline's state does not depend on global random draws other
+    only its own counter there and keeps the inner dataset as it was at the end of the
+    previous epoch. The same object goes on with its live iterator when it ran that epoch
+    for the same logical worker (in-process loading, persistent workers). A fresh worker
+    process (``persistent_workers=False``, or a restore) goes on from the worker's state
+    at the previous epoch's end: each worker sends that state with its end of epoch
+    (``carries_across_epochs``), the main process keeps it (also in the states it saves
+    between epochs and early in the next one, as ``WorkerState.carried``) and hands it to
+    the next epoch's worker, which restores it before the epoch starts. (Persistent
+    workers that a restore started rotated, so that they play other logical workers than
+    the next epoch's, are replaced by new ones for that epoch.) Nothing is replayed,
+    whatever the number of epochs.
+
+    Only when no such state exists — an abandoned (``break``) epoch, a state saved
+    between epochs by an earlier version — it rebuilds the inner position deterministically: it resets the inner
+    dataset as in epoch 0 and replays ``e`` epochs' worth of inner samples before
+    yielding (``replayed`` counts them; an ``EpochizeReplayWarning`` says so). The replay
+    is exact when the inner pipeline's state does not depend on global random draws other
     than those re-seeded by restore keys (keyed sources, the library's wrappers).
     Mid-epoch states hold the inner state itself and need no replay.
 
@@ -66,6 +73,7 @@ class EpochizeDataset(BaseWrapperDataset):
     """
 
     _savable_fields = ("count", "ended", "passes")
+    carries_across_epochs = True
 
     def __init__(self, dataset: SavableDataset, length: int) -> None:
         super().__init__(dataset)
@@ -73,8 +81,11 @@ class EpochizeDataset(BaseWrapperDataset):
             raise LoaderUsageError(f"EpochizeDataset length must be a non-negative int, got {length!r}")
         self.length = length
         self._inner_it: Iterator[Any] | None = None
-        # (logical worker, epoch) whose start the live inner state is at, if any.
-        self._carry: tuple[int, int] | None = None
+        # (logical worker, epoch, enclosing repetitions) whose start the live inner state
+        # is at, if any. The repetitions count: inside a RepeatDataset the inner state was
+        # built under the pass's seeds, which a rebuild at the loader's epoch start (no
+        # pass) would not reproduce, so the carry only serves a reset in the same context.
+        self._carry: tuple[int, int, tuple[int, ...]] | None = None
         #: Inner samples this object replayed to rebuild epoch starts (not state).
         self.replayed = 0
         self.passes = 0
@@ -108,7 +119,7 @@ class EpochizeDataset(BaseWrapperDataset):
         otherwise rebuild it (see the class docstring)."""
         wc = self.worker_config
         worker, epoch = wc.rank_worker_id(), wc.active_epoch()
-        if self._carry == (worker, epoch):
+        if self._carry == (worker, epoch, active_repetitions()):
             self._carry = None
             self._begin_epoch()
             return
@@ -130,8 +141,8 @@ class EpochizeDataset(BaseWrapperDataset):
         if replayed:
             warnings.warn(
                 f"EpochizeDataset replayed {replayed} inner samples to rebuild the start of epoch {epoch} "
-                f"for worker {worker} (a fresh worker process or a restore at an epoch boundary); "
-                "with persistent_workers=True consecutive epochs go on without replaying",
+                f"for worker {worker}: no end state of epoch {epoch - 1} was at hand (an abandoned epoch, "
+                "or a state saved between epochs by an earlier version)",
                 EpochizeReplayWarning,
                 stacklevel=2,
             )
@@ -140,6 +151,10 @@ class EpochizeDataset(BaseWrapperDataset):
         self._inner_it = None
         self._carry = None
         super().restore_state(state)
+        if state is not None and (self.ended or self.count >= self.worker_length()):
+            # the state of a finished epoch (a carried end state): the next epoch goes on
+            # from it, as after running that epoch here
+            self._set_carry()
 
     def _restart_inner(self) -> None:
         self._inner_it = None
@@ -184,7 +199,7 @@ class EpochizeDataset(BaseWrapperDataset):
 
     def _set_carry(self) -> None:
         wc = self.worker_config
-        self._carry = (wc.rank_worker_id(), wc.active_epoch() + 1)
+        self._carry = (wc.rank_worker_id(), wc.active_epoch() + 1, active_repetitions())
 
     def __iter__(self) -> Iterator[Any]:
         return self._run()

@@ -39,11 +39,12 @@ def _double(x: Any) -> Any:
 
 def _seed_formula_1(loader: sl.SavableDataLoader) -> sl.SavableDataLoader:
     """The schema-1 states were written with per-item seed formula 1 (all 64 bits; the
-    ``seed_formula`` field did not exist yet), which a restore of them keeps. The
-    factories make loaders that use it too, through the public API: restoring a start
-    state that records formula 1."""
+    ``seed_formula`` field did not exist yet) and, on the drop-in path, the materialised
+    numpy permutation (``order_algorithm`` did not exist either), which a restore of them
+    keeps. The factories make loaders that use them too, through the public API:
+    restoring a start state that records both."""
     start = loader.save_state_rank()
-    config = msgspec.structs.replace(start.config, seed_formula=1)
+    config = msgspec.structs.replace(start.config, seed_formula=1, order_algorithm="numpy-permutation")
     loader.restore_state_rank(msgspec.structs.replace(start, config=config))
     return loader
 
