@@ -2,9 +2,9 @@
 after step 10 and a resume from the step-8 checkpoint give the uninterrupted run's
 batches and losses, on 1 and 2 processes (CPU, gloo).
 
-Lightning and Accelerate are not dependencies: these tests skip when they are not
-installed (the docs test runs the recipes' hooks without them). Install both into a
-virtual environment to run them.
+Lightning and Accelerate are not dependencies of the package; the `test` extra installs
+them (these tests skip where they are missing; the docs test runs the recipes' hooks
+without them).
 """
 
 from __future__ import annotations
