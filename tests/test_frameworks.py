@@ -33,9 +33,8 @@ RUN_TIMEOUT = 300
 pytestmark = pytest.mark.timeout(900)
 
 # Why a scenario fails today (strict: each flips to a failure once it passes).
-lightning_ddp = ("#15 phase 2: Lightning rebuilds a loader whose sampler is not a DistributedSampler (with the "
-                 "arguments it recorded for torch's DataLoader: generator=...), and its checkpoint holds rank 0's "
-                 "loader state only")
+lightning_ddp = ("#14 + #15 phase 2: Lightning rebuilds a loader whose sampler is not a DistributedSampler, "
+                 "passing sampler= (refused today), and its checkpoint holds rank 0's loader state only")
 fabric_ddp = "#15 phase 2: Fabric rebuilds a loader whose sampler is not a DistributedSampler"
 rank_zero = "#15 phase 2: Accelerate saves registered objects from the main process only (rank 0's loader state)"
 rebuilt = ("#15 phase 2: Accelerate rebuilds a plain DataLoader from the loader's attributes; today an "
