@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,7 +188,7 @@ def test_dcp_under_torchrun(tmp_path, procs):
 
 def test_docs_dcp_block_under_torchrun(tmp_path):
     """docs/recipes.md's DCP block, after the page's setup block, on 2 ranks."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "recipes.md").read_text(), flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "recipes.md").read_text(), flags=re.DOTALL)
     dcp_block = next(b for b in blocks if "dcp.save(" in b)
     script = tmp_path / "dcp_block.py"
     script.write_text(f"{blocks[0]}\n{dcp_block}\nprint(f'rank {{dist.get_rank()}} of {{dist.get_world_size()}} ok')\n")

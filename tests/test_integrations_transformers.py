@@ -50,9 +50,9 @@ class Points(torch.utils.data.Dataset):
 
 
 def _args(tmp_path, **kw) -> transformers.TrainingArguments:
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=12, save_strategy="steps",
-                save_steps=2, logging_strategy="no", report_to=[], use_cpu=True, seed=0, learning_rate=0.05,
-                disable_tqdm=True, dataloader_pin_memory=False)
+    base = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "max_steps": 12,
+            "save_strategy": "steps", "save_steps": 2, "logging_strategy": "no", "report_to": [], "use_cpu": True,
+            "seed": 0, "learning_rate": 0.05, "disable_tqdm": True, "dataloader_pin_memory": False}
     base.update(kw)
     return transformers.TrainingArguments(**base)
 

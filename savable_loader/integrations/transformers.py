@@ -137,10 +137,15 @@ def _install_skip_hook() -> None:
         _hf_trainer.skip_first_batches = skip_first_batches
 
 
+def _rank(loader: SavableDataLoader) -> int:
+    """The loader's data-parallel rank (resolved when its WorkerConfig was built)."""
+    return loader.worker_config.rank or 0
+
+
 def _is_hf_dataset(dataset: Any) -> bool:
     if not transformers.utils.is_datasets_available():
         return False
-    import datasets
+    import datasets  # type: ignore[import-untyped]
 
     return isinstance(dataset, datasets.Dataset)
 
@@ -228,15 +233,16 @@ class SavableTrainer(transformers.Trainer):
         **kwargs: Any,
     ) -> Any:
         """``Trainer.train``; a resume restores the training loader of every rank."""
+        checkpoint: str | None = None
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+            if checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        elif resume_from_checkpoint is False:
-            resume_from_checkpoint = None
-        self._savable_resume = None if resume_from_checkpoint is None else os.fspath(resume_from_checkpoint)
+        elif not isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint is not None:
+            checkpoint = os.fspath(resume_from_checkpoint)
+        self._savable_resume = checkpoint
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+            return super().train(resume_from_checkpoint=checkpoint, trial=trial,
                                  ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         finally:
             self._savable_resume = None
@@ -247,13 +253,13 @@ class SavableTrainer(transformers.Trainer):
         if loader is not None:
             folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             folder.mkdir(parents=True, exist_ok=True)
-            save_file(loader_state_path(folder, loader.worker_config.rank), loader.save_state_rank())
+            save_file(loader_state_path(folder, _rank(loader)), loader.save_state_rank())
             if self.args.world_size > 1:
                 self.accelerator.wait_for_everyone()  # every rank's file exists before trainer_state.json
         super()._save_checkpoint(model, trial)
 
     def _restore(self, loader: SavableDataLoader, checkpoint: str) -> _Restored:
-        rank = loader.worker_config.rank
+        rank = _rank(loader)
         path = loader_state_path(checkpoint, rank)
         if not path.is_file():
             raise StateError(
