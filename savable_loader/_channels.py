@@ -48,15 +48,23 @@ class WorkerChannels:
         # Commands are sent from the iterating thread (release) and from a saving thread.
         self._send_lock = threading.Lock()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return not self._main
+
     def worker_ends(self) -> list[tuple[Any, Any]]:
         if self._worker is None:
             raise RuntimeError("worker pipe ends were already closed")
         return self._worker
 
     def close_worker_ends(self) -> None:
-        for cmd_r, res_w in self._worker or ():
-            cmd_r.close()
-            res_w.close()
+        for ends in self._worker or ():
+            for conn in ends:
+                try:
+                    conn.close()
+                except OSError:  # finalised first by the cycle collector
+                    pass
         self._worker = None
 
     def release(self, physical: int, epoch: int) -> None:
@@ -77,8 +85,11 @@ class WorkerChannels:
         for physical in range(len(self._main)):  # an abandoned iteration: let every worker end
             self.release(physical, _RELEASE_ALL)
         for cmd_w, res_r in self._main:
-            cmd_w.close()
-            res_r.close()
+            for conn in (cmd_w, res_r):
+                try:
+                    conn.close()
+                except OSError:  # finalised first by the cycle collector
+                    pass
         self._main = []
 
     def checkpoint(

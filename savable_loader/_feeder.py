@@ -23,6 +23,8 @@ import cloudpickle
 from torch._utils import ExceptionWrapper
 from torch.utils.data import get_worker_info
 
+from savable_loader._torch_internals import replace_worker_info
+
 __all__ = ["WorkerInit", "install_feeder_hook"]
 
 _state = {"installed": False}
@@ -62,8 +64,10 @@ def install_feeder_hook() -> None:
 
 
 class WorkerInit:
-    """The worker init function the loader hands torch: installs the hook, then runs the
-    user's ``worker_init_fn`` (cloudpickled, so that lambdas cross ``spawn``).
+    """The worker init function the loader hands torch: installs the hook, makes
+    ``get_worker_info().dataset`` the worker's copy of the user's dataset (torch's info
+    holds the loader's internal wrapper), then runs the user's ``worker_init_fn``
+    (cloudpickled, so that lambdas cross ``spawn``).
 
     Example::
 
@@ -82,5 +86,9 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         install_feeder_hook()
+        info = get_worker_info()
+        user_dataset = getattr(info.dataset, "user_dataset", None) if info is not None else None
+        if user_dataset is not None:
+            replace_worker_info(dataset=user_dataset)
         if self.user_fn is not None:
             self.user_fn(worker_id)

@@ -1,21 +1,51 @@
-"""Bookkeeping of the drop-in path: which epoch, how many of this rank's samples yielded.
+"""Bookkeeping of the drop-in path: which epoch, how much of it was yielded.
 
-The state is two numbers (plus the stages of an epoch resumed on another world size).
-Saving reads them (microseconds, no worker involved); restoring sets them, and the next
-iteration's sampler starts at that sample.
+:class:`IndexMode` is what both drop-in orders share: the user's map-style dataset behind
+an :class:`~savable_loader.sources.index.IndexedDataset`, the sampler torch's iterator
+draws batch keys from, ``len(dataset)`` re-read at every epoch start, and restore keys.
+:class:`OrderMode` is the loader's own order (``shuffle`` without a sampler: an
+:class:`~savable_loader.sources.index.IndexPlan`); ``_sampler_mode.SamplerMode`` follows
+a sampler of the user's.
+
+An iteration books the keys its torch iterator drew (a queue: prefetching runs ahead)
+and, per delivered batch (or per batch that raised), counts it consumed. Saving reads
+that count (microseconds, no worker involved); a restored iteration starts its keys at
+the saved count.
 """
 
 from __future__ import annotations
 
-import threading
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from savable_loader._mode import Iteration, Mode
 from savable_loader.dataset import config_fingerprint, plain_config, type_name
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError
-from savable_loader.sources.index import IndexedDataset, IndexPlan, IndexSampler
-from savable_loader.state.schema import IndexPosition, IndexStage, LoaderConfig, RestoreKey
+from savable_loader.rng import SEED_FORMULA
+from savable_loader.sources.index import (
+    BatchKey,
+    IndexedDataset,
+    IndexPlan,
+    IndexSampler,
+)
+from savable_loader.state.schema import (
+    IndexPosition,
+    IndexStage,
+    LoaderConfig,
+    RestoreKey,
+)
 
-__all__ = ["IndexMode", "map_dataset_config"]
+__all__ = [
+    "IndexIteration",
+    "IndexMode",
+    "OrderMode",
+    "check_dataset_config",
+    "check_key_int",
+    "check_key_setting",
+    "map_dataset_config",
+]
 
 
 def map_dataset_config(dataset: Any) -> dict[str, Any]:
@@ -27,107 +57,250 @@ def map_dataset_config(dataset: Any) -> dict[str, Any]:
     return config
 
 
-class IndexMode:
-    """Epoch and position of a loader over a map-style dataset."""
+def _identity(batch: Any) -> Any:
+    return batch
 
-    kind = "index"
+
+class IndexIteration(Iteration):
+    """One iteration of the drop-in path: the keys drawn, the items consumed."""
+
+    def __init__(self, mode: IndexMode, epoch: int, consumed: int, resumed: bool) -> None:
+        self.mode = mode
+        self.epoch = epoch
+        self.consumed = consumed
+        self.resumed = resumed
+        self.dataset_len = mode.dataset_len
+        self.fingerprint = mode.fingerprint
+        self.issued: deque[BatchKey] = deque()
+        #: The keys' source raised (a sampler of the user's): the position is lost.
+        self.source_failed = False
+
+    def feed(self, keys: Iterator[BatchKey]) -> Iterator[BatchKey]:
+        """``keys``, each booked as drawn (torch's iterator prefetches ahead)."""
+        issued = self.issued
+        try:
+            for key in keys:
+                issued.append(key)
+                yield key
+        except Exception:
+            self.source_failed = True
+            raise
+
+    def on_item(self, item: Any) -> Any:
+        self._consume(self.issued.popleft())
+        return item
+
+    def on_error(self, error: BaseException) -> bool:
+        if self.source_failed or not self.issued:
+            return False
+        self._consume(self.issued.popleft())  # the batch that raised counts as consumed
+        return True
+
+    def _consume(self, key: BatchKey) -> None:
+        self.advance(key)
+        self.mode.last = (self, key)
+
+    def advance(self, key: BatchKey) -> None:
+        """Count ``key`` as consumed."""
+        self.consumed += len(key.positions)
+
+    def end(self, finished: bool, keep_workers: bool) -> None:
+        self.issued.clear()
+
+
+class IndexMode(Mode):
+    """What the drop-in orders share (see the module docstring)."""
+
+    position_type = IndexPosition
+    path_name = "drop-in"
 
     def __init__(
         self,
         dataset: Any,
         *,
         seed: int,
-        shuffle: bool,
+        seed_explicit: bool,
         rank: int,
         world_size: int,
         batch_size: int | None,
         drop_last: bool,
-        collate_fn: Any,
+        shuffle: bool,
+        collate_fn: Callable[[Any], Any],
+        salt: tuple[int | str, ...],
+        batched: bool | None = None,
     ) -> None:
-        self.plan = IndexPlan(
-            len(dataset), seed=seed, shuffle=shuffle, rank=rank, world_size=world_size,
-            batch_size=batch_size, drop_last=drop_last,
+        self.dataset = dataset
+        self.seed = seed
+        self.seed_explicit = seed_explicit
+        self.seed_formula = SEED_FORMULA
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.shuffle = shuffle
+        self.feed_sampler = IndexSampler()
+        self.torch_dataset = IndexedDataset(
+            dataset, seed, collate_fn, batched=batch_size is not None if batched is None else batched, salt=salt,
+            seed_formula=self.seed_formula,
         )
-        self.sampler = IndexSampler(self.plan)
-        self.torch_dataset = IndexedDataset(dataset, seed, collate_fn, batched=batch_size is not None)
-        self.dataset_config = map_dataset_config(dataset)
+        #: (iteration, key) of the batch yielded last
+        self.last: tuple[IndexIteration, BatchKey] | None = None
+        self.dataset_len = -1
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read ``len(dataset)`` (and the dataset's configuration), as torch's samplers
+        do at every epoch start."""
+        self.dataset_config = map_dataset_config(self.dataset)
         self.fingerprint = config_fingerprint(self.dataset_config)
-        self._lock = threading.Lock()
-        self.epoch = 0  # the next epoch to start
-        self.pending: IndexPosition | None = None
-        # (epoch, consumed, stages) while iterating
-        self.current: tuple[int, int, tuple[IndexStage, ...]] | None = None
-        # (epoch, stages, first, last): the rank-share slice of the batch yielded last
-        self.last_item: tuple[int, tuple[IndexStage, ...], int, int] | None = None
-        self._epoch_len = self.plan.epoch_len()
+        self.dataset_len = self.dataset_config["len"]
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        return {"dataset": self.torch_dataset, "sampler": self.feed_sampler, "batch_size": None,
+                "collate_fn": _identity}
+
+    def adopt(self, seed: int, seed_formula: int) -> None:
+        self.seed = seed
+        self.seed_formula = seed_formula
+        self.torch_dataset.seed = seed
+        self.torch_dataset.seed_formula = seed_formula
+
+    def restored(self) -> None:
+        self.last = None
+
+    def sampler_name(self) -> str:
+        """``LoaderConfig.sampler``: empty for the loader's own order."""
+        return ""
 
     def loader_config(self, num_workers: int) -> LoaderConfig:
-        p = self.plan
         return LoaderConfig(
-            rank=p.rank, world_size=p.world_size, num_workers=num_workers, seed=p.seed,
-            batch_size=p.batch_size, shuffle=p.shuffle, drop_last=p.drop_last,
+            rank=self.rank, world_size=self.world_size, num_workers=num_workers, seed=self.seed,
+            batch_size=self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last,
             dataset_fingerprint=self.fingerprint, dataset_config=self.dataset_config,
+            seed_formula=self.seed_formula, sampler=self.sampler_name(),
         )
 
-    # -- iteration --------------------------------------------------------------------
+    def check_common(self, saved: LoaderConfig, position: IndexPosition, num_workers: int) -> LoaderConfig:
+        """The checks both orders make; the current configuration."""
+        self.refresh()
+        current = self.loader_config(num_workers)
+        if position.dataset_len != self.dataset_len:
+            raise ConfigMismatchError("len(dataset)", position.dataset_len, self.dataset_len)
+        check_dataset_config(saved, current)
+        if saved.sampler != current.sampler:
+            raise ConfigMismatchError(
+                "sampler", saved.sampler or "<the loader's own order>", current.sampler or "<the loader's own order>",
+                "the state follows another order (sampler=, batch_sampler=, generator= or shuffle)",
+            )
+        names = ("seed", "shuffle", "drop_last") if self.seed_explicit else ("shuffle", "drop_last")
+        for name in names:
+            if getattr(saved, name) != getattr(current, name):
+                raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name))
+        return current
 
-    def begin(self, context: Any = None, reuse_workers: bool = False) -> bool:
-        """Set the sampler up for the next iteration; True if it resumes a saved epoch.
+    def check_resume_length(self, position: IndexPosition) -> None:
+        """A restored position continues only over a dataset of the length it was saved with."""
+        self.refresh()
+        if position.dataset_len != self.dataset_len:
+            raise ConfigMismatchError(
+                "len(dataset)", position.dataset_len, self.dataset_len,
+                "the dataset's length changed between the restore and iter()",
+            )
 
-        (The arguments serve the pipeline path; the index path has no worker plan.)
-        """
-        resumed = self.pending is not None
-        stages: tuple[IndexStage, ...] = ()
-        if self.pending is not None:
-            epoch, start, stages = self.pending.epoch, self.pending.consumed, tuple(self.pending.stages)
+    def restore_key(self, seed: int) -> RestoreKey | None:
+        if self.last is None:
+            return None
+        iteration, key = self.last
+        return RestoreKey(
+            kind="index", seed=seed, fingerprint=iteration.fingerprint, epoch=iteration.epoch, rank=self.rank,
+            positions=_ranges([int(p) for p in key.positions]), sample=self.key_sample(key), shuffle=self.shuffle,
+            batched=self.torch_dataset.batched, world_size=self.world_size,
+        )
+
+    def key_sample(self, key: BatchKey) -> Any:
+        """What a restore key carries besides positions (the loader's own order: nothing)."""
+        return None
+
+
+class OrderIteration(IndexIteration):
+    """An iteration of the loader's own order: ``consumed`` counts this rank's samples."""
+
+    def __init__(self, mode: OrderMode, plan: IndexPlan, epoch: int, consumed: int,
+                 stages: tuple[IndexStage, ...], resumed: bool) -> None:
+        super().__init__(mode, epoch, consumed, resumed)
+        self.plan = plan
+        self.stages = stages
+
+    def position(self, timeout: float = 0.0) -> IndexPosition:
+        return IndexPosition(
+            epoch=self.epoch, consumed=self.consumed, dataset_len=self.plan.dataset_len, stages=list(self.stages)
+        )
+
+    def remaining(self) -> int | None:
+        return math.ceil(max(self.plan.epoch_len(self.stages) - self.consumed, 0) / self.plan.step)
+
+
+class OrderMode(IndexMode):
+    """The loader's own order: a seeded per-epoch permutation (or the identity), split
+    across ranks (any world size on resume), cut into batches."""
+
+    resizable = True
+
+    def __init__(self, dataset: Any, **kwargs: Any) -> None:
+        self.plan: IndexPlan | None = None
+        super().__init__(dataset, salt=("sample",), **kwargs)
+
+    def refresh(self) -> None:
+        super().refresh()
+        p = self.plan
+        if p is None or p.dataset_len != self.dataset_len or p.seed != self.seed:
+            self.plan = IndexPlan(
+                self.dataset_len, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
+                world_size=self.world_size, batch_size=self.batch_size, drop_last=self.drop_last,
+            )
+
+    def adopt(self, seed: int, seed_formula: int) -> None:
+        super().adopt(seed, seed_formula)
+        self.refresh()
+
+    @property
+    def current_plan(self) -> IndexPlan:
+        """The plan of the current ``len(dataset)``."""
+        if self.plan is None:  # pragma: no cover - set by refresh() in __init__
+            raise RuntimeError("no plan")
+        return self.plan
+
+    def begin(self, epoch: int, resume: Any, context: Any = None, reuse_workers: bool = False) -> IndexIteration:
+        if resume is None:
+            self.refresh()
+            start, stages = 0, ()
         else:
-            epoch, start = self.epoch, 0
-        self.sampler.epoch, self.sampler.start, self.sampler.stages = epoch, start, stages
-        self._epoch_len = self.plan.epoch_len(stages)
-        with self._lock:
-            self.current = (epoch, start, stages)
-            self.pending = None
-        return resumed
+            self.check_resume_length(resume)
+            start, stages = resume.consumed, tuple(resume.stages)
+        plan = self.current_plan
+        iteration = OrderIteration(self, plan, epoch, start, stages, resumed=resume is not None)
+        self.feed_sampler.feed(iteration.feed(plan.batches(epoch, start, stages)))
+        return iteration
 
-    def on_item(self, item: Any) -> Any:
-        with self._lock:
-            epoch, consumed, stages = self.current  # type: ignore[misc]
-            done = min(consumed + self.plan.step, self._epoch_len)
-            self.current = (epoch, done, stages)
-            self.last_item = (epoch, stages, consumed, done)
-        return item
+    def start_position(self, epoch: int) -> IndexPosition:
+        self.refresh()
+        return IndexPosition(epoch=epoch, consumed=0, dataset_len=self.dataset_len)
 
-    def workers_started(self) -> None:
-        """Nothing to do: index workers need no channels."""
+    def sample_count(self) -> int:
+        """Samples of this rank's share of a whole epoch (``len(loader.sampler)``)."""
+        self.refresh()
+        return self.current_plan.rank_len()
 
-    def end(self, keep_channels: bool = False) -> None:
-        with self._lock:
-            if self.current is not None:
-                self.epoch = self.current[0] + 1
-            self.current = None
+    def epoch_indices(self, epoch: int) -> list[int]:
+        """The dataset indices of this rank's share of ``epoch`` (``iter(loader.sampler)``)."""
+        self.refresh()
+        plan = self.current_plan
+        return [i for key in plan.batches(epoch, 0) for i in key.indices]
 
-    def logical(self, physical: int) -> int:
-        """Index workers are not rotated."""
-        return physical
-
-    # -- state ------------------------------------------------------------------------
-
-    def save(self, processes: Any = None, timeout: float = 0.0) -> IndexPosition:
-        """The position (never asks a worker; the arguments serve the pipeline path)."""
-        with self._lock:
-            iterating = self.current is not None
-            if self.current is not None:
-                epoch, consumed, stages = self.current
-            elif self.pending is not None:
-                epoch, consumed, stages = self.pending.epoch, self.pending.consumed, tuple(self.pending.stages)
-            else:
-                epoch, consumed, stages = self.epoch, 0, ()
-        if iterating and consumed and consumed >= self._epoch_len:
-            # The epoch is over: the next sample is the first of the next epoch. (Only for
-            # an iteration that yielded its last batch: an empty epoch stays where it is,
-            # so that saving without iterating gives equal states.)
-            epoch, consumed, stages = epoch + 1, 0, ()
-        return IndexPosition(epoch=epoch, consumed=consumed, dataset_len=self.plan.dataset_len, stages=list(stages))
+    def remaining(self, position: IndexPosition) -> int | None:
+        stages = tuple(position.stages)
+        plan = self.current_plan
+        return math.ceil(max(plan.epoch_len(stages) - position.consumed, 0) / plan.step)
 
     def check(
         self, saved: LoaderConfig, position: IndexPosition, num_workers: int, elastic: bool = False
@@ -138,13 +311,13 @@ class IndexMode:
         ``elastic``: the position was made for this world size from all old ranks'
         states (rank and world size are not compared).
         """
-        current = self.loader_config(num_workers)
-        if position.dataset_len != self.plan.dataset_len:
-            raise ConfigMismatchError("len(dataset)", position.dataset_len, self.plan.dataset_len)
-        check_dataset_config(saved, current)
-        for name in ("seed", "shuffle", "drop_last"):
-            if getattr(saved, name) != getattr(current, name):
-                raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name))
+        if position.sampler is not None:
+            raise ConfigMismatchError(
+                "sampler", "<a sampler of the user's>", "<the loader's own order>",
+                "the state follows a sampler: build the loader with it",
+            )
+        current = self.check_common(saved, position, num_workers)
+        plan = self.current_plan
         if not elastic and saved.world_size != current.world_size:
             raise ConfigMismatchError(
                 "world_size", saved.world_size, current.world_size,
@@ -160,48 +333,49 @@ class IndexMode:
                 raise ConfigMismatchError(
                     "position.stages.consumed", len(stage.consumed), stage.world_size, "one count per rank of the stage"
                 )
-        if position.consumed > self.plan.epoch_len(stages):
-            raise ConfigMismatchError("position.consumed", position.consumed, f"<= {self.plan.epoch_len(stages)}")
-        if current.batch_size and position.consumed % current.batch_size and position.consumed != self.plan.rank_len(stages):
+        if position.consumed > plan.epoch_len(stages):
+            raise ConfigMismatchError("position.consumed", position.consumed, f"<= {plan.epoch_len(stages)}")
+        if current.batch_size and position.consumed % current.batch_size and position.consumed != plan.rank_len(stages):
             raise ConfigMismatchError(
                 "position.consumed", position.consumed, f"a multiple of batch_size={current.batch_size}"
             )
         return position
 
-    # -- restore keys -----------------------------------------------------------------
-
-    def restore_key(self, seed: int) -> RestoreKey | None:
-        """The key of the batch yielded last (None before the first)."""
-        if self.last_item is None:
-            return None
-        epoch, stages, first, last = self.last_item
-        share = self.plan.share(stages)[first:last]
-        return RestoreKey(
-            kind="index", seed=seed, fingerprint=self.fingerprint, epoch=epoch, rank=self.plan.rank,
-            positions=_ranges([int(p) for p in share]),
-        )
-
     def restore_sample(self, key: RestoreKey) -> Any:
-        """The batch ``key`` names, rebuilt in this process."""
+        """The batch ``key`` names, rebuilt in this process.
+
+        The key is checked whole before anything is built or expanded: its settings
+        against the loader's, its ranges against the dataset (constant memory for any key).
+        """
+        p = self.current_plan
         if key.kind != "index":
             raise RestoreKeyError(f"key.kind is {key.kind!r}, this drop-in loader expects 'index'")
-        positions = key.sample_positions()
-        if not positions:
-            raise RestoreKeyError("key.positions is empty, expected the positions of at least one sample")
-        limit = self.plan.dataset_len + self.plan.world_size
-        bad = [p for p in positions if p >= limit]
-        if bad:
-            raise RestoreKeyError(f"key.positions has {bad[0]}, expected positions below {limit}")
-        return self.torch_dataset[self.plan.key(key.epoch, positions)]
-
-    def restore(self, position: IndexPosition) -> None:
-        if position.consumed and position.consumed >= self.plan.epoch_len(tuple(position.stages)):
-            # saved at the very end of an epoch: the next sample is the next epoch's first
-            position = IndexPosition(epoch=position.epoch + 1, consumed=0, dataset_len=position.dataset_len)
-        with self._lock:
-            self.pending = position
-            self.epoch = position.epoch
-            self.last_item = None
+        if key.sample is not None:
+            raise RestoreKeyError(
+                "the key was made by a loader that follows a sampler of the user's (it carries dataset indices); "
+                "this loader builds its own order"
+            )
+        if key.shuffle is None:
+            raise RestoreKeyError(
+                f"key.shuffle is missing (the key was made by an earlier savable-loader), this loader has "
+                f"shuffle={p.shuffle}: a key cannot be rebuilt without knowing which order it names; add "
+                '"shuffle": true or false (the setting of the loader that made it) to the key'
+            )
+        check_key_setting("shuffle", key.shuffle, p.shuffle)
+        check_key_setting(
+            "batched", key.batched, p.batch_size is not None, f"batch_size is {p.batch_size}; None means unbatched"
+        )
+        check_key_int("epoch", key.epoch)
+        if key.world_size is None:  # an earlier version's key: the bound it was checked against
+            limit = p.dataset_len + p.world_size
+        else:
+            check_key_int("world_size", key.world_size, 1)
+            limit = math.ceil(p.dataset_len / key.world_size) * key.world_size  # the padded order
+        # a batch holds at most one rank's share of an epoch: at most len(dataset) samples
+        positions = _key_positions(key.positions, limit, p.dataset_len)
+        if not p.batch_size and len(positions) != 1:
+            raise RestoreKeyError(f"key.positions names {len(positions)} samples, this loader is unbatched (one)")
+        return self.torch_dataset[p.key(key.epoch, positions)]
 
 
 def check_batch_size(saved: int | None, current: int | None) -> None:
@@ -212,6 +386,53 @@ def check_batch_size(saved: int | None, current: int | None) -> None:
         raise ConfigMismatchError(
             "batch_size", saved, current, "a restore may keep the batch size or use one that divides it"
         )
+
+
+def check_key_setting(name: str, in_key: Any, current: Any, hint: str = "") -> None:
+    """RestoreKeyError naming the setting and both values if a key (made after the setting
+    was recorded: ``in_key`` is not None) was made under another one."""
+    if in_key is not None and in_key != current:
+        raise RestoreKeyError(
+            f"key.{name} is {in_key!r}, this loader's {name} is {current!r}: the key names data of a loader "
+            f"built with another {name}{f' ({hint})' if hint else ''}"
+        )
+
+
+def check_key_int(name: str, value: Any, low: int = 0) -> None:
+    """RestoreKeyError unless a key field is an int >= ``low`` (a key built in Python is
+    not validated as a parsed one is)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise RestoreKeyError(f"key.{name} is {value!r}, expected an int >= {low}")
+
+
+def _key_positions(runs: Any, limit: int, most: int) -> list[int]:
+    """The positions of a key's ``(start, stop, step)`` runs, each checked to lie below
+    ``limit`` and counted (at most ``most``) before any is expanded: constant memory for
+    any key."""
+    if not isinstance(runs, (list, tuple)) or not runs:
+        raise RestoreKeyError(f"key.positions is {runs!r}, expected at least one [start, stop, step] range")
+    if len(runs) > most:
+        raise RestoreKeyError(f"key.positions has {len(runs)} ranges, a batch of this dataset has at most {most} samples")
+    total = 0
+    for i, run in enumerate(runs):
+        if not (isinstance(run, (list, tuple)) and len(run) == 3):
+            raise RestoreKeyError(f"key.positions[{i}] is {run!r}, expected [start, stop, step]")
+        start, stop, step = run
+        for name, value, low in (("start", start, 0), ("stop", stop, 0), ("step", step, 1)):
+            check_key_int(f"positions[{i}].{name}", value, low)
+        count = (stop - start + step - 1) // step  # len(range(...)) overflows beyond 2**63
+        if count <= 0:
+            raise RestoreKeyError(f"key.positions[{i}] is {list(run)}: stop {stop} is not after start {start}")
+        last = start + (count - 1) * step
+        if last >= limit:
+            raise RestoreKeyError(f"key.positions[{i}] reaches position {last}, expected positions below {limit}")
+        total += count
+        if total > most:
+            raise RestoreKeyError(f"key.positions name more than {most} samples, a batch of this dataset has at most {most}")
+    positions = [x for start, stop, step in runs for x in range(start, stop, step)]
+    if len(set(positions)) != len(positions):
+        raise RestoreKeyError("key.positions names a position twice; a batch holds each position once")
+    return positions
 
 
 def _ranges(positions: list[int]) -> list[tuple[int, int, int]]:

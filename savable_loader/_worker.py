@@ -4,8 +4,9 @@ Each loading context (a worker process, or the main process when ``num_workers=0
 one :class:`WorkerRuntime`. Its iterating thread walks the pipeline and, between two
 samples, may take a **snapshot** (the pipeline's ``save_state()``) into a small ring; the
 policy keeps snapshot time below ``SNAPSHOT_BUDGET`` of sample time. Before producing
-sample ``i`` it re-seeds the global RNGs from ``(seed, rank, worker, epoch, i)``, so the
-RNG state at any sample is implied by its index and never needs saving.
+sample ``i`` it re-seeds the global RNGs from ``(seed, rank, worker, epoch, i)`` (a seed
+below ``2**63``, see ``savable_loader.rng.item_seed``), so the RNG state at any sample
+is implied by its index and never needs saving.
 
 A daemon **command thread** answers ``checkpoint`` requests from the main process: given
 the number of samples the main process has yielded from this worker, it returns the
@@ -40,7 +41,14 @@ from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import StateError
-from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
+from savable_loader.rng import (
+    SEED_FORMULA,
+    counter_seed,
+    derive_seed,
+    item_seed,
+    preserve_global_rng,
+    seed_global,
+)
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
@@ -111,8 +119,10 @@ class WorkerRuntime:
         max_in_flight: int,
         *,
         in_process: bool,
+        seed_formula: int = SEED_FORMULA,
     ) -> None:
         self.dataset = dataset
+        self.seed_formula = seed_formula
         self.worker_config = worker_config
         self.max_in_flight = max_in_flight
         self.in_process = in_process
@@ -154,7 +164,7 @@ class WorkerRuntime:
         iterator: Iterator[Any] | None = None
         while True:
             with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
-                seed_global(counter_seed(base_seed, index))
+                seed_global(item_seed(counter_seed(base_seed, index), self.seed_formula))
                 t0 = time.perf_counter()
                 if iterator is None:
                     iterator = iter(self.dataset)
@@ -298,12 +308,19 @@ class PipelineWorkerDataset(IterableDataset):
         #: Worker processes attach each new snapshot to the next item they send, so that
         #: the main process answers a save alone; False: saves ask the command threads.
         self.attach = True
+        #: The per-item seed formula (``savable_loader.rng.item_seed``).
+        self.seed_formula = SEED_FORMULA
         self._iterations = 0
         self._runtime: WorkerRuntime | None = None
 
     def set_plan(self, epoch: int, rotation: int, starts: list[WorkerState | None], pipes: Any) -> None:
         self.epoch, self.rotation, self.starts, self.pipes = epoch, rotation, starts, pipes
         self._iterations = 0
+
+    @property
+    def user_dataset(self) -> SavableDataset:
+        """The user's pipeline (what ``get_worker_info().dataset`` shows in a worker)."""
+        return self.dataset
 
     @property
     def runtime(self) -> WorkerRuntime | None:
@@ -335,12 +352,14 @@ class PipelineWorkerDataset(IterableDataset):
         logical = (physical + rotation) % workers
         if self._runtime is None:
             self._runtime = WorkerRuntime(
-                self.dataset, self.worker_config, self.max_in_flight, in_process=info is None
+                self.dataset, self.worker_config, self.max_in_flight, in_process=info is None,
+                seed_formula=self.seed_formula,
             )
             if info is not None and self.pipes is not None:
                 cmd, res = self.pipes[physical]
                 self._runtime.serve(cmd, res)
         runtime = self._runtime
+        runtime.seed_formula = self.seed_formula
         items = runtime.run(epoch, logical, starts[logical])
         if info is None:
             return items

@@ -5,7 +5,8 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
 
     SavableLoaderError
     ├── StateError                  a state (bytes, file or object) is malformed or foreign
-    │   └── StateVersionError       written by a newer savable-loader: upgrade
+    │   ├── StateVersionError       written by a newer savable-loader: upgrade
+    │   └── StateFileError          a state file cannot be written or read (names the path; an OSError)
     ├── ConfigMismatchError         restore under a configuration that cannot be honoured
     ├── LoaderUsageError            the loader was called in a way it does not support
     ├── RestoreKeyError             a restore key cannot be rebuilt (foreign, malformed, unsupported)
@@ -33,6 +34,7 @@ __all__ = [
     "RestoreKeyError",
     "SavableLoaderError",
     "StateError",
+    "StateFileError",
     "StateVersionError",
     "WorkerDiedError",
     "WorkerError",
@@ -77,6 +79,31 @@ class StateVersionError(StateError):
         except StateVersionError:
             raise SystemExit("this checkpoint needs a newer savable-loader: pip install -U savable-loader")
     """
+
+
+class StateFileError(StateError, OSError):
+    """A state file cannot be written or read: a missing or read-only folder, a folder
+    where the file should be, a full disk.
+
+    The message names the target path and the reason; ``path`` is the target and
+    ``errno`` the operating system's error number (None if there was none). Also an
+    ``OSError``, so ``except OSError`` around a save keeps working.
+
+    Example::
+
+        try:
+            sl.state.save_file("ckpt/loader.state", state)
+        except StateFileError as e:
+            print(e)   # ckpt/loader.state: cannot save: the folder ckpt does not exist
+    """
+
+    def __init__(self, message: str, path: str = "", errno: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.errno = errno  # set after OSError.__init__: str(self) stays the message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.path, self.errno))
 
 
 class ConfigMismatchError(SavableLoaderError):

@@ -1,36 +1,48 @@
 """SavableDataLoader: torch's DataLoader whose position can be saved and restored exactly.
 
-Two ways in (see DESIGN.md):
+The loader takes torch's arguments and shows torch's attributes (``loader.dataset`` is
+the user's dataset, ``loader.sampler`` / ``loader.batch_sampler`` are samplers). Loading
+runs through a private ``torch.utils.data.DataLoader`` (the *engine*) over an internal
+dataset and sampler of the chosen path (a :class:`~savable_loader._mode.Mode`):
 
-* a map-style dataset (``__getitem__`` + ``__len__``): the drop-in path. The loader
-  builds the per-epoch order itself from ``seed``; the state is the epoch and the number
-  of samples yielded, and any ``num_workers`` can resume it.
+* a map-style dataset without a sampler: the loader's own order from ``seed``
+  (``_index_mode.OrderMode``); any ``num_workers`` and world size can resume it;
+* a map-style dataset with ``sampler=``, ``batch_sampler=`` or ``generator=`` and
+  ``shuffle=True``: the user's sampler, made resumable (``_sampler_mode.SamplerMode``);
 * a :class:`~savable_loader.SavableDataset` pipeline with ``batch_size=None``: per-worker
-  pipeline states are captured from snapshots through a command thread in each worker.
+  pipeline states captured from snapshots (``_pipeline_mode.PipelineMode``).
 
-Each ``iter(loader)`` starts the next epoch, except the first one after
-``restore_state_rank``, which continues the saved epoch.
+Iterations, their fates and what a save describes: ``_iterator.py``.
 """
 
 from __future__ import annotations
 
 import io
 import threading
-import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate, default_convert
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+from savable_loader._arguments import (
+    check_our_arguments,
+    check_torch_arguments,
+    refused,
+    resolve_seed,
+    resolve_worker_config,
+)
 from savable_loader._elastic import elastic_position
 from savable_loader._failures import terminate_worker, translate_worker_error
 from savable_loader._feeder import WorkerInit
-from savable_loader._index_mode import IndexMode
-from savable_loader._pipeline_mode import SKIP, PipelineMode
+from savable_loader._index_mode import OrderMode
+from savable_loader._iterator import RUNNING, Fate, Record, SavableIterator
+from savable_loader._mode import SKIP, Mode
+from savable_loader._pipeline_mode import PipelineMode
+from savable_loader._sampler_mode import SamplerMode
 from savable_loader._sigchld import install, loader_call
 from savable_loader._version import __version__
-from savable_loader._worker import END
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
 from savable_loader.distributed import (
@@ -47,54 +59,36 @@ from savable_loader.errors import (
     RestoreKeyError,
     SavableLoaderError,
     StateError,
+    WorkerError,
     WorkerTimeoutError,
 )
+from savable_loader.rng import LEGACY_SEED_FORMULA, SEED_FORMULA, derive_seed, item_seed
+from savable_loader.sources.samplers import OrderSampler
 from savable_loader.state.codec import decode, encode
-from savable_loader.state.schema import IndexPosition, PipelinePosition, RankState, RestoreKey
+from savable_loader.state.schema import PipelinePosition, RankState, RestoreKey
 
 __all__ = ["SavableDataLoader"]
 
-_UNSUPPORTED = {
-    "sampler": "the loader builds its own per-epoch order from `seed`; use shuffle=True/False",
-    "batch_sampler": "the loader cuts batches itself; use batch_size and drop_last",
-    "generator": "randomness comes from `seed` so that it can be resumed",
-    "in_order": "out-of-order delivery cannot be resumed exactly",
-}
+T_co = TypeVar("T_co", covariant=True)
+
 _DEFAULT_SAVE_TIMEOUT = 60.0
-#: torch iterators of running iterations. Keeping them reachable from here means that an
-#: iteration abandoned inside a reference cycle does not take torch's worker queues into
-#: the cycle collector, which would finalise them before the iteration's ``finally`` could
-#: send the workers their stop signal (then each worker is killed after a 5 s timeout).
-_RUNNING: dict[int, Any] = {}
 
 
-class _TaggedCollate:
-    """Applies the per-item collate function to a pipeline item, keeping its tag."""
-
-    def __init__(self, collate: Callable[[Any], Any]) -> None:
-        self.collate = collate
-
-    def __call__(self, item: tuple[Any, ...]) -> tuple[Any, ...]:
-        # (worker_id, index, key, payload) or, from worker processes, (..., snapshot)
-        if item[1] == END:
-            return item
-        return (item[0], item[1], item[2], self.collate(item[3]), *item[4:])
-
-
-def _identity(batch: Any) -> Any:
-    return batch
-
-
-class SavableDataLoader(DataLoader):
+class SavableDataLoader(DataLoader[T_co]):
     """A ``torch.utils.data.DataLoader`` whose position can be saved and restored exactly.
 
-    Example, drop-in path (map-style dataset)::
+    Takes torch's arguments, in torch's order and with torch's defaults, plus
+    ``seed`` (default None: drawn from torch's global RNG, see below), ``worker_config``
+    (a :class:`~savable_loader.WorkerConfig`: rank, world size, workers, seed),
+    ``snapshot_every_n_steps`` (accepted for torchdata's ``StatefulDataLoader``
+    programs and ignored: every step can be saved here at no cost) and ``save_timeout``
+    (seconds a pipeline save may wait for a worker). Example::
 
-        loader = SavableDataLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=4)
+        loader = SavableDataLoader(dataset, batch_size=32, shuffle=True, num_workers=4)
         for batch in loader:
             ...
             state = loader.save_state_rank()        # microseconds
-        fresh = SavableDataLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=2)
+        fresh = SavableDataLoader(dataset, batch_size=32, shuffle=True, num_workers=2)
         fresh.restore_state_rank(state)              # continues with the next batch
 
     Savable pipelines (``SavableDataset``, batching inside the pipeline)::
@@ -102,12 +96,23 @@ class SavableDataLoader(DataLoader):
         wc = WorkerConfig(rank=0, world_size=1, num_workers=2, seed=3)
         loader = SavableDataLoader(BatchDataset(MySource(worker_config=wc), 32), batch_size=None)
 
-    Accepts torch's ``batch_size``, ``shuffle``, ``collate_fn``, ``drop_last``,
-    ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``timeout``,
-    ``worker_init_fn``, ``multiprocessing_context`` and ``persistent_workers``, plus
-    ``seed``, ``worker_config`` and ``save_timeout`` (seconds a save may wait for a
-    worker). ``sampler``, ``batch_sampler``, ``generator`` and ``in_order=False`` are
-    refused: they cannot be resumed exactly.
+    **Order.** Without a sampler the loader draws each epoch's order from ``(seed,
+    epoch)`` and splits it across data-parallel ranks. ``seed=None`` takes a seed from
+    torch's global RNG at construction (so ``torch.manual_seed`` controls the shuffle),
+    from ``generator.initial_seed()`` with ``generator=``, or 0 on several ranks (as
+    ``DistributedSampler``); restoring a state adopts its seed. ``sampler=``,
+    ``batch_sampler=`` and ``generator=`` with ``shuffle=True`` (torch's
+    ``RandomSampler(generator=g)``) run as in torch and resume exactly when their order
+    is decided by generators, ``epoch`` or ``state_dict()`` they hold (see
+    ``savable_loader.sources.samplers``). ``loader.set_epoch(e)`` or
+    ``loader.sampler.set_epoch(e)`` choose the next epoch.
+
+    **Iterations and states** (see ``_iterator.py``): each ``iter()`` starts the next
+    epoch, except the first after a restore, which continues the saved position. A save
+    describes the most recent iteration: where it is, where it was abandoned (``break``,
+    a dropped iterator, an exception in the loop body), or the next epoch's start after
+    it ended. ``len(loader)`` is the number of batches of a whole epoch, as in torch,
+    also after a restore; :meth:`remaining` counts what is left.
     """
 
     def __init__(
@@ -115,196 +120,278 @@ class SavableDataLoader(DataLoader):
         dataset: Any,
         batch_size: int | None = 1,
         shuffle: bool | None = None,
-        *,
-        seed: int | None = None,
-        worker_config: WorkerConfig | None = None,
-        num_workers: int | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
         collate_fn: Callable[[Any], Any] | None = None,
-        drop_last: bool = False,
-        prefetch_factor: int | None = None,
         pin_memory: bool = False,
+        drop_last: bool = False,
         timeout: float = 0,
         worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
         persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        seed: int | None = None,
+        worker_config: WorkerConfig | None = None,
+        snapshot_every_n_steps: int | None = None,
         save_timeout: float = _DEFAULT_SAVE_TIMEOUT,
-        **unsupported: Any,
     ) -> None:
-        for name, value in unsupported.items():
-            if name in _UNSUPPORTED:
-                if name == "in_order" and value is True:
-                    continue
-                raise LoaderUsageError(f"SavableDataLoader does not accept {name}={value!r}: {_UNSUPPORTED[name]}")
-            raise LoaderUsageError(f"SavableDataLoader got an unexpected keyword argument {name!r}")
-        wc = self._resolve_worker_config(worker_config, num_workers, seed)
-        if timeout < 0:
-            raise LoaderUsageError(f"timeout must be >= 0, got {timeout}")
-        if save_timeout <= 0:
-            raise LoaderUsageError(f"save_timeout must be > 0, got {save_timeout}")
-        if prefetch_factor is not None and wc.num_workers == 0:
-            raise LoaderUsageError("prefetch_factor needs num_workers > 0 (as in torch's DataLoader)")
-        if persistent_workers and wc.num_workers == 0:
-            raise LoaderUsageError("persistent_workers=True needs num_workers > 0 (as in torch's DataLoader)")
-        if timeout and wc.num_workers == 0:
-            raise LoaderUsageError(f"timeout={timeout} needs num_workers > 0 (as in torch's DataLoader)")
-        prefetch = 2 if prefetch_factor is None else prefetch_factor
+        if num_workers < 0:  # before the WorkerConfig check, with torch's message
+            raise refused("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
+        wc = resolve_worker_config(dataset, worker_config, num_workers, seed)
+        workers = wc.num_workers if wc is not None else num_workers
+        check_torch_arguments(
+            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
+            num_workers=workers, drop_last=drop_last, timeout=timeout, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+        )
+        check_our_arguments(
+            num_workers=workers, in_order=in_order, prefetch_factor=prefetch_factor, save_timeout=save_timeout,
+            snapshot_every_n_steps=snapshot_every_n_steps,
+        )
+        if wc is None:
+            probe = WorkerConfig(num_workers=workers)  # rank and world size (torch.distributed)
+            value, seed_explicit = resolve_seed(seed, generator, probe.world_size or 1)
+            wc = WorkerConfig(rank=probe.rank, world_size=probe.world_size, num_workers=workers, seed=value,
+                              data_parallel_group=probe.data_parallel_group)
+        else:
+            seed_explicit = True
+        public, make_mode = self._choose_path(
+            dataset, wc, seed_explicit=seed_explicit, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+            batch_sampler=batch_sampler, drop_last=drop_last, generator=generator, prefetch_factor=prefetch_factor,
+        )
+        try:
+            super().__init__(
+                dataset, num_workers=workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last,
+                timeout=timeout, worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                pin_memory_device=pin_memory_device, in_order=in_order, **public,
+            )
+        except ValueError as e:  # BatchSampler, RandomSampler, multiprocessing_context
+            raise refused(str(e)) from None
+        self.worker_config = wc
+        self.seed = wc.seed
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.save_timeout = save_timeout
+        self._mode: Mode = make_mode()
+        self._engine = self._make_engine(worker_init_fn, pin_memory, timeout, prefetch_factor, pin_memory_device)
+        # Held by a save for its whole duration and by the iterating thread while it books
+        # an item, so that a save from another thread sees one consistent position.
+        self._state_lock = threading.RLock()
+        self._records: list[Record] = []
+        self._started = 0  # iter() calls
+        self._next_epoch = 0
+        self._pending: Any = None  # a restored position the next iter() continues
 
+    # -- construction -------------------------------------------------------------------
+
+    def _choose_path(
+        self, dataset: Any, wc: WorkerConfig, *, seed_explicit: bool, batch_size: int | None, shuffle: Any,
+        sampler: Any, batch_sampler: Any, drop_last: bool, generator: Any, prefetch_factor: int | None,
+    ) -> tuple[dict[str, Any], Callable[[], Mode]]:
+        """The one place where the kind of dataset (and sampler) decides the path: the
+        arguments torch's ``__init__`` gets for the public attributes, and the mode,
+        built once those exist."""
+        prefetch = 2 if prefetch_factor is None else prefetch_factor
         if isinstance(dataset, SavableDataset):
             if batch_size is not None:
                 raise LoaderUsageError(
                     f"a savable pipeline batches inside the pipeline (BatchDataset): pass batch_size=None, got {batch_size!r}"
                 )
-            if shuffle:
-                raise LoaderUsageError(
-                    "a savable pipeline shuffles inside the pipeline (ShuffleBufferDataset): shuffle must be False"
-                )
-            if drop_last:
-                raise LoaderUsageError(
-                    "a savable pipeline drops inside the pipeline (BatchDataset(drop_last=True)): drop_last must be False"
-                )
             if dataset.worker_config != wc:
-                raise LoaderUsageError(
-                    f"the pipeline's worker_config {dataset.worker_config} differs from the loader's {wc}"
-                )
-            mode: IndexMode | PipelineMode = PipelineMode(dataset, wc, prefetch)
-            torch_kwargs: dict[str, Any] = {
-                "batch_size": None,
-                "collate_fn": _TaggedCollate(default_convert if collate_fn is None else collate_fn),
-            }
-        elif isinstance(dataset, IterableDataset):
+                raise LoaderUsageError(f"the pipeline's worker_config {dataset.worker_config} differs from the loader's {wc}")
+            return {"batch_size": None}, lambda: PipelineMode(dataset, wc, prefetch, self.collate_fn)
+        if isinstance(dataset, IterableDataset):
             raise LoaderUsageError(
-                f"{type(dataset).__qualname__} is an IterableDataset that is not a SavableDataset: its position "
-                "cannot be saved. Subclass savable_loader.SavableDataset, or use a map-style dataset"
+                f"{type(dataset).__qualname__} is an IterableDataset whose position cannot be saved: subclass "
+                "savable_loader.SavableDataset, wrap a generator function in savable_loader.sources.IterableSource, "
+                "or use a map-style dataset"
             )
-        else:
-            if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-                raise LoaderUsageError(
-                    f"dataset must be map-style (__getitem__ and __len__) or a SavableDataset, got {type(dataset).__qualname__}"
-                )
-            if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
-                raise LoaderUsageError(f"batch_size must be a positive int or None, got {batch_size!r}")
-            if collate_fn is None:
-                collate_fn = default_collate if batch_size is not None else default_convert
-            mode = IndexMode(
-                dataset, seed=wc.seed, shuffle=bool(shuffle), rank=wc.rank, world_size=wc.world_size,
-                batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn,
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise LoaderUsageError(
+                f"dataset must be map-style (__getitem__ and __len__) or a SavableDataset, got {type(dataset).__qualname__}"
             )
-            torch_kwargs = {"batch_size": None, "sampler": mode.sampler, "collate_fn": _identity}
+        common = {
+            "seed": wc.seed, "seed_explicit": seed_explicit, "rank": wc.rank, "world_size": wc.world_size,
+            "drop_last": drop_last, "shuffle": bool(shuffle),
+        }
+        if sampler is None and batch_sampler is None and not (generator is not None and shuffle):
+            order_sampler = OrderSampler(self)
 
-        super().__init__(
-            mode.torch_dataset,
-            num_workers=wc.num_workers,
-            pin_memory=pin_memory,
-            timeout=timeout,
-            # in workers: an unpicklable sample becomes an error, not a hang (_feeder.py)
-            worker_init_fn=WorkerInit(worker_init_fn) if wc.num_workers > 0 else worker_init_fn,
-            multiprocessing_context=multiprocessing_context,
-            generator=torch.Generator().manual_seed(wc.seed & 0x7FFF_FFFF_FFFF_FFFF),
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
-            **torch_kwargs,
-        )
-        # torch's DataLoader guards these after __init__; ours describe the user's view.
-        object.__setattr__(self, "batch_size", batch_size if mode.kind == "index" else None)
-        object.__setattr__(self, "drop_last", drop_last)
-        self.worker_config = wc
-        self.seed = wc.seed
-        self.save_timeout = save_timeout
-        self._mode = mode
-        self._prefetch = prefetch
-        self._torch_iter: Any = None
-        self._live: weakref.ref[Iterator[Any]] | None = None
-        # Held by a save for its whole duration and by the iterating thread while it books
-        # an item, so that a save from another thread sees one consistent position.
-        self._state_lock = threading.RLock()
-        # Why the last iteration failed (a save cannot know its position any more).
-        self._failed: str | None = None
+            def own_order() -> Mode:
+                return OrderMode(dataset, batch_size=batch_size, collate_fn=self.collate_fn, **common)
 
-    @staticmethod
-    def _resolve_worker_config(wc: WorkerConfig | None, num_workers: int | None, seed: int | None) -> WorkerConfig:
-        if wc is None:
-            return WorkerConfig(num_workers=0 if num_workers is None else num_workers, seed=0 if seed is None else seed)
-        if not isinstance(wc, WorkerConfig):
-            raise LoaderUsageError(f"worker_config must be a WorkerConfig, got {type(wc).__qualname__}")
-        if num_workers is not None and num_workers != wc.num_workers:
-            raise LoaderUsageError(f"num_workers={num_workers} differs from worker_config.num_workers={wc.num_workers}")
-        if seed is not None and seed != wc.seed:
-            raise LoaderUsageError(f"seed={seed} differs from worker_config.seed={wc.seed}")
-        return wc
+            return {"batch_size": batch_size, "sampler": order_sampler}, own_order
+        if sampler is None and batch_sampler is None:
+            try:  # generator= with shuffle=True: torch's own sampler, as torch builds it
+                sampler = RandomSampler(dataset, generator=generator)
+            except ValueError as e:
+                raise refused(str(e)) from None
+
+        def user_sampler() -> Mode:
+            batching = self.batch_sampler is not None  # torch's auto-collation: batches from the batch sampler
+            return SamplerMode(
+                dataset, index_sampler=self.batch_sampler if batching else self.sampler, auto_collation=batching,
+                generator=generator, batch_size=self.batch_size, collate_fn=self.collate_fn, **common,
+            )
+
+        return {"batch_size": batch_size, "sampler": sampler, "batch_sampler": batch_sampler}, user_sampler
+
+    def _make_engine(
+        self, worker_init_fn: Any, pin_memory: bool, timeout: float, prefetch_factor: int | None, pin_memory_device: str
+    ) -> DataLoader[Any]:
+        """The private torch DataLoader that runs the workers over the mode's dataset."""
+        workers = self.num_workers
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the worker-count warning: ours already gave it
+            return DataLoader(
+                num_workers=workers, pin_memory=pin_memory, timeout=timeout,
+                # in workers: an unpicklable sample becomes an error, not a hang (_feeder.py),
+                # and get_worker_info().dataset is the user's dataset
+                worker_init_fn=WorkerInit(worker_init_fn) if workers > 0 else None,
+                multiprocessing_context=self.multiprocessing_context, generator=torch.Generator(),
+                prefetch_factor=prefetch_factor, persistent_workers=self.persistent_workers,
+                pin_memory_device=pin_memory_device, **self._mode.engine_kwargs(),
+            )
+
+    @property
+    def _iterator(self) -> Any:
+        """torch's iterator of the persistent workers (torch's attribute; frameworks reset it)."""
+        engine = self.__dict__.get("_engine")
+        return None if engine is None else engine._iterator
+
+    @_iterator.setter
+    def _iterator(self, value: Any) -> None:
+        engine = self.__dict__.get("_engine")
+        if engine is not None:
+            engine._iterator = value
+
+    @property
+    def _persistent(self) -> bool:
+        return bool(self.persistent_workers and self.num_workers > 0)
 
     # -- iteration --------------------------------------------------------------------
 
-    def __len__(self) -> int:
-        if self._mode.kind == "index":
-            return len(self._mode.sampler)  # type: ignore[union-attr]
-        return super().__len__()
+    def __iter__(self) -> SavableIterator[T_co]:  # type: ignore[override]
+        """An iterator over the next epoch (or the rest of a restored one). The iteration
+        begins at its first ``next()``: an iterator never advanced consumes nothing, as a
+        torch iterator over a random sampler draws nothing before its first batch."""
+        return SavableIterator(self)
 
-    def __iter__(self) -> Iterator[Any]:
-        previous = self._live() if self._live is not None else None
-        if previous is not None:
-            previous.close()  # a new iteration abandons the previous one (next epoch)
-        live = self._iterate()
-        # A weak reference: the generator's frame refers to the loader, and a cycle would
-        # keep an abandoned iteration's workers alive until the cyclic garbage collector.
-        self._live = weakref.ref(live)
-        return live
-
-    def _iterate(self) -> Iterator[Any]:
-        mode = self._mode
-        owner = weakref.ref(self)  # cleared first when a garbage cycle holds the loader
-        persistent = self.persistent_workers and self.num_workers > 0
-        while True:
-            with self._state_lock:
-                resumed = mode.begin(self._mp_context(), reuse_workers=persistent and self._iterator is not None)
-                self._failed = None
-            produced = 0
-            finished = False
-            torch_iter = None
+    def _begin(self) -> Record:
+        """Begin an iteration (the first ``next()`` of a SavableIterator)."""
+        with self._state_lock:
+            mode = self._mode
+            live = [r for r in self._records if r.fate is Fate.LIVE]
+            if live and not mode.concurrent(self._persistent, self.num_workers):
+                for record in live:  # torch resets its single iterator: the old one is stale
+                    record.stale = True
+                    self._end(record, Fate.ABANDONED)
+                live = [r for r in self._records if r.fate is Fate.LIVE]
+            resume = self._pending
+            epoch = resume.epoch if resume is not None else self._next_epoch
+            reuse = self._persistent and self._engine._iterator is not None
+            iteration = mode.begin(epoch, resume, self._mp_context(), reuse)
+            self._pending = None
+            self._next_epoch = epoch + 1
+            self._started += 1
+            record = Record(iteration, self._started, beside=bool(live))
+            self._records = [r for r in self._records if r.fate is Fate.LIVE] + [record]
+            self._engine.generator.manual_seed(item_seed(derive_seed(self.seed, "workers", epoch)))  # type: ignore[union-attr]
             try:
                 with loader_call():
-                    torch_iter = super().__iter__()
-                if self.num_workers > 0:
-                    install()
-                self._torch_iter = torch_iter
-                _RUNNING[id(torch_iter)] = torch_iter
-                mode.workers_started()
-                while True:
-                    try:
-                        with loader_call():
-                            item = next(torch_iter)
-                    except StopIteration:
-                        break
-                    except Exception as e:
-                        self._failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                        translated = self._translate(e, torch_iter)
-                        if isinstance(translated, WorkerTimeoutError):
-                            terminate_worker(torch_iter, self._logical, translated.worker_id)
-                        if translated is e:
-                            raise
-                        raise translated from e
-                    with self._state_lock:
-                        payload = mode.on_item(item)
-                    if payload is not SKIP:
-                        produced += 1
-                        yield payload
-                finished = True
-            finally:
-                failed = self._failed is not None
-                with self._state_lock:
-                    self._torch_iter = None
-                    mode.end(keep_channels=persistent and not failed)
-                _RUNNING.pop(id(torch_iter), None)
-                # Stop the workers of a failed or abandoned iteration now (persistent ones
-                # stay for the next epoch unless the loader itself is being collected).
-                if failed or (not finished and (not persistent or owner() is None)):
-                    self._shutdown(torch_iter)
-            # A restored pipeline epoch that had nothing left (all its workers had yielded
-            # their last item, unknown to the saving side): go on with the next epoch, as
-            # the uninterrupted run would have. (A drop-in state is never saved at an
-            # epoch's end, and an empty share after a world-size change must stay an empty
-            # epoch, or that rank would run one epoch ahead of the others.)
-            if not (finished and resumed and produced == 0 and mode.kind == "pipeline"):
+                    torch_iter = iter(self._engine)
+            except Exception as e:
+                record.failure = f"{type(e).__name__}: {e}"
+                self._end(record, Fate.FAILED)
+                raise
+            record.torch_iter = torch_iter
+            RUNNING[id(record)] = torch_iter
+            if self.num_workers > 0:
+                install()
+            iteration.workers_started(torch_iter)
+        return record
+
+    def _next(self, record: Record) -> Any:
+        """The next payload of ``record``'s iteration (called by its SavableIterator)."""
+        if record.fate is not Fate.LIVE:
+            if record.stale:
+                raise LoaderUsageError(
+                    f"this iterator (epoch {record.iteration.epoch}) was superseded by a later iter(loader): "
+                    + ("persistent workers are one pool, and torch resets its single iterator"
+                       if self._persistent else "a savable pipeline in the main process runs one iteration at a time")
+                    + "; use the newest iterator"
+                )
+            raise StopIteration
+        torch_iter = record.torch_iter
+        iteration = record.iteration
+        while True:
+            try:
+                with loader_call():
+                    item = next(torch_iter)
+            except StopIteration:
+                self._end(record, Fate.FINISHED)
+                raise
+            except Exception as e:  # noqa: BLE001 - one batch's error or the iteration's end: _on_error raises
+                self._on_error(record, e)
+            with self._state_lock:
+                payload = iteration.on_item(item)
+            if payload is not SKIP:
+                return payload
+
+    def _on_error(self, record: Record, error: Exception) -> None:
+        """An exception from torch's iterator: one batch's (the iteration goes on), or
+        the end of the iteration (a worker died or hung; a path that cannot go on)."""
+        torch_iter = record.torch_iter
+        translated = translate_worker_error(error, torch_iter, record.iteration.logical, self.timeout)
+        with self._state_lock:
+            goes_on = not isinstance(translated, WorkerError) and record.iteration.on_error(error)
+        if goes_on:
+            raise error
+        record.failure = f"{type(translated).__name__}: {str(translated).splitlines()[0] if str(translated) else ''}"
+        if isinstance(translated, WorkerTimeoutError):
+            terminate_worker(torch_iter, record.iteration.logical, translated.worker_id)
+        self._end(record, Fate.FAILED)
+        if translated is error:
+            raise error
+        raise translated from error
+
+    def _end(self, record: Record, fate: Fate) -> None:
+        """``record``'s iteration is over; stop its workers unless they persist."""
+        failure: Exception | None = None
+        with self._state_lock:
+            if record.fate is not Fate.LIVE:
                 return
+            iteration = record.iteration
+            if fate is Fate.ABANDONED:
+                try:  # taken now: the workers (and their pipes) are about to go
+                    record.position = iteration.position(self.save_timeout)
+                except Exception as e:  # noqa: BLE001 - raised by a later save
+                    record.error = e
+            record.fate = fate
+            try:
+                iteration.end(finished=fate is Fate.FINISHED, keep_workers=self._persistent and fate is not Fate.FAILED)
+            except Exception as e:  # noqa: BLE001 - after the workers are stopped
+                failure = e
+            if (
+                fate is Fate.ABANDONED and record.beside and record.serial == self._started
+                and not iteration.resumed and self._next_epoch == iteration.epoch + 1
+                and self._mode.reuses_epochs(self._persistent)
+            ):
+                record.fate = Fate.FORGOTTEN  # a peek: the next loop runs this epoch
+                self._next_epoch = iteration.epoch
+                self._records.remove(record)
+        RUNNING.pop(id(record), None)
+        if fate is Fate.FAILED or (fate is Fate.ABANDONED and not self._persistent):
+            self._shutdown(record.torch_iter)
+        # An iteration abandoned inside a garbage cycle may find its pipes finalised
+        # first: nothing to report then, its workers are stopped all the same.
+        if failure is not None and fate is not Fate.ABANDONED:
+            raise failure
 
     def _shutdown(self, torch_iter: Any) -> None:
         """Stop the workers of a failed or abandoned iteration now, rather than when the
@@ -314,8 +401,14 @@ class SavableDataLoader(DataLoader):
         shutdown = getattr(torch_iter, "_shutdown_workers", None)
         if callable(shutdown):
             shutdown()
-        if self._iterator is torch_iter:
-            self._iterator = None  # persistent workers: start new ones next time
+        if torch_iter is not None and self._engine._iterator is torch_iter:
+            self._engine._iterator = None  # persistent workers: start new ones next time
+
+    @property
+    def _torch_iter(self) -> Any:
+        """torch's iterator of the most recent live iteration (None if none)."""
+        live = [r for r in self._records if r.fate is Fate.LIVE]
+        return live[-1].torch_iter if live else None
 
     def _mp_context(self) -> Any:
         ctx = self.multiprocessing_context
@@ -323,65 +416,148 @@ class SavableDataLoader(DataLoader):
             return torch.multiprocessing.get_context()
         return ctx
 
-    def _translate(self, error: Exception, torch_iter: Any) -> Exception:
-        return translate_worker_error(error, torch_iter, self._logical, self.timeout)
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next ``iter()`` starts, as ``DistributedSampler.set_epoch`` (and
+        the ``set_epoch`` of the user's samplers, which it calls too).
 
-    def _logical(self, physical: int) -> int:
-        return self._mode.logical(physical)
+        After a restore the next ``iter()`` continues the restored epoch: ``set_epoch``
+        with that epoch keeps it, with the following one skips its remainder only if
+        nothing is left, and otherwise raises :class:`LoaderUsageError` (it would drop or
+        repeat data). Example::
+
+            for epoch in range(start, epochs):
+                loader.set_epoch(epoch)
+                for batch in loader:
+                    ...
+        """
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise LoaderUsageError(f"set_epoch needs an int >= 0, got {epoch!r}")
+        with self._state_lock:
+            pending = self._pending
+            if pending is not None and epoch != pending.epoch:
+                left = self._mode.remaining(pending)
+                if not (left == 0 and epoch == pending.epoch + 1):
+                    raise LoaderUsageError(
+                        f"set_epoch({epoch}): the restored state continues epoch {pending.epoch} "
+                        f"({'an unknown number of' if left is None else left} batches left); set_epoch({pending.epoch}) "
+                        "keeps it, or build a new loader to start another epoch"
+                    )
+                self._pending = None
+            if self._pending is None:
+                self._next_epoch = epoch
+        for sampler in self._user_samplers():
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+
+    def _user_samplers(self) -> list[Any]:
+        if not isinstance(self._mode, SamplerMode):
+            return []
+        found: list[Any] = []
+        for candidate in (self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+            if candidate is not None and all(candidate is not f for f in found):
+                found.append(candidate)
+        return found
+
+    def _upcoming_epoch(self) -> int:
+        """The epoch the next ``iter()`` starts or continues."""
+        pending = self._pending
+        return pending.epoch if pending is not None else self._next_epoch
+
+    def remaining(self) -> int:
+        """Batches still to come: in the most recent live iteration, or else in the one
+        the next ``iter()`` starts (the rest of a restored epoch, or a whole epoch).
+
+        Use it where ``len(loader)`` would count a whole epoch, e.g. a progress bar after
+        a mid-epoch restore: ``tqdm(loader, total=loader.remaining())``.
+        """
+        with self._state_lock:
+            live = [r for r in self._records if r.fate is Fate.LIVE]
+            if live:
+                left = live[-1].iteration.remaining()
+            elif self._pending is not None:
+                left = self._mode.remaining(self._pending)
+            else:
+                return len(self)
+        if left is None:
+            raise TypeError(f"the number of batches left is unknown ({type(self._mode).__name__} has no length)")
+        return left
 
     # -- state ------------------------------------------------------------------------
 
     def save_state_rank(self) -> RankState:
         """This rank's loader state: valid at any moment, cheap, never blocks on a busy worker.
 
-        Before the first batch, mid-epoch, after the last batch of an epoch, between
-        epochs and right after a restore. Saving twice without iterating gives equal
-        states.
+        Before the first batch, mid-epoch, at an epoch's last batch (a restore yields the
+        empty rest of that epoch, then the next one), after the epoch ended (the next
+        epoch's start), after ``break`` or an exception in the loop body (the abandoned
+        position; this loader's own next ``iter()`` starts the next epoch, as torch's
+        does), right after a restore. Saving twice without iterating gives equal states.
+        With two live iterations (``zip(loader, loader)``) a state would be ambiguous:
+        :class:`LoaderUsageError`.
 
         Thread-safe: a checkpoint thread may save while the training thread iterates. The
-        state is the position between two yielded items (all items yielded before the
-        save started, possibly some yielded while it ran); while a save runs, the
-        iterating thread waits before booking its next item. Example::
+        state is the position between two yielded items; while a save runs, the iterating
+        thread waits before booking its next item. Example::
 
             threading.Thread(target=lambda: save_file(path, loader.save_state_rank())).start()
 
-        After an iteration failed (a worker died, hung or raised), its position is lost
-        with it: saving raises :class:`LoaderUsageError` until the next ``iter()``; restore
-        a new loader from a state saved before the failure.
+        After an iteration failed (a worker died or hung), its position is lost with it:
+        saving raises :class:`LoaderUsageError` until the next ``iter()``; restore a new
+        loader from a state saved before the failure.
         """
         with self._state_lock:
-            if self._failed is not None:
-                raise LoaderUsageError(
-                    f"cannot save: the loader's last iteration failed ({self._failed}) and its position was "
-                    "lost with it; restore a new loader from a state saved before the failure "
-                    "(or call iter() to start the next epoch)"
-                )
-            return self._save_state_rank()
+            position = self._describe()
+            return RankState(
+                config=self._mode.loader_config(self.num_workers), position=position, library_version=__version__
+            )
 
-    def _save_state_rank(self) -> RankState:
+    def _describe(self) -> Any:
+        """The position a save records (see ``_iterator.py``)."""
         mode = self._mode
-        position: IndexPosition | PipelinePosition
-        if mode.kind == "pipeline":  # asks workers: deliver worker-death signals here
-            torch_iter = self._torch_iter
+        records = self._records
+        if not records:
+            return self._pending if self._pending is not None else mode.start_position(self._next_epoch)
+        record = max(records, key=lambda r: r.serial)
+        others = [r for r in records if r is not record and r.fate is Fate.LIVE]
+        if others:
+            epochs = sorted(r.iteration.epoch for r in [*others, record])
+            raise LoaderUsageError(
+                f"cannot save: {len(others) + 1} iterations of this loader are in progress (epochs {epochs}), and a "
+                "state describes one; finish or close the others (it.close(), del it) first"
+            )
+        if record.fate is Fate.LIVE:
             try:
-                with loader_call():
-                    position = mode.save(getattr(torch_iter, "_workers", None), self.save_timeout)
+                with loader_call():  # a pipeline may ask its workers: deliver their deaths here
+                    return record.iteration.position(self.save_timeout)
             except RuntimeError as e:
                 if isinstance(e, SavableLoaderError):
                     raise
-                raise self._translate(e, torch_iter) from e
-        else:  # main-process bookkeeping only: microseconds
-            position = mode.save()
-        return RankState(
-            config=mode.loader_config(self.num_workers), position=position, library_version=__version__
-        )
+                raise translate_worker_error(e, record.torch_iter, record.iteration.logical, self.timeout) from e
+        if record.fate is Fate.ABANDONED:
+            if record.error is not None:
+                raise LoaderUsageError(
+                    f"cannot save: the position of the abandoned iteration of epoch {record.iteration.epoch} could "
+                    f"not be taken ({type(record.error).__name__}: {record.error})"
+                ) from record.error
+            return record.position
+        if record.fate is Fate.FAILED:
+            raise LoaderUsageError(
+                f"cannot save: the loader's last iteration failed ({record.failure}) and its position was "
+                "lost with it; restore a new loader from a state saved before the failure "
+                "(or call iter() to start the next epoch)"
+            )
+        return mode.start_position(self._next_epoch)
 
     def restore_state_rank(self, state: RankState) -> None:
-        """Restore a state from :meth:`save_state_rank` before iterating.
+        """Restore a state from :meth:`save_state_rank`.
 
-        The next ``iter()`` continues the saved epoch; later ones start the next epochs.
-        A changed ``num_workers`` is honoured on the drop-in path; other changes the
-        loader cannot honour raise :class:`ConfigMismatchError` naming the field.
+        The next ``iter()`` continues the saved position; later ones start the next
+        epochs. The loader may have iterated before (persistent workers are restarted),
+        but no iteration may be in progress. A changed ``num_workers`` is honoured on the
+        drop-in path; other changes the loader cannot honour raise
+        :class:`ConfigMismatchError` naming the field. A loader built with ``seed=None``
+        takes the state's seed.
         """
         if isinstance(state, list):
             raise StateError(
@@ -393,30 +569,39 @@ class SavableDataLoader(DataLoader):
         self._restore(state, state.position, elastic=False)
 
     def _restore(self, state: RankState, position: Any, elastic: bool) -> None:
-        if self._torch_iter is not None:
-            raise LoaderUsageError("cannot restore a loader while it is iterating; restore before iter()")
-        self._failed = None
-        if self.persistent_workers and self._iterator is not None:
-            raise LoaderUsageError("cannot restore a loader whose persistent workers already run; build a new loader")
         mode = self._mode
-        expected = IndexPosition if mode.kind == "index" else PipelinePosition
-        if not isinstance(position, expected):
-            raise StateError(
-                f"the state was saved by a {'pipeline' if isinstance(position, PipelinePosition) else 'drop-in'} "
-                f"loader, this loader is a {'drop-in' if mode.kind == 'index' else 'pipeline'} loader"
-            )
-        if elastic:
-            position = mode.check(state.config, position, self.num_workers, elastic=True)  # type: ignore[call-arg, arg-type]
-        else:
-            position = mode.check(state.config, position, self.num_workers)  # type: ignore[arg-type]
-        mode.restore(position)  # type: ignore[arg-type]
+        with self._state_lock:
+            live = [r for r in self._records if r.fate is Fate.LIVE]
+            if live:
+                raise LoaderUsageError(
+                    f"cannot restore while an iteration of epoch {live[-1].iteration.epoch} is in progress: finish "
+                    "it or close it (it.close(), del it) first"
+                )
+            if not isinstance(position, mode.position_type):
+                saved_path = "pipeline" if isinstance(position, PipelinePosition) else "drop-in"
+                raise StateError(
+                    f"the state was saved by a {saved_path} loader, this loader is a {mode.path_name} loader"
+                )
+            formula = state.config.seed_formula
+            if formula not in (LEGACY_SEED_FORMULA, SEED_FORMULA):
+                raise StateError(
+                    f"the state uses seed formula {formula}, this savable-loader knows formulas "
+                    f"{LEGACY_SEED_FORMULA} and {SEED_FORMULA}: upgrade savable-loader"
+                )
+            position = mode.check(state.config, position, self.num_workers, elastic=elastic)
+            if not mode.seed_explicit:
+                self.seed = state.config.seed
+            mode.adopt(self.seed, formula)
+            self._records = []
+            self._pending = position
+            self._next_epoch = position.epoch + 1
+            mode.restored()
+            if self._engine._iterator is not None:  # persistent workers start anew
+                self._shutdown(self._engine._iterator)
 
     def _restore_resized(self, states: list[RankState], world_size: int) -> None:
-        if self._mode.kind != "index":
-            raise ConfigMismatchError(
-                "world_size", len(states), world_size,
-                "a savable pipeline's state is split per rank and worker: restore it on the same world size",
-            )
+        if not self._mode.resizable:
+            raise ConfigMismatchError("world_size", len(states), world_size, self._mode.fixed_world_size)
         self._restore(states[0], elastic_position(states, world_size), elastic=True)
 
     def save_state_global(self, global_dst_rank: int) -> list[RankState] | None:
@@ -433,15 +618,16 @@ class SavableDataLoader(DataLoader):
         """Restore from a gathered list: every rank passes it (``src_rank=None``), or only
         global rank ``src_rank`` does and it is scattered (a collective then).
 
-        Drop-in path: states saved on ``W`` ranks restore on any other world size
-        ``W'``. The rest of the interrupted epoch — every sample no old rank had
-        consumed — is shared among the new ranks, each exactly once (shares differ by at
-        most one sample), and later epochs are ordinary ``W'``-rank epochs. A savable
-        pipeline refuses another world size with :class:`ConfigMismatchError`, as does a
-        list that does not hold one state per old rank.
+        Drop-in path with the loader's own order: states saved on ``W`` ranks restore on
+        any other world size ``W'``. The rest of the interrupted epoch — every sample no
+        old rank had consumed — is shared among the new ranks, each exactly once (shares
+        differ by at most one sample), and later epochs are ordinary ``W'``-rank epochs.
+        A savable pipeline or a sampler of the user's refuses another world size with
+        :class:`ConfigMismatchError`, as does a list that does not hold one state per old
+        rank.
         """
         group = DataParallelGroup(self.worker_config)
-        resize_ok = self._mode.kind == "index"
+        resize_ok = self._mode.resizable
         if src_rank is None:
             if is_resize(states, group.size):
                 self._restore_resized(check_gathered(states), group.size)
@@ -476,10 +662,11 @@ class SavableDataLoader(DataLoader):
 
         ``key`` is a :class:`~savable_loader.state.RestoreKey` from :attr:`restore_key`
         or its ``str()``. The loader must be built like the one that made the key: same
-        dataset and seed (drop-in path: ``num_workers``, rank and world size may differ;
-        savable pipelines: the same rank, world size and ``num_workers``, since sources
-        split the data by them). Savable pipelines rebuild when every dataset of the
-        pipeline supports it (``dataset.can_restore_sample()``;
+        dataset and seed (drop-in path with the loader's own order: ``num_workers``, rank
+        and world size may differ; with a sampler of the user's: the same rank, as the
+        key carries the dataset indices; savable pipelines: the same rank, world size and
+        ``num_workers``, since sources split the data by them). Savable pipelines rebuild
+        when every dataset of the pipeline supports it (``dataset.can_restore_sample()``;
         ``restore_sample_blocker()`` says why not). Raises :class:`RestoreKeyError`
         otherwise. Example::
 
@@ -497,10 +684,7 @@ class SavableDataLoader(DataLoader):
                 f"key.fingerprint is {key.fingerprint!r}, this loader's dataset is {self._mode.fingerprint!r}: "
                 "the key was made by a loader over another dataset or configuration"
             )
-        sample = self._mode.restore_sample(key)
-        if self._mode.kind == "pipeline":
-            sample = self.collate_fn.collate(sample)
-        return sample
+        return self._mode.restore_sample(key)
 
     def _state_key(self) -> str:
         return f"dp_rank_{self.worker_config.rank}"

@@ -36,11 +36,14 @@ import torch
 from savable_loader.errors import StateError
 
 __all__ = [
+    "LEGACY_SEED_FORMULA",
+    "SEED_FORMULA",
     "GlobalRngState",
     "capture_generator",
     "capture_global",
     "counter_seed",
     "derive_seed",
+    "item_seed",
     "preserve_global_rng",
     "restore_generator",
     "restore_global",
@@ -80,6 +83,27 @@ def counter_seed(base: int, counter: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+#: Version of the per-item seed formula this library writes into ``LoaderConfig.seed_formula``.
+#: 2: ``counter_seed(...)`` with the top bit cleared, so that ``torch.initial_seed()`` read
+#: inside a worker fits in an int64 (as torch's own worker seeds do).
+SEED_FORMULA = 2
+#: The formula of states written before ``seed_formula`` existed: all 64 bits. A state that
+#: records it keeps its stream exactly after a restore.
+LEGACY_SEED_FORMULA = 1
+_MASK63 = (1 << 63) - 1
+
+
+def item_seed(seed: int, formula: int = SEED_FORMULA) -> int:
+    """A per-item seed (from :func:`counter_seed` or :func:`derive_seed`) in the range of
+    ``formula``: below ``2**63`` for formula 2, all 64 bits for the legacy formula 1.
+
+    Example::
+
+        seed_global(item_seed(counter_seed(base, position)))   # torch.initial_seed() < 2**63
+    """
+    return seed & _MASK63 if formula >= 2 else seed
 
 
 # Python's module-level random functions are bound methods of one hidden instance; seeding

@@ -3,7 +3,10 @@
 ``check_resume_everywhere(factory, epochs)`` takes the uninterrupted stream of ``epochs``
 epochs as reference, then for every step k (0 .. end, plus the moments between epochs)
 saves, encodes to bytes, decodes, restores into a fresh loader and checks that the
-continuation is the reference's, bit for bit, epoch boundaries included.
+continuation is the reference's, bit for bit, epoch boundaries included: a save at an
+epoch's last item restores to that epoch's empty rest, then the next epoch; a save after
+the epoch's StopIteration restores to the next epoch. Saves may also be taken after
+``break`` or an exception in the loop body (``variants``).
 """
 
 from __future__ import annotations
@@ -66,15 +69,48 @@ def _save_points(lengths: list[int]) -> list[tuple[int, bool]]:
     return points
 
 
+def expected_chunks(lengths: list[int], k: int, between: bool) -> list[int]:
+    """Items each ``iter()`` of a loader restored at save point ``k`` yields.
+
+    ``k`` items yielded; ``between``: the save came after the epoch's StopIteration (the
+    restored loader starts the next epoch). Otherwise the save came while the iteration
+    that yielded the ``k``-th item was live (or abandoned): the restored loader's first
+    ``iter()`` yields that epoch's rest, possibly nothing (a save at the epoch's last
+    batch), then the following epochs.
+    """
+    if k == 0 and not between:
+        return list(lengths)
+    acc = 0
+    for e, n in enumerate(lengths):
+        if acc < k <= acc + n or (n == 0 and acc == k and not between):
+            return ([] if between else [acc + n - k]) + list(lengths[e + 1 :])
+        acc += n
+    raise AssertionError(f"no epoch holds save point {k}")
+
+
+class _LoopBodyError(Exception):
+    """Raised inside a training loop body by check_resume_everywhere's "raise" variant."""
+
+
 def check_resume_everywhere(
     factory: Callable[[], Any],
     epochs: int = 2,
     *,
     restore_factory: Callable[[], Any] | None = None,
     steps: Iterable[int] | None = None,
+    variants: Iterable[str] = ("live",),
+    check_live_next_epoch: bool = True,
 ) -> int:
     """Save at every step (or ``steps``), restore into a fresh loader, compare. Returns
-    the number of save points checked."""
+    the number of save points checked.
+
+    ``variants`` say how a save at step ``k`` is taken: ``"live"`` (while the iterator is
+    live, right after the ``k``-th item, also at an epoch's last item), ``"break"``
+    (``break`` out of the loop and drop the iterator, then save) and ``"raise"`` (an
+    exception in the loop body leaves the loop, then save). All restore to the same
+    continuation. After ``break``/``raise`` the live loader's next ``iter()`` must start
+    the next epoch (``check_live_next_epoch``), as torch's does.
+    """
     if restore_factory is None:
         restore_factory = factory
     reference = epochs_of(factory(), epochs)
@@ -86,54 +122,71 @@ def check_resume_everywhere(
     for k, between in _save_points(lengths):
         if wanted is not None and k not in wanted:
             continue
-        loader = factory()
-        seen: list[Any] = []
-        state = None
-        live = None
-        if k == 0 and not between:
-            state = loader.save_state_rank()
-        else:
-            for _ in range(epochs):
-                live = iter(loader)
+        for variant in variants if (k and not between) else ("live",):
+            _check_point(factory, restore_factory, reference, lengths, flat, k, between, variant,
+                         check_live_next_epoch)
+            checked += 1
+    return checked
+
+
+def _check_point(
+    factory: Callable[[], Any], restore_factory: Callable[[], Any], reference: list[list[Any]], lengths: list[int],
+    flat: list[Any], k: int, between: bool, variant: str, check_live_next_epoch: bool,
+) -> None:
+    epochs = len(lengths)
+    loader = factory()
+    seen: list[Any] = []
+    state = None
+    live = None
+    stopped_in = -1  # the epoch whose iteration was left by break / raise
+    if k == 0 and not between:
+        state = loader.save_state_rank()
+    else:
+        for e in range(epochs):
+            live = iter(loader)
+            try:
                 for item in live:
                     seen.append(item)
                     if len(seen) == k and not between:
-                        state = loader.save_state_rank()
+                        if variant == "live":
+                            state = loader.save_state_rank()
+                        elif variant == "raise":
+                            raise _LoopBodyError(k)
                         break
-                if state is not None:
-                    break
-                if len(seen) == k and between:
+            except _LoopBodyError:
+                pass
+            if len(seen) == k and not between:
+                if state is None:  # break / raise: the iterator is dropped, then the save
                     live = None
+                    stopped_in = e
                     state = loader.save_state_rank()
-                    break
-        assert state is not None, f"no save point at k={k}"
-        again = loader.save_state_rank()
-        assert encode(again) == encode(state), f"k={k}: saving twice without iterating gave different states"
-        assert_streams(seen, flat[:k], f"k={k} prefix")
-        del live, loader
-        data = encode(state)
-        fresh = restore_factory()
-        fresh.restore_state_rank(decode(data))
-        after = fresh.save_state_rank()
-        assert after.position == state.position, f"k={k}: state right after restore differs"
-        if restore_factory is factory:
-            assert encode(after) == data, f"k={k}: state right after restore differs"
-        # Which epoch and offset the save point is at: expected chunks of the remainder.
-        acc, expected_chunks = 0, []
-        for n in lengths:
-            if acc + n > k:
-                expected_chunks.append(acc + n - max(k, acc))
-            acc += n
-        got_chunks: list[list[Any]] = []
-        for _ in range(len(expected_chunks)):
-            got_chunks.append(list(fresh))
-        assert [len(c) for c in got_chunks] == expected_chunks, (
-            f"k={k} between={between}: epoch lengths after restore {[len(c) for c in got_chunks]}, "
-            f"expected {expected_chunks}"
-        )
-        assert_streams([x for c in got_chunks for x in c], flat[k:], f"k={k} between={between} continuation")
-        checked += 1
-    return checked
+                break
+            if len(seen) == k and between:
+                live = None
+                state = loader.save_state_rank()
+                break
+    assert state is not None, f"no save point at k={k}"
+    again = loader.save_state_rank()
+    assert encode(again) == encode(state), f"k={k} {variant}: saving twice without iterating gave different states"
+    assert_streams(seen, flat[:k], f"k={k} prefix")
+    if stopped_in >= 0 and check_live_next_epoch and stopped_in + 1 < epochs:
+        # the live loader's next iter() starts the next epoch, as torch's does
+        assert_streams(list(loader), reference[stopped_in + 1], f"k={k} {variant}: live loader's next epoch")
+    del live, loader
+    data = encode(state)
+    fresh = restore_factory()
+    fresh.restore_state_rank(decode(data))
+    after = fresh.save_state_rank()
+    assert after.position == state.position, f"k={k}: state right after restore differs"
+    if restore_factory is factory:
+        assert encode(after) == data, f"k={k}: state right after restore differs"
+    chunks = expected_chunks(lengths, k, between)
+    got_chunks: list[list[Any]] = [list(fresh) for _ in chunks]
+    assert [len(c) for c in got_chunks] == chunks, (
+        f"k={k} between={between} {variant}: epoch lengths after restore {[len(c) for c in got_chunks]}, "
+        f"expected {chunks}"
+    )
+    assert_streams([x for c in got_chunks for x in c], flat[k:], f"k={k} between={between} {variant} continuation")
 
 
 # -- datasets ---------------------------------------------------------------------------

@@ -54,9 +54,12 @@ def _restore(rank, world, num_workers, form, out, remaining):
     else:
         loader.restore_state_global(sl.state.load_file(path) if rank == 0 else None, src_rank=0)
     got = []
+    first = True
     while len(got) < remaining:
         epoch = list(loader)
-        assert epoch, "an empty epoch before the reference's end"
+        # only the first epoch may be empty: a state saved at an epoch's last batch
+        assert epoch or first, "an empty epoch before the reference's end"
+        first = False
         got.extend(epoch)
     return got
 

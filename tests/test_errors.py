@@ -17,6 +17,7 @@ from savable_loader.errors import (
     RestoreKeyError,
     SavableLoaderError,
     StateError,
+    StateFileError,
     StateVersionError,
     WorkerDiedError,
     WorkerError,
@@ -27,6 +28,7 @@ from savable_loader.errors import (
 TREE = {
     StateError: SavableLoaderError,
     StateVersionError: StateError,
+    StateFileError: StateError,
     ConfigMismatchError: SavableLoaderError,
     LoaderUsageError: SavableLoaderError,
     RestoreKeyError: SavableLoaderError,
@@ -84,6 +86,7 @@ def test_builtin_bases() -> None:
     assert issubclass(WorkerError, RuntimeError)
     assert issubclass(WorkerDiedError, RuntimeError) and issubclass(WorkerTimeoutError, RuntimeError)
     assert not issubclass(StateError, ValueError)
+    assert issubclass(StateFileError, OSError) and not issubclass(StateError, OSError)
     assert not issubclass(ConfigMismatchError, (ValueError, RuntimeError))
 
 
@@ -174,6 +177,15 @@ def test_worker_errors_survive_pickling(cls: type[WorkerError], worker_id: int |
         assert type(back) is cls
         assert back.worker_id == worker_id
         assert str(back) == str(exc)
+
+
+@pytest.mark.parametrize("errno", [None, 2])
+def test_state_file_error_keeps_path_errno_and_message(errno: int | None) -> None:
+    exc = StateFileError("ckpt/x.state: cannot save: the folder ckpt does not exist", "ckpt/x.state", errno)
+    for candidate in [exc, *_round_trips(exc)]:
+        assert type(candidate) is StateFileError
+        assert (candidate.path, candidate.errno) == ("ckpt/x.state", errno)
+        assert str(candidate) == "ckpt/x.state: cannot save: the folder ckpt does not exist"  # not "[Errno 2] ..."
 
 
 def test_worker_error_default_worker_id() -> None:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 from torch.utils.data import default_collate
 
-from savable_loader._index_mode import IndexMode, check_dataset_config, map_dataset_config
+from savable_loader._index_mode import (
+    OrderMode,
+    check_dataset_config,
+    map_dataset_config,
+)
 from savable_loader.errors import ConfigMismatchError
 from savable_loader.state.codec import decode_part, encode_part
 from savable_loader.state.schema import IndexPosition
@@ -15,100 +19,107 @@ from tests.common import RandomMapDataset
 pytestmark = pytest.mark.timeout(60)
 
 
-def mode(dataset=None, **kw) -> IndexMode:
-    kw = {"seed": 5, "shuffle": True, "rank": 0, "world_size": 1, "batch_size": 4, "drop_last": False, **kw}
-    return IndexMode(RandomMapDataset(10) if dataset is None else dataset, collate_fn=default_collate, **kw)
+def mode(dataset=None, **kw) -> OrderMode:
+    kw = {"seed": 5, "seed_explicit": True, "shuffle": True, "rank": 0, "world_size": 1, "batch_size": 4,
+          "drop_last": False, **kw}
+    return OrderMode(RandomMapDataset(10) if dataset is None else dataset, collate_fn=default_collate, **kw)
 
 
 def pos(epoch: int, consumed: int, dataset_len: int = 10) -> IndexPosition:
     return IndexPosition(epoch=epoch, consumed=consumed, dataset_len=dataset_len)
 
 
-# -- iteration and save -------------------------------------------------------------------
+def drawn(m: OrderMode) -> list:
+    """The keys the iteration begun last hands torch's iterator."""
+    return list(iter(m.feed_sampler))
 
 
-def test_save_follows_the_items_and_normalizes_a_finished_epoch():
+# -- iteration and position ---------------------------------------------------------------
+
+
+def test_position_follows_the_items_up_to_the_epochs_end():
     m = mode()
-    assert m.save() == pos(0, 0)
-    assert m.begin() is False
-    assert (m.sampler.epoch, m.sampler.start) == (0, 0)
-    assert m.save() == pos(0, 0)
+    assert m.start_position(0) == pos(0, 0)
+    it = m.begin(0, None)
+    assert it.resumed is False and it.position() == pos(0, 0)
+    keys = iter(m.feed_sampler)
     item = object()
-    assert m.on_item(item) is item  # items pass through unchanged
-    assert m.save() == pos(0, 4)
-    m.on_item(None)
-    assert m.save() == pos(0, 8)
-    m.on_item(None)  # the last, short batch: 10 of 10 yielded
-    assert m.save() == pos(1, 0)  # a finished epoch saves as the start of the next
-    m.end()
-    assert m.epoch == 1 and m.current is None
-    assert m.save() == pos(1, 0)
-    assert m.begin() is False
-    assert (m.sampler.epoch, m.sampler.start) == (1, 0)
-    m.on_item(None)
-    assert m.save() == pos(1, 4)
+    next(keys)
+    assert it.on_item(item) is item  # items pass through unchanged
+    assert it.position() == pos(0, 4) and it.remaining() == 2
+    next(keys), next(keys)  # torch's iterator prefetches: drawn keys are not consumed
+    assert it.position() == pos(0, 4)
+    it.on_item(None)
+    assert it.position() == pos(0, 8)
+    it.on_item(None)  # the last, short batch: 10 of 10 yielded
+    assert it.position() == pos(0, 10) and it.remaining() == 0  # the epoch's (empty) rest, not the next epoch
+    it.end(finished=True, keep_workers=False)
+    it1 = m.begin(1, None)
+    assert [k.epoch for k in drawn(m)] == [1, 1, 1]
+    assert it1.position() == pos(1, 0)
 
 
-def test_finished_epoch_with_drop_last_and_unbatched():
+def test_a_batch_that_raised_counts_as_consumed():
+    m = mode()
+    it = m.begin(0, None)
+    keys = iter(m.feed_sampler)
+    first, second = next(keys), next(keys)
+    assert it.on_error(RuntimeError("in the dataset")) is True
+    assert it.position() == pos(0, 4)
+    it.on_item(None)
+    assert it.position() == pos(0, 8)
+    assert m.last is not None and m.last[1] == second and first != second
+    assert it.on_error(RuntimeError("nothing was drawn")) is False
+
+
+def test_drop_last_and_unbatched_epochs():
     m = mode(batch_size=4, drop_last=True)  # 2 batches of 4, 2 samples dropped
-    m.begin()
-    m.on_item(None)
-    assert m.save() == pos(0, 4)
-    m.on_item(None)
-    assert m.save() == pos(1, 0)
+    it = m.begin(0, None)
+    assert len(drawn(m)) == 2
+    it.on_item(None), it.on_item(None)
+    assert it.position() == pos(0, 8) and it.remaining() == 0
     u = mode(batch_size=None)
-    u.begin()
-    for k in range(1, 10):
-        u.on_item(None)
-        assert u.save() == pos(0, k)
-    u.on_item(None)
-    assert u.save() == pos(1, 0)
+    it = u.begin(0, None)
+    assert len(drawn(u)) == 10
+    for k in range(1, 11):
+        it.on_item(None)
+        assert it.position() == pos(0, k)
 
 
-def test_abandoned_epoch_counts_as_ended():
+def test_resume_starts_at_the_position():
     m = mode()
-    m.begin()
-    m.on_item(None)
-    m.end()  # the iteration was abandoned mid-epoch
-    assert m.save() == pos(1, 0)
-    assert m.begin() is False and m.sampler.epoch == 1
-
-
-def test_restore_sets_the_next_iteration():
-    m = mode()
-    m.restore(pos(3, 8))
-    assert m.save() == pos(3, 8)  # before iterating: the restored position
-    assert m.save() == pos(3, 8)
-    assert m.begin() is True
-    assert (m.sampler.epoch, m.sampler.start) == (3, 8)
-    assert list(m.sampler) == list(m.plan.batches(3, 0))[2:]
-    assert m.save() == pos(3, 8)
-    m.on_item(None)
-    assert m.save() == pos(4, 0)
-    m.end()
-    assert m.begin() is False  # resumed only once
-    assert (m.sampler.epoch, m.sampler.start) == (4, 0)
-
-
-def test_restore_at_epoch_end_saves_as_next_epoch():
-    m = mode()
-    m.restore(pos(2, 10))
-    assert m.save() == pos(3, 0)
-    assert m.begin() is True and len(list(m.sampler)) == len(m.sampler) > 0  # epoch 3, whole
-    assert m.sampler.epoch == 3
-    m.end()
-    assert m.epoch == 4
+    it = m.begin(3, pos(3, 8))
+    assert it.resumed is True and it.position() == pos(3, 8)
+    assert drawn(m) == list(m.plan.batches(3, 0))[2:]
+    it.on_item(None)
+    assert it.position() == pos(3, 10)
+    empty = m.begin(2, pos(2, 10))  # saved at the epoch's last batch: its rest is empty
+    assert drawn(m) == [] and empty.remaining() == 0 and m.remaining(pos(2, 10)) == 0
+    assert m.remaining(pos(2, 4)) == 2
 
 
 def test_position_round_trips_through_encoding():
     m = mode()
-    m.begin()
-    m.on_item(None)
-    saved = m.save()
+    it = m.begin(0, None)
+    iter(m.feed_sampler).__next__()
+    it.on_item(None)
+    saved = decode_part(encode_part(it.position()), IndexPosition)
     fresh = mode()
-    fresh.restore(decode_part(encode_part(saved), IndexPosition))
-    fresh.begin()
-    assert (fresh.sampler.epoch, fresh.sampler.start) == (0, 4)
+    fresh.begin(saved.epoch, fresh.check(m.loader_config(0), saved, 0))
+    assert drawn(fresh) == list(m.plan.batches(0, 0))[1:]
+
+
+def test_len_dataset_is_read_at_every_epoch_start():
+    data = RandomMapDataset(10)
+    m = mode(data)
+    m.begin(0, None)
+    assert len(drawn(m)) == 3
+    data.n = 13
+    assert m.sample_count() == 13 and m.start_position(1) == pos(1, 0, 13)
+    m.begin(1, None)
+    assert sum(len(k.positions) for k in drawn(m)) == 13
+    with pytest.raises(ConfigMismatchError, match="len"):
+        m.begin(1, pos(1, 4, 10))  # a position of the old length
 
 
 def test_loader_config_records_the_configuration():
@@ -116,6 +127,7 @@ def test_loader_config_records_the_configuration():
     c = m.loader_config(4)
     assert (c.rank, c.world_size, c.num_workers, c.seed, c.batch_size, c.shuffle, c.drop_last) == (
         1, 3, 4, 9, 2, False, True)
+    assert (c.seed_formula, c.sampler) == (2, "")
     assert c.dataset_config == {"type": "tests.common.RandomMapDataset", "len": 10}
     assert c.dataset_fingerprint == m.fingerprint
     assert mode().fingerprint == mode(seed=1).fingerprint != mode(RandomMapDataset(11)).fingerprint
@@ -139,7 +151,7 @@ def test_loader_config_records_the_configuration():
 def test_check_names_each_changed_field(field, changes, saved, current):
     base = {"rank": 0, "world_size": 2} if field == "rank" else {}
     old = mode(**base)
-    config, position = old.loader_config(2), old.save()
+    config, position = old.loader_config(2), old.start_position(0)
     with pytest.raises(ConfigMismatchError) as info:
         mode(**changes).check(config, position, 2)
     e = info.value
@@ -149,9 +161,10 @@ def test_check_names_each_changed_field(field, changes, saved, current):
 
 def test_check_accepts_same_config_and_changed_num_workers():
     old = mode()
-    old.begin()
-    old.on_item(None)
-    config, position = old.loader_config(3), old.save()
+    it = old.begin(0, None)
+    iter(old.feed_sampler).__next__()
+    it.on_item(None)
+    config, position = old.loader_config(3), it.position()
     for workers in (0, 1, 3, 8):
         mode().check(config, position, workers)
 
@@ -159,7 +172,7 @@ def test_check_accepts_same_config_and_changed_num_workers():
 def test_check_changed_dataset_length():
     old = mode()
     with pytest.raises(ConfigMismatchError) as info:
-        mode(RandomMapDataset(11)).check(old.loader_config(0), old.save(), 0)
+        mode(RandomMapDataset(11)).check(old.loader_config(0), old.start_position(0), 0)
     assert (info.value.field, info.value.saved, info.value.current) == ("len(dataset)", 10, 11)
 
 
@@ -211,7 +224,7 @@ def test_map_dataset_config():
 def test_dataset_config_diff_names_the_first_differing_path(old, new, path, saved, current):
     before = mode(Configured(10, old))
     with pytest.raises(ConfigMismatchError) as info:
-        mode(Configured(10, new)).check(before.loader_config(0), before.save(), 0)
+        mode(Configured(10, new)).check(before.loader_config(0), before.start_position(0), 0)
     e = info.value
     assert (e.field, e.saved, e.current) == (path, saved, current)
     assert "the dataset changed since the state was saved" in str(e)
@@ -220,7 +233,7 @@ def test_dataset_config_diff_names_the_first_differing_path(old, new, path, save
 def test_dataset_type_change_is_named():
     before = mode(Configured(10, {"a": 1}))
     with pytest.raises(ConfigMismatchError) as info:
-        mode(OtherType(10, {"a": 1})).check(before.loader_config(0), before.save(), 0)
+        mode(OtherType(10, {"a": 1})).check(before.loader_config(0), before.start_position(0), 0)
     assert (info.value.field, info.value.saved, info.value.current) == (
         "dataset_config.type", "tests.test_index_mode.Configured", "tests.test_index_mode.OtherType")
 

@@ -12,8 +12,13 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from savable_loader.rng import counter_seed, derive_seed, seed_global
-from savable_loader.sources.index import BatchKey, IndexedDataset, IndexPlan, IndexSampler
+from savable_loader.rng import counter_seed, derive_seed, item_seed, seed_global
+from savable_loader.sources.index import (
+    BatchKey,
+    IndexedDataset,
+    IndexPlan,
+    IndexSampler,
+)
 from tests.common import RandomMapDataset, assert_same
 
 pytestmark = pytest.mark.timeout(60)
@@ -96,7 +101,6 @@ def test_epoch_len_and_num_batches(n, world_size, batch_size, drop_last, epoch_l
         keys = list(p.batches(0, 0))
         assert len(keys) == num_batches
         assert sum(len(k.positions) for k in keys) == epoch_len
-        assert len(IndexSampler(p)) == num_batches
         if batch_size is None:
             assert all(len(k.positions) == 1 for k in keys)
         elif keys:
@@ -125,11 +129,14 @@ def test_batches_from_mid_epoch_start_are_the_tail(batch_size, drop_last):
     assert list(p.batches(3, p.epoch_len())) == []
 
 
-def test_sampler_iterates_its_epoch_from_its_start():
+def test_sampler_hands_out_the_keys_it_was_fed():
     p = plan(20, seed=1, shuffle=True, batch_size=4)
-    sampler = IndexSampler(p)
-    assert list(sampler) == list(p.batches(0, 0))
-    sampler.epoch, sampler.start = 2, 8
+    sampler = IndexSampler()
+    with pytest.raises(RuntimeError, match="only SavableDataLoader"):
+        iter(sampler)
+    keys = p.batches(2, 8)
+    sampler.feed(keys)
+    assert iter(sampler) is keys and iter(sampler) is keys  # torch's iterator asks twice
     assert list(sampler) == list(p.batches(2, 0))[2:]
 
 
@@ -177,7 +184,7 @@ def test_build_reseeds_per_seed_epoch_position():
     assert_same(a[0], b[2], "same (epoch, position) in two batches")
     assert int(a[0][0]) == 2 and int(a[1][0]) == 7
     # the exact draws: re-seeded from (seed, "sample", epoch) and the position before the sample
-    seed_global(counter_seed(derive_seed(4, "sample", 1), 5))
+    seed_global(item_seed(counter_seed(derive_seed(4, "sample", 1), 5)))
     assert_same(a[0], RandomMapDataset(20)[2], "documented seeding")
     # another position, epoch or seed: other draws for the same dataset index
     other_position = ds.build(BatchKey(1, (6,), (2,)))[0]
@@ -194,7 +201,7 @@ def test_build_reseeds_collate_from_first_position():
 
     ds = IndexedDataset(RandomMapDataset(20), seed=4, collate_fn=collate, batched=True)
     batch = ds.build(BatchKey(0, (3, 9), (4, 5)))
-    seed_global(derive_seed(4, "collate", 0, 3))
+    seed_global(item_seed(derive_seed(4, "collate", 0, 3)))
     assert batch[1:] == (random.random(), float(np.random.rand()), float(torch.rand(())))
     assert ds.build(BatchKey(0, (3, 9), (4, 5)))[1:] == batch[1:]
 
@@ -219,14 +226,48 @@ class Labelled(RandomMapDataset):
         return f"{self.n} samples"
 
 
-def test_getattr_forwards_to_user_dataset():
-    ds = IndexedDataset(Labelled(6), seed=0, collate_fn=stack, batched=True)
-    assert ds.classes == ("cat", "dog")
-    assert ds.describe() == "6 samples"
-    assert ds.n == 6 and len(ds) == 6
-    with pytest.raises(AttributeError):
-        ds.no_such_attribute
-    assert not hasattr(ds, "__no_such_dunder__")
+def test_user_dataset_is_the_wrapped_object():
+    user = Labelled(6)
+    ds = IndexedDataset(user, seed=0, collate_fn=stack, batched=True)
+    assert ds.user_dataset is user and len(ds) == 6
+    assert not hasattr(ds, "classes")  # no forwarding: the loader shows the user's dataset itself
+
+
+class Seeds(RandomMapDataset):
+    def __getitem__(self, i: int) -> int:
+        return torch.initial_seed()
+
+
+def test_per_sample_seeds_fit_in_int64_and_the_legacy_formula_keeps_64_bits():
+    keys = [BatchKey(e, tuple(range(32)), tuple(range(32))) for e in range(4)]
+    new = IndexedDataset(Seeds(32), seed=3, collate_fn=list, batched=True)
+    legacy = IndexedDataset(Seeds(32), seed=3, collate_fn=list, batched=True, seed_formula=1)
+    new_seeds = [s for k in keys for s in new.build(k)]
+    legacy_seeds = [s for k in keys for s in legacy.build(k)]
+    assert all(0 <= s < 2**63 for s in new_seeds)
+    assert any(s >= 2**63 for s in legacy_seeds)  # all 64 bits: the formula of schema-1 states
+    assert new_seeds == [s & (2**63 - 1) for s in legacy_seeds]
+    torch.utils.data.default_collate(new_seeds)  # fits a LongTensor
+
+
+class Bulk(RandomMapDataset):
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        first = random.randint(0, 10**6)
+        return [torch.tensor([i, first]) for i in indices]
+
+
+def test_own_getitems_loads_a_batch_in_one_call_after_one_reseed():
+    ds = IndexedDataset(Bulk(10), seed=1, collate_fn=stack, batched=True)
+    batch = ds.build(BatchKey(0, (4, 5, 6), (7, 8, 9)))
+    assert batch[:, 0].tolist() == [7, 8, 9] and len(set(batch[:, 1].tolist())) == 1
+    seed_global(item_seed(counter_seed(derive_seed(1, "sample", 0), 4)))
+    assert int(batch[0, 1]) == random.randint(0, 10**6)
+    # torch's Subset forwards __getitems__ per sample: the per-sample seeds stay
+    sub = IndexedDataset(torch.utils.data.Subset(RandomMapDataset(10), range(10)), seed=1, collate_fn=stack,
+                         batched=True)
+    plain = IndexedDataset(RandomMapDataset(10), seed=1, collate_fn=stack, batched=True)
+    key = BatchKey(0, (4, 5), (7, 8))
+    assert_same(sub.build(key), plain.build(key), "Subset vs its dataset")
 
 
 def test_main_process_getitem_leaves_global_rngs_untouched():
@@ -251,7 +292,7 @@ def test_pickle_with_lambda_collate_fn():
         pickle.dumps(ds.collate_fn)
     loaded = pickle.loads(pickle.dumps(ds))
     assert loaded.seed == 2 and loaded.batched is True and len(loaded) == 8
-    assert loaded.classes == ("cat", "dog")
+    assert loaded.user_dataset.classes == ("cat", "dog")
     key = BatchKey(3, (0, 4), (5, 6))
     got = loaded.build(key)
     assert_same(got, ds.build(key), "unpickled build")

@@ -12,7 +12,12 @@ import torch
 import savable_loader as sl
 from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StateError
 from savable_loader.state import decode, encode
-from tests.common import RandomMapDataset, assert_streams, check_resume_everywhere, epochs_of
+from tests.common import (
+    RandomMapDataset,
+    assert_streams,
+    check_resume_everywhere,
+    epochs_of,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,7 +59,7 @@ def test_resume_saved_with_3_workers_into_1_worker():
 
 
 def test_persistent_workers_need_workers():
-    with pytest.raises(sl.LoaderUsageError, match="persistent_workers=True needs num_workers > 0"):
+    with pytest.raises(sl.LoaderUsageError, match="persistent_workers option needs num_workers > 0"):
         make(num_workers=0, persistent_workers=True)
 
 
@@ -96,26 +101,20 @@ def test_save_twice_and_before_first_batch():
     assert loader.save_state_rank().position.consumed == 4
 
 
-def test_end_of_epoch_state_points_at_next_epoch():
+def test_state_at_the_last_batch_is_the_epochs_empty_rest():
     loader = make(n=8, batch_size=4)
     it = iter(loader)
     next(it), next(it)
     pos = loader.save_state_rank().position
-    assert (pos.epoch, pos.consumed) == (1, 0)
+    assert (pos.epoch, pos.consumed) == (0, 8)  # before StopIteration: epoch 0, all of it consumed
+    assert list(it) == []
+    pos = loader.save_state_rank().position
+    assert (pos.epoch, pos.consumed) == (1, 0)  # after StopIteration: the next epoch
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"sampler": [0, 1]},
-        {"batch_sampler": [[0, 1]]},
-        {"generator": torch.Generator()},
-        {"in_order": False},
-        {"no_such_argument": 1},
-    ],
-)
+@pytest.mark.parametrize("kwargs", [{"in_order": False, "num_workers": 2}, {"no_such_argument": 1}])
 def test_rejected_arguments(kwargs):
-    with pytest.raises(LoaderUsageError, match=next(iter(kwargs))):
+    with pytest.raises((LoaderUsageError, TypeError), match=next(iter(kwargs))):
         sl.SavableDataLoader(RandomMapDataset(4), batch_size=2, **kwargs)
 
 
@@ -124,11 +123,11 @@ def test_rejected_datasets_and_values():
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.raises(LoaderUsageError, match="IterableDataset"):
+    with pytest.raises(LoaderUsageError, match="IterableDataset.*IterableSource"):
         sl.SavableDataLoader(Stream(), batch_size=2)
     with pytest.raises(LoaderUsageError, match="map-style"):
         sl.SavableDataLoader(object(), batch_size=2)
-    with pytest.raises(LoaderUsageError, match="batch_size"):
+    with pytest.raises(LoaderUsageError, match="batch_size should be a positive integer value"):
         sl.SavableDataLoader(RandomMapDataset(4), batch_size=0)
     with pytest.raises(LoaderUsageError, match="num_workers"):
         sl.SavableDataLoader(RandomMapDataset(4), worker_config=sl.WorkerConfig(num_workers=2), num_workers=1)
@@ -172,8 +171,11 @@ def test_restore_while_iterating_is_an_error():
     state = loader.save_state_rank()
     it = iter(loader)
     next(it)
-    with pytest.raises(LoaderUsageError, match="iterating"):
+    with pytest.raises(LoaderUsageError, match="in progress"):
         loader.restore_state_rank(state)
+    it.close()
+    loader.restore_state_rank(state)  # once the iteration is closed
+    assert_streams(list(loader), epochs_of(make(), 1)[0], "after the restore")
 
 
 def test_restore_wrong_objects():
@@ -203,8 +205,10 @@ def test_torch_like_attributes():
     loader = sl.SavableDataLoader(ds, batch_size=4, drop_last=True)
     assert loader.batch_size == 4 and loader.drop_last is True
     assert len(loader) == 5
-    assert loader.dataset.n == 23 and len(loader.dataset) == 23
+    assert loader.dataset is ds and loader.dataset[3][0] == 3
     assert isinstance(loader, torch.utils.data.DataLoader)
+    assert len(loader.sampler) == 23 and loader.batch_sampler.sampler is loader.sampler
+    assert len(loader.batch_sampler) == 5
 
 
 def test_save_file_round_trip(tmp_path):
@@ -214,3 +218,29 @@ def test_save_file_round_trip(tmp_path):
     sl.state.save_file(tmp_path / "s.state", loader.save_state_rank())
     state = sl.state.load_file(tmp_path / "s.state")
     assert state == decode(encode(loader.save_state_rank()))
+
+
+def test_a_state_of_the_64_bit_seed_formula_keeps_its_stream():
+    from pathlib import Path
+
+    from tests.data.make_fixtures import dropin as legacy_factory
+
+    state = sl.state.load_file(Path(__file__).parent / "data" / "schema1_dropin.state")
+    assert state.config.seed_formula == 1  # written before the field existed
+    fresh = sl.SavableDataLoader(RandomMapDataset(40), batch_size=4, shuffle=True,
+                                 worker_config=sl.WorkerConfig(num_workers=2, seed=7), multiprocessing_context="fork")
+    fresh.restore_state_rank(state)
+    assert fresh.save_state_rank().config.seed_formula == 1  # adopted, and kept in its states
+    reference = epochs_of(legacy_factory(), 2)
+    assert_streams(list(fresh) + list(fresh), [b for e in reference for b in e][3:], "legacy stream")
+    new = make()
+    assert new.save_state_rank().config.seed_formula == 2
+
+
+def test_a_state_of_an_unknown_seed_formula_is_refused():
+    import msgspec
+
+    state = make().save_state_rank()
+    future = msgspec.structs.replace(state, config=msgspec.structs.replace(state.config, seed_formula=3))
+    with pytest.raises(StateError, match="seed formula 3.*upgrade"):
+        make().restore_state_rank(future)

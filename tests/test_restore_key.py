@@ -8,7 +8,12 @@ through str().
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -129,8 +134,6 @@ def test_foreign_and_malformed_keys_are_refused():
         loader.restore_sample("{garbage")
     with pytest.raises(sl.RestoreKeyError, match="RestoreKey or its str"):
         loader.restore_sample(42)
-    import msgspec
-
     far = msgspec.structs.replace(key, positions=[(10**6, 10**6 + 1, 1)])
     with pytest.raises(sl.RestoreKeyError, match="positions below"):
         loader.restore_sample(far)
@@ -138,12 +141,20 @@ def test_foreign_and_malformed_keys_are_refused():
         pipeline(0).restore_sample(msgspec.structs.replace(key, fingerprint=pipeline(0)._mode.fingerprint))
 
 
-def test_a_pipeline_key_needs_the_same_num_workers():
+def test_a_pipeline_key_needs_the_same_num_workers_and_world_size():
     loader = pipeline(2)
     run = keyed_run(loader, epochs=1)
     key = next(k for k, _ in run if k.worker == 1)
-    with pytest.raises(sl.RestoreKeyError, match="key.worker is 1.*num_workers"):
+    assert (key.num_workers, key.world_size) == (2, 1)
+    with pytest.raises(sl.RestoreKeyError, match="key.num_workers is 2, this loader's num_workers is 0"):
         pipeline(0).restore_sample(key)
+    with pytest.raises(sl.RestoreKeyError, match="key.world_size is 2, this loader's world_size is 1"):
+        loader.restore_sample(msgspec.structs.replace(key, world_size=2))
+    # a key made before num_workers was recorded is checked as before: its worker must exist
+    old = msgspec.structs.replace(key, num_workers=None, world_size=None)
+    assert_same(loader.restore_sample(old), run[[k for k, _ in run].index(key)][1])
+    with pytest.raises(sl.RestoreKeyError, match="key.worker is 1.*num_workers"):
+        pipeline(0).restore_sample(old)
 
 
 def test_a_pipeline_that_cannot_rebuild_says_why():
@@ -175,3 +186,134 @@ def test_a_source_without_keys_names_itself():
     assert loader.restore_key.sample is None
     with pytest.raises(sl.RestoreKeyError, match="Plain does not implement"):
         loader.restore_sample(loader.restore_key)
+
+
+# -- keys carry the settings that decide their data ---------------------------------------
+
+
+def test_a_key_of_another_shuffle_setting_is_refused():
+    shuffled = dropin(0)
+    batches = [(shuffled.restore_key, batch) for batch in shuffled]
+    key, batch = batches[2]
+    assert key.shuffle is True
+    in_order = sl.SavableDataLoader(RandomMapDataset(30), batch_size=4, shuffle=False, seed=SEED)
+    with pytest.raises(sl.RestoreKeyError, match="key.shuffle is True, this loader's shuffle is False"):
+        in_order.restore_sample(key)
+    with pytest.raises(sl.RestoreKeyError, match="key.shuffle is True, this loader's shuffle is False"):
+        in_order.restore_sample(str(key))
+    assert_same(dropin(0).restore_sample(key), batch)
+
+
+def test_a_key_of_another_batching_is_refused():
+    unbatched = dropin(0, batch_size=None)
+    next(iter(unbatched))
+    single = unbatched.restore_key
+    batched = dropin(0)
+    next(iter(batched))
+    with pytest.raises(sl.RestoreKeyError, match="key.batched is False, this loader's batched is True"):
+        batched.restore_sample(single)
+    with pytest.raises(sl.RestoreKeyError, match="key.batched is True, this loader's batched is False"):
+        unbatched.restore_sample(batched.restore_key)
+    # even with the setting removed, an unbatched loader does not rebuild a 4-sample key as one sample
+    with pytest.raises(sl.RestoreKeyError, match="names 4 samples, this loader is unbatched"):
+        unbatched.restore_sample(msgspec.structs.replace(batched.restore_key, batched=None))
+
+
+def test_keys_made_by_earlier_versions():
+    loader = dropin(0)
+    batches = [(loader.restore_key, batch) for batch in loader]
+    key, batch = batches[-1]  # the last batch: 2 samples
+    old = msgspec.json.decode(str(key).encode())
+    for name in ("shuffle", "batched", "world_size"):
+        del old[name]
+    text = msgspec.json.encode(old).decode()
+    with pytest.raises(sl.RestoreKeyError, match='key.shuffle is missing .* add "shuffle": true or false'):
+        loader.restore_sample(text)
+    # the order it names is unambiguous once the shuffle setting is known
+    old["shuffle"] = True
+    assert_same(dropin(0).restore_sample(msgspec.json.encode(old).decode()), batch)
+
+
+def test_padding_positions_follow_the_key_s_world_size():
+    # 30 samples on 4 ranks: positions 30 and 31 repeat samples 0 and 1 (torch's padding)
+    wc = sl.WorkerConfig(rank=3, world_size=4, num_workers=0, seed=SEED)
+    rank3 = sl.SavableDataLoader(RandomMapDataset(30), batch_size=4, shuffle=True, worker_config=wc)
+    last_key, last_batch = [(rank3.restore_key, b) for b in rank3][-1]
+    assert last_key.positions[-1][1] - 1 == 31 and last_key.world_size == 4
+    one_rank = dropin(0)  # world size 1 rebuilds it
+    assert_same(one_rank.restore_sample(last_key), last_batch)
+    with pytest.raises(sl.RestoreKeyError, match="reaches position 31, expected positions below 30"):
+        one_rank.restore_sample(msgspec.structs.replace(last_key, world_size=1))
+
+
+# -- malformed keys: refused before anything is expanded -----------------------------------
+
+MALFORMED = {
+    "2**40 positions": [(0, 2**40, 1)],
+    "2**70 stop": [(0, 2**70, 1)],
+    "2**20 positions spread out": [(0, 2**40, 2**20)],
+    "a huge world size does not widen the count": "world_size",
+    "stop before start": [(5, 2, 1)],
+    "negative start": [(-1, 3, 1)],
+    "step 0": [(0, 4, 0)],
+    "not a triple": [(0, 4)],
+    "floats": [(0.0, 4.0, 1.0)],
+    "bools": [(False, True, True)],
+    "too many ranges": [(i, i + 1, 1) for i in range(10**5)],
+    "past the end": [(36, 44, 1)],
+    "repeated positions": [(0, 4, 1), (2, 3, 1)],
+    "no positions": [],
+}
+
+CONSTANT_MEMORY = r"""
+import resource, sys
+import msgspec
+import savable_loader as sl
+from tests.common import RandomMapDataset
+from tests.test_restore_key import MALFORMED
+
+loader = sl.SavableDataLoader(RandomMapDataset(40), batch_size=4, shuffle=True, seed=1)
+next(iter(loader))
+key = loader.restore_key
+cases = []
+for name, positions in MALFORMED.items():
+    if positions == "world_size":
+        cases.append((name, msgspec.structs.replace(key, world_size=2**40, positions=[(0, 2**40, 1)])))
+    else:
+        cases.append((name, msgspec.structs.replace(key, positions=positions)))
+cases.append(("epoch -1", msgspec.structs.replace(key, epoch=-1)))
+cases.append(("epoch 'x'", msgspec.structs.replace(key, epoch="x")))
+cases.append(("world size 0", msgspec.structs.replace(key, world_size=0)))
+size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize"))
+limit = (size + 256 * 1024) * 1024   # 256 MiB more than the interpreter has now
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+for name, bad in cases:
+    try:
+        loader.restore_sample(bad)
+        print(name, "|", "accepted")
+    except BaseException as e:
+        print(name, "|", type(e).__name__, str(e).splitlines()[0][:200])
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status for the address-space limit")
+def test_malformed_keys_are_refused_in_constant_memory():
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CONSTANT_MEMORY)], check=False, capture_output=True, text=True, timeout=120,
+        cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr
+    outcomes = dict(line.split(" | ", 1) for line in result.stdout.strip().splitlines())
+    assert len(outcomes) == len(MALFORMED) + 3
+    for name, outcome in outcomes.items():
+        assert outcome.startswith("RestoreKeyError key."), f"{name}: {outcome}"
+
+
+def test_parsed_keys_with_bad_values_are_refused():
+    loader = dropin(0)
+    next(iter(loader))
+    good = msgspec.json.decode(str(loader.restore_key).encode())
+    for field, value in [("positions", [[-1, 3, 1]]), ("positions", [[0, 3, 0]]), ("epoch", -1), ("world_size", 0)]:
+        with pytest.raises(sl.RestoreKeyError, match="not a restore key"):
+            loader.restore_sample(msgspec.json.encode({**good, field: value}))

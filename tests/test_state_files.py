@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import re
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
-from savable_loader.errors import StateError, StateVersionError
+from savable_loader.errors import StateError, StateFileError, StateVersionError
 from savable_loader.state import (
     SCHEMA_VERSION,
     DatasetState,
@@ -330,3 +336,143 @@ def test_state_package_loads_file_without_importing_torch(tmp_path: Path) -> Non
     assert lines["global"] == encode(states).hex()
     assert lines["single"] == encode(pipeline_state()).hex()
     assert lines["ranks"] == "[0, 1] [64, 99]"
+
+
+# -- temporary files of killed writers (30 real kills: test_crash_consistency.py) ---------
+
+def _temps(folder: Path, name: str = "loader.state") -> list[str]:
+    return [n for n in listing(folder) if n.startswith(f".{name}.tmp-")]
+
+
+def test_sweep_removes_only_dead_writers_files_of_this_machine(tmp_path: Path) -> None:
+    machine, pid, start = files_mod._writer().split("_")
+    assert int(pid) == os.getpid() and int(start) > 0  # Linux: /proc gives the start time
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # exited and reaped: its pid is free
+    zombie = subprocess.Popen(["true"])  # exits, not reaped yet: a zombie
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while files_mod._start_time(zombie.pid) != -1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        live_start = files_mod._start_time(sleeper.pid)
+        names = {
+            "dead": f"{machine}_{gone.pid}_{start}_00000001",
+            "zombie": f"{machine}_{zombie.pid}_{start}_00000002",
+            "reused pid": f"{machine}_{sleeper.pid}_{live_start + 1}_00000003",
+            "live writer": f"{machine}_{sleeper.pid}_{live_start}_00000004",
+            "this process": f"{machine}_{pid}_{start}_00000005",
+            "other machine": f"0badcafe_{gone.pid}_{start}_00000006",
+            "earlier version": f"{gone.pid}-0123abcd",
+        }
+        for name in names.values():
+            (tmp_path / f".loader.state.tmp-{name}").write_bytes(b"partial")
+        (tmp_path / f".other.state.tmp-{names['dead']}").write_bytes(b"another target's")
+        save_file(tmp_path / "loader.state", rank_state())
+        kept = {n[len(".loader.state.tmp-"):] for n in _temps(tmp_path)}
+        assert kept == {names[k] for k in ("live writer", "this process", "other machine", "earlier version")}
+        assert (tmp_path / f".other.state.tmp-{names['dead']}").exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        zombie.wait()
+
+
+def test_temp_file_names_carry_machine_pid_and_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+    real_replace = os.replace
+
+    def spy(src: Any, dst: Any) -> None:
+        seen.append(Path(src).name)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(files_mod.os, "replace", spy)
+    save_file(tmp_path / "x.state", rank_state())
+    prefix = ".x.state.tmp-"
+    assert seen[0].startswith(prefix)
+    machine, pid, start, rand = seen[0][len(prefix):].split("_")
+    assert (int(pid), len(machine), len(rand)) == (os.getpid(), 8, 8)
+    assert int(start) == files_mod._start_time(os.getpid())
+
+
+# -- path errors name the target ---------------------------------------------------------
+
+
+def test_save_into_a_missing_folder(tmp_path: Path) -> None:
+    target = tmp_path / "missing" / "loader.state"
+    with pytest.raises(StateFileError) as info:
+        save_file(target, rank_state())
+    assert str(info.value) == f"{target}: cannot save: the folder {tmp_path / 'missing'} does not exist"
+    assert isinstance(info.value, StateError) and isinstance(info.value, OSError)
+    assert (info.value.path, info.value.errno) == (str(target), errno.ENOENT)
+    assert listing(tmp_path) == []
+
+
+def test_save_onto_a_folder(tmp_path: Path) -> None:
+    target = tmp_path / "loader.state"
+    target.mkdir()
+    (target / "inside").write_bytes(b"keep")
+    with pytest.raises(StateFileError, match=re.escape(f"{target}: cannot save a state file there: it is a folder")):
+        save_file(target, rank_state())
+    assert listing(tmp_path) == ["loader.state"] and listing(target) == ["inside"]
+
+
+def test_save_below_a_file(tmp_path: Path) -> None:
+    (tmp_path / "plain").write_bytes(b"")
+    target = tmp_path / "plain" / "loader.state"
+    with pytest.raises(StateFileError, match=re.escape(f"{target}: cannot save: {tmp_path / 'plain'} is not a folder")):
+        save_file(target, rank_state())
+
+
+READ_ONLY_CHILD = r"""
+import os, sys
+from savable_loader.errors import StateFileError
+from savable_loader.state import save_file, load_file
+from tests.test_state_files import rank_state
+folder = sys.argv[1]
+if os.getuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)   # nobody: permissions apply again
+if os.access(folder, os.W_OK):
+    print("writable")
+    sys.exit(0)
+try:
+    save_file(os.path.join(folder, "loader.state"), rank_state())
+except StateFileError as e:
+    print("StateFileError", e.errno, e)
+"""
+
+
+def test_save_into_a_read_only_folder() -> None:
+    # As root the folder would stay writable: the save runs in a child that drops to
+    # nobody (or as the current user when not root).
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o755)
+        folder = base / "read-only"
+        folder.mkdir()
+        folder.chmod(0o555)
+        result = subprocess.run(
+            [sys.executable, "-c", READ_ONLY_CHILD, str(folder)], check=False, capture_output=True, text=True,
+            timeout=60, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+        if result.returncode != 0 and "Operation not permitted" in result.stderr:
+            pytest.skip("running as root without the right to drop privileges: a read-only folder stays writable")
+        assert result.returncode == 0, result.stderr
+        if result.stdout.strip() == "writable":
+            pytest.skip("the read-only folder is writable for this user (root-like privileges)")
+        target = folder / "loader.state"
+        assert result.stdout.strip() == (
+            f"StateFileError {errno.EACCES} {target}: cannot save: cannot write in the folder {folder} "
+            "(Permission denied)"
+        )
+        assert os.listdir(folder) == []
+    finally:
+        (base / "read-only").chmod(0o755)
+        shutil.rmtree(base)
+
+
+def test_load_errors_are_state_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(StateFileError, match="nope.state: cannot read state file") as info:
+        load_file(tmp_path / "nope.state")
+    assert info.value.errno == errno.ENOENT and info.value.path == str(tmp_path / "nope.state")

@@ -14,9 +14,14 @@ import torch
 
 import savable_loader as sl
 import savable_loader._worker as worker_module
-from savable_loader._worker import END, PipelineWorkerDataset, SnapshotRing, WorkerRuntime
+from savable_loader._worker import (
+    END,
+    PipelineWorkerDataset,
+    SnapshotRing,
+    WorkerRuntime,
+)
 from savable_loader.errors import StateError
-from savable_loader.rng import counter_seed, derive_seed, seed_global
+from savable_loader.rng import counter_seed, derive_seed, item_seed, seed_global
 from savable_loader.state.codec import decode_part, encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 from savable_loader.wrappers import MapDataset, ShuffleBufferDataset
@@ -186,7 +191,7 @@ def test_run_reseeds_global_rngs_from_seed_rank_worker_epoch_index():
     base = derive_seed(wc.seed, "pipeline", wc.rank, 1, 5)
     for i, (w, index, _, sample) in enumerate(items[:-1]):
         assert (w, index) == (1, i)
-        seed_global(counter_seed(base, i))
+        seed_global(item_seed(counter_seed(base, i)))  # below 2**63 (seed formula 2)
         source_draws = _draws()
         map_draws = _draws()
         # worker 1 of 2 reads 1, 3, 5, ...

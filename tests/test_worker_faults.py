@@ -11,10 +11,13 @@ Kinds (both the drop-in path and savable pipelines, 2 fork workers):
 * ``stuck``: loading a random sample sleeps forever, with ``timeout=`` set;
 * ``unpicklable``: a random sample holds a lock, which cannot cross the process boundary.
 
-Each trial iterates, saving every few steps; the fault must end the iteration with the
-expected error within ``DEADLINE`` seconds; saving the failed loader must refuse; then a
-new loader restored from the last saved state must yield the uninterrupted reference
-from that point on. ``OUTCOMES`` counts the trials per kind (printed with ``-s``).
+Each trial iterates, saving every few steps; the fault must raise the expected error
+within ``DEADLINE`` seconds. A dead or stuck worker, and any fault of a savable pipeline,
+end the iteration: saving the failed loader must refuse, and a new loader restored from
+the last saved state must yield the uninterrupted reference from that point on. A
+dataset or collate error on the drop-in path is one batch's, as in torch: that batch
+counts as consumed, saving works, and both the iterator and a loader restored from a
+state saved right after the error go on with the next batch. ``OUTCOMES`` counts the trials per kind (printed with ``-s``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ WORKERS = 2
 STUCK_TIMEOUT = 1.5
 DEADLINE = 20.0  # seconds from the fault to the error; anything longer counts as a hang
 TRIALS = {"kill": 4, "raise_iter": 3, "raise_map": 3, "stuck": 1, "unpicklable": 3}
+#: Faults of one batch: on the drop-in path the iteration goes on after them (as torch's).
+PER_BATCH = ("raise_iter", "raise_map", "unpicklable")
 OUTCOMES: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 
 
@@ -192,6 +197,16 @@ def _trial(path: str, kind: str, rng: random.Random, reference: list[Any]) -> st
     worker = killed if kind == "kill" else _owner(path, loader, at)  # type: ignore[arg-type]
     _check_error(kind, error, worker)
     assert_streams(seen, reference[: len(seen)], f"{path}/{kind}: items before the fault")
+    if path == "dropin" and kind in PER_BATCH:
+        # one batch's error, as torch's: the batch counts as consumed, saving works and the
+        # iterator goes on with the next batch
+        state = loader.save_state_rank()
+        assert state.position.consumed == len(seen) + 1, state.position
+        assert_streams(list(it), reference[len(seen) + 1 :], f"{path}/{kind}: the iterator after the error")
+        fresh = factory()
+        fresh.restore_state_rank(decode(encode(state)))
+        assert_streams(list(fresh), reference[len(seen) + 1 :], f"{path}/{kind}: restored after the error")
+        return "clean"
     # saving the failed loader refuses (a death seen by a save is seen by the next one too)
     with pytest.raises((LoaderUsageError, WorkerDiedError), match="last iteration failed|worker"):
         loader.save_state_rank()

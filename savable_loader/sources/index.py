@@ -11,8 +11,10 @@ resumed on another world size continues with the samples no rank had consumed
 
 A sample is identified by its **position** in the epoch's global order. Before loading
 it, the worker re-seeds Python ``random``, NumPy's and torch's global RNGs from
-``counter_seed(derive_seed(seed, "sample", epoch), position)``; so the data of a sample does not depend on ``num_workers``,
-the batch size or the world size, and a resume needs no RNG snapshot.
+``item_seed(counter_seed(derive_seed(seed, "sample", epoch), position))`` (below
+``2**63``; see ``savable_loader.rng.item_seed``), and the generators the dataset owns the
+same way (``savable_loader/_owned_rng.py``); so the data of a sample does not depend on
+``num_workers``, the batch size or the world size, and a resume needs no RNG snapshot.
 """
 
 from __future__ import annotations
@@ -27,10 +29,18 @@ import numpy as np
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from savable_loader._elastic import epoch_length, rank_share, share_length
-from savable_loader.rng import counter_seed, derive_seed, preserve_global_rng, seed_global
+from savable_loader._owned_rng import OwnedRngs
+from savable_loader.rng import (
+    SEED_FORMULA,
+    counter_seed,
+    derive_seed,
+    item_seed,
+    preserve_global_rng,
+    seed_global,
+)
 from savable_loader.state.schema import IndexStage
 
-__all__ = ["BatchKey", "IndexPlan", "IndexedDataset", "IndexSampler"]
+__all__ = ["BatchKey", "IndexPlan", "IndexSampler", "IndexedDataset"]
 
 
 @dataclass(frozen=True)
@@ -141,34 +151,47 @@ class IndexPlan:
 
 
 class IndexSampler(Sampler[BatchKey]):
-    """The sampler torch's DataLoader iterates: batch keys of the loader's current plan.
+    """The sampler torch's DataLoader iterates on the drop-in path: the batch keys of the
+    iteration the loader started last.
+
+    The loader hands it each iteration's keys (``feed``) right before torch's iterator
+    asks for them (torch's multiprocessing iterator calls ``iter()`` twice while it is
+    built, and uses the second); several iterations may each hold their own key iterator.
 
     Example::
 
-        sampler = IndexSampler(plan)
-        sampler.epoch, sampler.start = 3, 4   # epoch 3 from this rank's 4th sample on
+        sampler = IndexSampler()
+        sampler.feed(plan.batches(epoch=3, start=4))   # epoch 3 from this rank's 4th sample on
+        keys = iter(sampler)                           # what torch's iterator draws from
     """
 
-    def __init__(self, plan: IndexPlan) -> None:
-        self.plan = plan
-        self.epoch = 0
-        self.start = 0
-        self.stages: tuple[IndexStage, ...] = ()
+    def __init__(self) -> None:
+        self._next: Iterator[BatchKey] | None = None
+
+    def feed(self, keys: Iterator[BatchKey]) -> None:
+        """The keys the next ``iter(sampler)`` returns."""
+        self._next = keys
 
     def __iter__(self) -> Iterator[BatchKey]:
-        return self.plan.batches(self.epoch, self.start, self.stages)
-
-    def __len__(self) -> int:
-        return self.plan.num_batches(self.stages)
+        if self._next is None:
+            raise RuntimeError("IndexSampler iterated without keys: only SavableDataLoader iterates it")
+        return self._next
 
 
 class IndexedDataset(Dataset):
     """Wraps the user's map-style dataset: ``dataset[key]`` builds a whole batch.
 
-    Each sample is loaded after re-seeding the global RNGs from ``(seed, epoch,
-    position)``; the collate function runs after re-seeding from the batch's first
-    position. In the main process (``num_workers=0``) the caller's RNG streams are saved
-    and put back around the batch. Attribute lookups fall through to the user's dataset.
+    Each sample is loaded after re-seeding the global RNGs from ``item_seed(counter_seed(
+    base, position))`` with ``base = derive_seed(seed, *salt, epoch)`` (the loader's own
+    order: ``salt=("sample",)`` and global positions; a sampler of the user's:
+    ``("sampler-sample", rank)`` and positions in the sampler's stream); the collate
+    function runs after re-seeding from the batch's first position. A dataset with
+    ``__getitems__`` of its own (as torch's fetcher uses it; not torch's ``Subset`` or
+    ``StackDataset`` forwarding, which index per sample) gets the whole batch in one
+    call, after one re-seed from the first position. In the main process (``num_workers=0``) the
+    caller's RNG streams are saved and put back around the batch. ``user_dataset`` is the
+    user's dataset (in a worker: the worker's copy, which ``get_worker_info().dataset``
+    shows).
 
     Example::
 
@@ -176,44 +199,73 @@ class IndexedDataset(Dataset):
         batch = ds[plan.key(0, [0, 1, 2, 3])]   # what a worker builds for these positions
     """
 
-    def __init__(self, dataset: Any, seed: int, collate_fn: Callable[[Any], Any], batched: bool) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        seed: int,
+        collate_fn: Callable[[Any], Any],
+        batched: bool,
+        *,
+        salt: tuple[int | str, ...] = ("sample",),
+        seed_formula: int = SEED_FORMULA,
+    ) -> None:
         self.dataset = dataset
         self.seed = seed
         self.collate_fn = collate_fn
         self.batched = batched
+        self.salt = salt
+        self.seed_formula = seed_formula
+
+    @property
+    def user_dataset(self) -> Any:
+        """The user's dataset (what ``loader.dataset`` and ``get_worker_info().dataset`` show)."""
+        return self.dataset
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getstate__(self) -> dict[str, Any]:
         # cloudpickle carries lambdas and local classes to spawn/forkserver workers.
-        return {"payload": cloudpickle.dumps((self.dataset, self.seed, self.collate_fn, self.batched))}
+        fields = (self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula)
+        return {"payload": cloudpickle.dumps(fields)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.dataset, self.seed, self.collate_fn, self.batched = cloudpickle.loads(state["payload"])
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("dataset", "seed", "collate_fn", "batched"):
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
+        fields = cloudpickle.loads(state["payload"])
+        self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula = fields
 
     def build(self, key: BatchKey) -> Any:
         """The batch (or sample, when unbatched) that ``key`` names."""
-        samples = []
         base = self._sample_base(key.epoch)
         dataset = self.dataset
-        for position, index in zip(key.positions, key.indices):
-            seed_global(counter_seed(base, position))
-            samples.append(dataset[index])
-        seed_global(derive_seed(self.seed, "collate", key.epoch, key.positions[0]))
+        formula = self.seed_formula
+        owned = OwnedRngs.cached(self.__dict__, dataset, self.collate_fn, self._owned_seed(), key.epoch)
+        many = _own_getitems(dataset) if self.batched else None
+        if many is not None:
+            seed_global(item_seed(counter_seed(base, key.positions[0]), formula))
+            owned.seed_sample(key.positions[0])
+            samples = many(list(key.indices))
+        else:
+            samples = []
+            for position, index in zip(key.positions, key.indices):
+                seed_global(item_seed(counter_seed(base, position), formula))
+                owned.seed_sample(position)
+                samples.append(dataset[index])
+        collate_seed = derive_seed(self.seed, "collate", key.epoch, key.positions[0])
+        seed_global(item_seed(collate_seed, formula))
+        owned.seed_collate(key.positions[0])
         return self.collate_fn(samples if self.batched else samples[0])
+
+    def _owned_seed(self) -> int:
+        """The seed of the owned generators' streams: the loader's seed for the loader's
+        own (global) positions, salted like the global RNGs' for other streams."""
+        return self.seed if self.salt == ("sample",) else derive_seed(self.seed, *self.salt)
 
     def _sample_base(self, epoch: int) -> int:
         cached = self.__dict__.get("_base")
-        if cached is not None and cached[0] == epoch:
+        if cached is not None and cached[0] == (self.seed, epoch):
             return cached[1]
-        base = derive_seed(self.seed, "sample", epoch)
-        self.__dict__["_base"] = (epoch, base)
+        base = derive_seed(self.seed, *self.salt, epoch)
+        self.__dict__["_base"] = ((self.seed, epoch), base)
         return base
 
     def __getitem__(self, key: BatchKey) -> Any:
@@ -221,3 +273,12 @@ class IndexedDataset(Dataset):
             with preserve_global_rng():
                 return self.build(key)
         return self.build(key)
+
+
+def _own_getitems(dataset: Any) -> Callable[[list[Any]], Any] | None:
+    """The dataset's batched ``__getitems__`` if its class defines one outside torch
+    (torch's wrappers forward per sample: keep the per-sample seeds then)."""
+    method = getattr(type(dataset), "__getitems__", None)
+    if method is None or getattr(method, "__module__", "").startswith("torch.utils.data"):
+        return None
+    return dataset.__getitems__  # type: ignore[no-any-return]

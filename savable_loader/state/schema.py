@@ -27,6 +27,7 @@ __all__ = [
     "PipelinePosition",
     "RankState",
     "RestoreKey",
+    "SamplerState",
     "WorkerState",
 ]
 
@@ -104,6 +105,12 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     drop_last: bool
     dataset_fingerprint: str
     dataset_config: dict[str, Any] = {}
+    #: Version of the per-item seed formula (``savable_loader.rng.SEED_FORMULA``); states
+    #: written before the field existed used formula 1 and keep it on restore.
+    seed_formula: Positive = 1
+    #: Drop-in path: ``""`` when the loader builds the order itself, else the qualified
+    #: class name of the sampler (or batch sampler) that decides it.
+    sampler: str = ""
 
 
 class IndexStage(msgspec.Struct, kw_only=True, frozen=True):
@@ -121,12 +128,41 @@ class IndexStage(msgspec.Struct, kw_only=True, frozen=True):
     consumed: list[NonNeg]
 
 
+class SamplerState(msgspec.Struct, kw_only=True, frozen=True):
+    """Drop-in path with a sampler of the user's: what decided its order when the epoch's
+    iteration started, and a digest of the items consumed since.
+
+    ``rngs`` maps attribute paths (``"sampler.generator"``) to the states of the random
+    generators the sampler holds, ``epochs`` maps attribute paths to their ``epoch``
+    values (``DistributedSampler.set_epoch``), ``state`` is the sampler's own
+    ``state_dict()`` when it has one, and ``digest`` hashes the dataset indices consumed
+    so far (a restore replays the sampler and compares). ``private_rng``: the sampler
+    drew from the global RNGs, which the loader replaces by a stream seeded from
+    ``(seed, epoch)`` around every draw. ``at_start``: recorded between epochs (the
+    position is the start of ``epoch``): a restore puts the record back and starts the
+    epoch as an uninterrupted run would.
+
+    Example::
+
+        SamplerState(rngs={"generator": {"kind": "torch", ...}}, digest="9f2c...")
+    """
+
+    rngs: dict[str, Any] = {}
+    epochs: dict[str, int] = {}
+    state: Any = None
+    digest: str = ""
+    private_rng: str = ""
+    at_start: bool = False
+
+
 class IndexPosition(msgspec.Struct, kw_only=True, frozen=True, tag="index"):
     """Drop-in path: ``consumed`` samples of this rank's share of ``epoch`` were yielded.
 
     ``stages`` is empty unless the epoch was resumed on another world size: then the
     rank's share is its part of the samples the earlier stages left (see
-    ``savable_loader/_elastic.py``).
+    ``savable_loader/_elastic.py``). With a sampler of the user's, ``consumed`` counts the
+    items drawn from it (indices, or batches of a batch sampler) and ``sampler`` holds
+    what decided its order.
 
     Example::
 
@@ -137,6 +173,7 @@ class IndexPosition(msgspec.Struct, kw_only=True, frozen=True, tag="index"):
     consumed: NonNeg
     dataset_len: NonNeg
     stages: list[IndexStage] = []
+    sampler: SamplerState | None = None
 
 
 class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
@@ -224,12 +261,18 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     ``positions`` in the epoch's order, as ``(start, stop, step)`` ranges) or
     ``"pipeline"`` (the logical ``worker``, its item ``index`` in the epoch and the
     pipeline's own ``sample`` key). ``seed`` and ``fingerprint`` (of the dataset
-    configuration) let a loader refuse a key made by another one.
+    configuration) let a loader refuse a key made by another one, as do the settings
+    that decide which data a key names: ``shuffle`` and ``batched`` (``batch_size`` not
+    None) for ``"index"`` keys, whose ``world_size`` bounds their positions;
+    ``world_size`` and ``num_workers`` for ``"pipeline"`` keys (the sources split the data
+    by them). Keys made before these fields existed have them None: an ``"index"`` key
+    without ``shuffle`` is refused (it cannot tell which order it names), the others are
+    checked as before.
 
     Example::
 
-        key = RestoreKey.parse('{"kind":"index","seed":0,"fingerprint":"ab","epoch":1,'
-                               '"rank":0,"positions":[[0,64,2]]}')
+        key = RestoreKey.parse('{"kind":"index","seed":0,"fingerprint":"ab","epoch":1,"rank":0,'
+                               '"positions":[[0,64,2]],"shuffle":true,"batched":true,"world_size":2}')
         key.sample_positions()  # [0, 2, 4, ..., 62]
     """
 
@@ -242,6 +285,10 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     worker: NonNeg = 0
     index: NonNeg = 0
     sample: Any = None
+    shuffle: bool | None = None
+    batched: bool | None = None
+    world_size: Positive | None = None
+    num_workers: NonNeg | None = None
 
     def __str__(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -254,6 +301,8 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
         try:
             return msgspec.json.decode(text, type=cls)
         except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:
+            if isinstance(text, (bytes, bytearray, memoryview)):
+                text = bytes(text).decode("utf-8", "replace")
             shown = text if len(text) <= 80 else text[:77] + "..."
             raise RestoreKeyError(f"not a restore key: {e} (got {shown!r})") from None
 

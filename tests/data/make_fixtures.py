@@ -37,17 +37,29 @@ def _double(x: Any) -> Any:
     return x * 2
 
 
+def _seed_formula_1(loader: sl.SavableDataLoader) -> sl.SavableDataLoader:
+    """The schema-1 states were written with per-item seed formula 1 (all 64 bits; the
+    ``seed_formula`` field did not exist yet), which a restore of them keeps. The
+    factories make loaders that use it too, through the public API: restoring a start
+    state that records formula 1."""
+    start = loader.save_state_rank()
+    config = msgspec.structs.replace(start.config, seed_formula=1)
+    loader.restore_state_rank(msgspec.structs.replace(start, config=config))
+    return loader
+
+
 def dropin(rank: int = 0, world_size: int = 1) -> sl.SavableDataLoader:
     """Drop-in path: shuffled, batched, in-process."""
     wc = sl.WorkerConfig(rank=rank, world_size=world_size, num_workers=0, seed=7)
-    return sl.SavableDataLoader(RandomMapDataset(40), batch_size=4, shuffle=True, worker_config=wc)
+    return _seed_formula_1(sl.SavableDataLoader(RandomMapDataset(40), batch_size=4, shuffle=True, worker_config=wc))
 
 
 def pipeline() -> sl.SavableDataLoader:
     """Savable pipeline with 2 workers; the shuffle buffer puts tensors into the state."""
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=7)
     ds = BatchDataset(MapDataset(ShuffleBufferDataset(RangeSource(30, wc), size=4), _double), batch_size=3)
-    return sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, multiprocessing_context="fork")
+    loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, multiprocessing_context="fork")
+    return _seed_formula_1(loader)
 
 
 FACTORIES = {"dropin": dropin, "pipeline": pipeline}

@@ -1,0 +1,150 @@
+"""What the loader asks of a path: a :class:`Mode` per loader, an :class:`Iteration` per
+``iter(loader)``.
+
+:class:`~savable_loader.SavableDataLoader` is wiring and bookkeeping. At construction
+it chooses one mode (the loader's own order over a map-style dataset, a sampler of the
+user's, or a savable pipeline); for each ``iter()`` the mode starts an iteration, which
+books the items torch's iterator delivers and knows its position at any moment. The
+loader keeps the iterations' fates (live, abandoned, finished, failed) and decides which
+one a save describes (see ``_iterator.py``).
+
+Example (what the loader does for one ``iter()``)::
+
+    iteration = mode.begin(epoch, resume=None, context=ctx, reuse_workers=False)
+    for item in torch_iterator:
+        payload = iteration.on_item(item)        # SKIP for protocol items
+    iteration.end(finished=True, keep_workers=False)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from savable_loader.state.schema import (
+    IndexPosition,
+    LoaderConfig,
+    PipelinePosition,
+    RestoreKey,
+)
+
+__all__ = ["SKIP", "Iteration", "Mode", "Position"]
+
+Position = IndexPosition | PipelinePosition
+
+#: Returned by :meth:`Iteration.on_item` for protocol items that are not yielded.
+SKIP = object()
+
+
+class Iteration(ABC):
+    """The main-process bookkeeping of one ``iter(loader)``.
+
+    ``epoch`` is the epoch it runs, ``resumed`` whether it continues a restored position.
+    """
+
+    epoch: int
+    resumed: bool
+
+    @abstractmethod
+    def on_item(self, item: Any) -> Any:
+        """Book an item torch's iterator delivered; the payload to yield, or ``SKIP``."""
+
+    @abstractmethod
+    def on_error(self, error: BaseException) -> bool:
+        """Book an exception torch's iterator raised for one item. True: that item counts
+        as consumed and the iteration can go on (as torch's does); False: the iteration
+        cannot go on and its position is lost."""
+
+    @abstractmethod
+    def position(self, timeout: float) -> Position:
+        """Where the iteration is: everything yielded so far counts as consumed.
+
+        ``timeout``: seconds a pipeline may wait for a worker's answer."""
+
+    def workers_started(self, torch_iter: Any) -> None:
+        """torch's iterator (and its worker processes, if any) exists."""
+
+    @abstractmethod
+    def end(self, finished: bool, keep_workers: bool) -> None:
+        """The iteration is over: ``finished`` (StopIteration) or abandoned/failed.
+        ``keep_workers``: persistent workers stay for the next iteration."""
+
+    def logical(self, physical: int) -> int:
+        """The logical worker physical worker ``physical`` plays (pipelines rotate)."""
+        return physical
+
+    @abstractmethod
+    def remaining(self) -> int | None:
+        """Items still to come in this iteration (None if unknown)."""
+
+
+class Mode(ABC):
+    """One loader's path: its torch-side objects, iterations, states and restore keys."""
+
+    #: The position type this mode saves and restores.
+    position_type: type
+    #: How messages name the path (``"drop-in"``, ``"pipeline"``).
+    path_name: str
+    #: Whether a state can move to another world size (``restore_state_global``), and
+    #: why not (the hint of the ``ConfigMismatchError``).
+    resizable: bool = False
+    fixed_world_size: str = ""
+    #: Whether the seed was given (a restore then checks it) or drawn (a restore adopts
+    #: the state's seed).
+    seed_explicit: bool = True
+    #: Fingerprint of the dataset configuration (restore keys carry it).
+    fingerprint: str
+    #: The per-item seed formula (``savable_loader.rng.SEED_FORMULA``).
+    seed_formula: int
+
+    @abstractmethod
+    def engine_kwargs(self) -> dict[str, Any]:
+        """``dataset``, ``sampler``, ``batch_size`` and ``collate_fn`` of the private
+        ``torch.utils.data.DataLoader`` that runs the workers."""
+
+    @abstractmethod
+    def begin(self, epoch: int, resume: Any, context: Any, reuse_workers: bool) -> Iteration:
+        """Start an iteration of ``epoch``, from ``resume`` (a checked position) or from
+        the epoch's start. ``reuse_workers``: persistent workers already run."""
+
+    @abstractmethod
+    def start_position(self, epoch: int) -> Position:
+        """The position of ``epoch``'s start (a save between epochs)."""
+
+    @abstractmethod
+    def loader_config(self, num_workers: int) -> LoaderConfig:
+        """The configuration a state records."""
+
+    @abstractmethod
+    def check(self, saved: LoaderConfig, position: Any, num_workers: int, elastic: bool = False) -> Any:
+        """Raise ``ConfigMismatchError`` for a change this mode cannot honour; the
+        position to restore."""
+
+    @abstractmethod
+    def restore_key(self, seed: int) -> RestoreKey | None:
+        """The key of the item yielded last (None before the first)."""
+
+    @abstractmethod
+    def restore_sample(self, key: RestoreKey) -> Any:
+        """The item ``key`` names, rebuilt in this process."""
+
+    @abstractmethod
+    def restored(self) -> None:
+        """A state was restored: forget the item yielded last."""
+
+    @abstractmethod
+    def remaining(self, position: Any) -> int | None:
+        """Items an iteration resumed from ``position`` yields (None if unknown)."""
+
+    def adopt(self, seed: int, seed_formula: int) -> None:
+        """Take the seed and seed formula of a restored state."""
+        self.seed_formula = seed_formula
+
+    def concurrent(self, persistent: bool, num_workers: int) -> bool:
+        """Whether two iterations may run side by side (else a new one supersedes the
+        live one). Persistent workers are one pool: torch resets its single iterator."""
+        return not persistent
+
+    def reuses_epochs(self, persistent: bool) -> bool:
+        """Whether an abandoned side iteration may give its epoch number back."""
+        return True

@@ -1,0 +1,304 @@
+"""Random generators a map-style dataset owns: found once per epoch, re-seeded per sample.
+
+A dataset that makes ``np.random.default_rng(0)``, ``torch.Generator()``,
+``random.Random(0)`` or ``np.random.RandomState(0)`` in ``__init__`` and draws its
+augmentations from it would not resume exactly: each worker draws from its own copy,
+whose state depends on what that worker loaded before, and a resumed run starts from the
+copy made at ``__init__``. On the drop-in path the loader therefore treats these
+generators as it treats the global RNGs: before loading the sample at ``position`` of
+epoch ``e`` it re-seeds each of them **in place** from ``(seed, e, its path, position)``.
+A sample's draws then depend on nothing but its position: exact at every step, with any
+``num_workers``, persistent or not, and different in every worker (no duplicate
+augmentations across workers, torch's classic pitfall). The drop-in state stays two
+numbers: no generator state is saved.
+
+Why re-seed rather than save the generators' states: a drop-in state has no per-worker
+part (any ``num_workers`` resumes it, batches go to whichever worker torch picks), so a
+snapshot of each worker's copy would tie the state to the worker count and to which
+worker loaded which batch, and would need the workers to report after every batch;
+``restore_sample`` must rebuild one batch from its key alone; and copies of one stream in
+several workers are the duplicate-augmentation bug itself. Re-seeding costs a few
+microseconds per generator and sample and changes no state format.
+
+**Where generators are found.** :func:`find_generators` walks from the dataset (and from
+the collate function, whose generators are re-seeded before each batch is collated)
+through attributes (``__dict__`` and ``__slots__``), list and tuple items, dict values,
+``functools.partial`` arguments and the object of a bound method, up to
+:data:`MAX_DEPTH` steps (``dataset.transforms[0].rng`` is three steps,
+``dataset.base.transform.transforms[0].rng`` five). Lists, tuples and dicts of more than
+:data:`MAX_ITEMS` entries are data, not walked; modules, classes, functions, tensors and
+arrays are not walked either. Found once per epoch in each worker (after
+``worker_init_fn``), not per sample. A generator inside a closure, a C extension or a
+set cannot be reached: its draws are not exact, and only comparing a resumed run with
+an uninterrupted one finds it (``tests/common.py::check_resume_everywhere``).
+
+Example::
+
+    owned = OwnedRngs(dataset, collate_fn, seed=0, epoch=3)
+    owned.paths                      # ['dataset.transform.rng', ...]
+    owned.seed_sample(position)      # before dataset[index]
+"""
+
+from __future__ import annotations
+
+import _random
+import functools
+import os
+import random
+import types
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from savable_loader.errors import LoaderUsageError
+from savable_loader.rng import counter_seed, derive_seed
+
+__all__ = ["MAX_DEPTH", "MAX_ITEMS", "MAX_OBJECTS", "OwnedRngs", "find_generators"]
+
+#: Steps (an attribute, an item, a partial's argument) from the dataset to a generator.
+MAX_DEPTH = 6
+#: Lists, tuples and dicts longer than this hold data, not transforms: not walked.
+MAX_ITEMS = 256
+#: Objects one walk visits at most (a dataset holding a large object graph).
+MAX_OBJECTS = 20_000
+
+_GLOBAL_IDS = frozenset(
+    id(g) for g in (random.seed.__self__, np.random.mtrand._rand, torch.default_generator)  # type: ignore[attr-defined]
+)
+_OPAQUE = (
+    type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodWrapperType,
+    torch.Tensor, np.ndarray, np.generic, str, bytes, bytearray, int, float, complex, bool, type(None),
+    set, frozenset, range, memoryview,
+)
+_RNG_TYPES = (random.Random, np.random.Generator, np.random.RandomState, torch.Generator)
+_PCG = (np.random.PCG64, np.random.PCG64DXSM)
+
+
+def find_generators(root: Any, name: str, skip: frozenset[int] = frozenset()) -> list[tuple[str, Any]]:
+    """``(path, generator)`` of every RNG object reachable from ``root``, in a fixed order.
+
+    Breadth first, so each generator is named by its shortest path (``name.attr[0]...``);
+    the order and the paths are the same in every process holding a copy of ``root``.
+    The global RNGs (``random``'s, NumPy's and torch's default generators) and the ids
+    in ``skip`` are left out.
+
+    Example::
+
+        class Flip:
+            def __init__(self):
+                self.rng = np.random.default_rng(0)
+
+        ds.transforms = [Flip()]
+        find_generators(ds, "dataset")   # [("dataset.transforms[0].rng", <Generator>)]
+    """
+    found: list[tuple[str, Any]] = []
+    seen = {id(root)}
+    queue: deque[tuple[str, Any, int]] = deque([(name, root, 0)])
+    classes: dict[type, _ClassInfo] = {}
+    visited = 0
+    while queue:
+        path, obj, depth = queue.popleft()
+        if _is_rng(obj):
+            if id(obj) not in _GLOBAL_IDS and id(obj) not in skip:
+                found.append((path, obj))
+            continue
+        if depth >= MAX_DEPTH or isinstance(obj, _OPAQUE):
+            continue
+        visited += 1
+        if visited > MAX_OBJECTS:
+            warnings.warn(
+                f"savable_loader looked for random generators in {visited - 1} objects reachable from {name} and "
+                f"stopped at {path}: generators held further on are not re-seeded, their draws are not resumed "
+                "exactly",
+                RuntimeWarning, stacklevel=2,
+            )
+            break
+        try:
+            for sub, child in _children(path, obj, classes):
+                if id(child) not in seen and _walkable(child):
+                    seen.add(id(child))
+                    queue.append((sub, child, depth + 1))
+        except Exception:  # noqa: BLE001, S112 - an object that fails to be inspected (a container
+            continue  # whose items() raises) is skipped: looking must never break loading
+    return found
+
+
+class _ClassInfo:
+    """What a class adds to its instances' children: generators held as class attributes
+    (not walked further) and slot descriptors. Computed once per class and walk."""
+
+    def __init__(self, cls: type) -> None:
+        self.generators = [
+            (k, v) for c in cls.__mro__[:-1] for k, v in list(vars(c).items()) if isinstance(v, _RNG_TYPES)
+        ]
+        self.slots: list[tuple[str, Any]] = []
+        for c in cls.__mro__:
+            names = vars(c).get("__slots__", ())
+            for slot in (names,) if isinstance(names, str) else names:
+                descriptor = vars(c).get(slot)
+                if isinstance(descriptor, types.MemberDescriptorType):
+                    self.slots.append((slot, descriptor))
+
+
+def _is_rng(obj: Any) -> bool:
+    try:
+        return isinstance(obj, _RNG_TYPES)
+    except ReferenceError:  # a dead weak proxy
+        return False
+
+
+def _walkable(obj: Any) -> bool:
+    try:
+        return not isinstance(obj, _OPAQUE)
+    except ReferenceError:
+        return False
+
+
+def _children(path: str, obj: Any, classes: dict[type, _ClassInfo]) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, (list, tuple)):
+        if len(obj) <= MAX_ITEMS:
+            yield from ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+        return
+    if isinstance(obj, dict):
+        if len(obj) <= MAX_ITEMS:
+            for i, (k, v) in enumerate(list(obj.items())):
+                yield (f"{path}[{k!r}]" if isinstance(k, (str, int)) else f"{path}[#{i}]"), v
+        return
+    if isinstance(obj, functools.partial):
+        yield f"{path}.func", obj.func
+        yield from ((f"{path}.args[{i}]", v) for i, v in enumerate(obj.args))
+        yield from ((f"{path}.keywords[{k!r}]", v) for k, v in obj.keywords.items())
+        return
+    if isinstance(obj, types.MethodType):
+        yield f"{path}.__self__", obj.__self__
+        return
+    try:
+        attrs = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        attrs = None
+    if not isinstance(attrs, dict):
+        attrs = {}
+    if len(attrs) <= MAX_ITEMS:
+        yield from ((f"{path}.{k}", v) for k, v in list(attrs.items()) if isinstance(k, str))
+    info = classes.get(type(obj))
+    if info is None:
+        info = classes[type(obj)] = _ClassInfo(type(obj))
+    for k, v in info.generators:
+        if k not in attrs:
+            yield f"{path}.{k}", v
+    for slot, descriptor in info.slots:
+        try:
+            yield f"{path}.{slot}", descriptor.__get__(obj, type(obj))
+        except AttributeError:  # an empty slot
+            pass
+
+
+def _reseeder(path: str, gen: Any, base: int) -> Callable[[int], object]:
+    """A function re-seeding ``gen`` in place from a 64-bit seed (chosen per kind, fast)."""
+    if isinstance(gen, random.SystemRandom):
+        raise LoaderUsageError(
+            f"{path} is a random.SystemRandom: its draws come from the operating system and cannot be "
+            "resumed; use random.Random (the loader re-seeds it for every sample)"
+        )
+    if isinstance(gen, random.Random):
+        if type(gen).seed is random.Random.seed:
+            c_seed = _random.Random.seed  # skips Random.seed's Python-level checks
+
+            def seed_python(s: int) -> None:
+                c_seed(gen, s)
+                gen.gauss_next = None  # type: ignore[attr-defined]
+
+            return seed_python
+        return gen.seed
+    if isinstance(gen, torch.Generator):
+        return gen.manual_seed
+    if isinstance(gen, np.random.RandomState):
+        kind = gen.get_state(legacy=False)["bit_generator"]
+        if kind == "MT19937":
+            return lambda s: gen.seed(s & 0xFFFFFFFF)
+        bit_type = _bit_generator_type(path, getattr(np.random, kind, None))
+        return lambda s: gen.set_state(bit_type(s).state)
+    bit = gen.bit_generator
+    if type(bit) in _PCG:
+        # A PCG state set directly (the stream's increment fixed per generator and epoch):
+        # about 2-3 µs in all, where building a new PCG64 through a SeedSequence takes about 7 µs.
+        name = type(bit).__name__
+        inc = derive_seed(base, "pcg-increment") << 64 | derive_seed(base, "pcg-increment-low") | 1
+
+        def seed_pcg(s: int) -> None:
+            bit.state = {
+                "bit_generator": name, "state": {"state": s << 64 | counter_seed(s, 0), "inc": inc},
+                "has_uint32": 0, "uinteger": 0,
+            }
+
+        return seed_pcg
+    bit_type = _bit_generator_type(path, type(bit))
+    return lambda s: setattr(bit, "state", bit_type(s).state)
+
+
+def _bit_generator_type(path: str, bit_type: Any) -> Any:
+    try:
+        bit_type(0)
+    except (TypeError, ValueError, OverflowError) as e:  # a user-defined bit generator
+        raise LoaderUsageError(
+            f"{path} uses the bit generator {getattr(bit_type, '__name__', bit_type)!r}, which the loader "
+            f"cannot re-seed ({type(e).__name__}: {e}); use PCG64, PCG64DXSM, MT19937, Philox or SFC64"
+        ) from None
+    return bit_type
+
+
+class OwnedRngs:
+    """The generators ``dataset`` and ``collate_fn`` own, ready to be re-seeded.
+
+    Found once, with a seed base per generator derived from ``(seed, epoch, path)``.
+    :meth:`seed_sample` re-seeds the dataset's generators before the sample at a global
+    position is loaded, :meth:`seed_collate` the collate function's before a batch
+    (named by its first position) is collated.
+
+    Example::
+
+        owned = OwnedRngs(dataset, collate_fn, seed=0, epoch=0)
+        owned.seed_sample(17)
+        sample = dataset[order[17]]     # its own generators drew from position 17's seeds
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Any, seed: int, epoch: int) -> None:
+        in_dataset = find_generators(dataset, "dataset")
+        in_collate = find_generators(collate_fn, "collate_fn", frozenset(id(g) for _, g in in_dataset))
+        self.paths = [path for path, _ in in_dataset + in_collate]
+        self._sample = self._prepare(in_dataset, seed, epoch)
+        self._collate = self._prepare(in_collate, seed, epoch)
+
+    @staticmethod
+    def _prepare(found: list[tuple[str, Any]], seed: int, epoch: int) -> list[tuple[Callable[[int], object], int]]:
+        prepared = []
+        for path, gen in found:
+            base = derive_seed(seed, "owned-rng", epoch, path)
+            prepared.append((_reseeder(path, gen, base), base))
+        return prepared
+
+    def seed_sample(self, position: int) -> None:
+        """Re-seed the dataset's generators for the sample at global ``position``."""
+        for reseed, base in self._sample:
+            reseed(counter_seed(base, position))
+
+    def seed_collate(self, position: int) -> None:
+        """Re-seed the collate function's generators for the batch starting at ``position``."""
+        for reseed, base in self._collate:
+            reseed(counter_seed(base, position))
+
+    @classmethod
+    def cached(cls, cache: dict[str, Any], dataset: Any, collate_fn: Any, seed: int, epoch: int) -> OwnedRngs:
+        """The generators for ``epoch``, found again only when the epoch or the process
+        changes (``cache`` is the holder's ``__dict__``: a forked worker finds its own
+        copies, after ``worker_init_fn``)."""
+        key = (epoch, os.getpid(), seed)  # a restore may adopt another seed
+        entry = cache.get("_owned_rngs")
+        if entry is None or entry[0] != key:
+            entry = (key, cls(dataset, collate_fn, seed, epoch))
+            cache["_owned_rngs"] = entry
+        return entry[1]

@@ -1,0 +1,328 @@
+"""Samplers on the drop-in path: the user's, made resumable, and the loader's own face.
+
+**A sampler of the user's** (``sampler=``, ``batch_sampler=``, or ``generator=`` with
+``shuffle=True``, for which the loader builds torch's ``RandomSampler(generator=g)`` as
+torch does) decides the order in the main process. At every ``iter(loader)`` that starts
+an epoch the loader records what decides that order (:func:`capture`):
+
+* the states of the random generators the sampler holds: ``torch.Generator``, NumPy
+  ``Generator`` / ``RandomState``, ``random.Random``, found as attributes of the sampler
+  and of the objects it holds, down to ``MAX_DEPTH`` levels (a batch sampler's
+  ``sampler.generator`` is two), in lists, tuples and dicts of up to ``MAX_ITEMS``
+  entries; datasets, tensors and arrays are not searched;
+* ``epoch`` attributes (``DistributedSampler.set_epoch``);
+* ``state_dict()`` of the objects that have ``state_dict`` and ``load_state_dict``
+  (except torchdata's stateful samplers, whose state is a position inside an iteration:
+  their generator and epoch decide their order and are captured as above);
+* samplers that draw from the *global* RNGs (torch's random samplers without a
+  ``generator``, and any sampler class the loader does not know) draw, around every
+  step, from a private stream seeded from ``(seed, rank, epoch)`` instead
+  (:class:`PrivateRng`): their order is then a function of the state, and the caller's
+  global RNG streams are left as they were.
+
+A resume puts these back, iterates the sampler anew and skips the items consumed before
+the save: O(consumed indices) in the main process, no data is loaded. A digest of the
+consumed indices is saved and compared after the skip, so a sampler whose order depends
+on anything else (time, a generator the search cannot reach) is refused with
+``ConfigMismatchError`` instead of resuming with other data.
+
+**The loader's own order** shows as ``loader.sampler``: :class:`OrderSampler`
+(``len``, ``set_epoch``, the indices of an epoch).
+
+Example::
+
+    state = capture(sampler, private_rng=private_regime(sampler))   # at iter()
+    apply(sampler, state)                                            # at a resume
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+
+from savable_loader._values import freeze, from_plain, to_plain
+from savable_loader.errors import ConfigMismatchError, StateError
+from savable_loader.rng import (
+    capture_generator,
+    capture_global,
+    capture_kind,
+    item_seed,
+    restore_generator,
+    restore_global,
+    seed_global,
+)
+from savable_loader.state.schema import SamplerState
+
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_ITEMS",
+    "OrderSampler",
+    "PrivateRng",
+    "apply",
+    "capture",
+    "index_digest",
+    "new_digest",
+    "plain_indices",
+    "private_regime",
+]
+
+#: Attribute levels searched below the sampler for generators, epochs and state_dicts.
+MAX_DEPTH = 4
+#: Longest list, tuple or dict searched.
+MAX_ITEMS = 64
+
+# torch's samplers that draw from torch's global RNG when their generator is None
+_TORCH_GLOBAL = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+# samplers (and plain iterables) whose order depends on nothing global
+_NO_GLOBAL = (SequentialSampler, DistributedSampler, range, list, tuple)
+
+
+def _walk(root: Any) -> Iterator[tuple[str, Any]]:
+    """``(path, object)`` of the root and every object below it worth searching."""
+    seen: set[int] = set()
+    stack: list[tuple[str, Any, int]] = [("", root, 0)]
+    while stack:
+        path, obj, depth = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(obj))
+        yield path, obj
+        if depth >= MAX_DEPTH or capture_kind(obj) is not None:
+            continue
+        children: list[tuple[str, Any]] = []
+        if isinstance(obj, (list, tuple)):
+            if len(obj) <= MAX_ITEMS:
+                children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+        elif isinstance(obj, dict):
+            if len(obj) <= MAX_ITEMS:
+                children = [(f"{path}[{k!r}]", v) for k, v in obj.items() if isinstance(k, (str, int))]
+        elif _searchable(obj):
+            children = [(f"{path}.{k}" if path else k, v) for k, v in vars(obj).items()]
+        stack.extend((p, v, depth + 1) for p, v in reversed(children))
+
+
+def _searchable(obj: Any) -> bool:
+    if isinstance(obj, (torch.Tensor, np.ndarray, Dataset, type)) or not hasattr(obj, "__dict__"):
+        return False
+    if callable(obj) and not hasattr(obj, "__iter__"):
+        return False  # functions, methods
+    # a dataset that is not a torch Dataset (indexable with a length): not searched
+    return not (hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, Sampler))
+
+
+def _is_torchdata_sampler(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torchdata.")
+
+
+def _has_state_dict(obj: Any) -> bool:
+    return (
+        not isinstance(obj, type)
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+        and not _is_torchdata_sampler(obj)
+    )
+
+
+def private_regime(sampler: Any) -> str:
+    """Which global RNGs ``sampler`` may draw from: ``""`` (none), ``"torch"`` (torch's
+    random samplers without a generator) or ``"all"`` (a class the loader does not know)."""
+    regime = ""
+    for _, obj in _walk(sampler):
+        if isinstance(obj, _TORCH_GLOBAL) and type(obj).__module__.startswith("torch.utils.data"):
+            if getattr(obj, "generator", None) is None:
+                regime = regime or "torch"
+        elif isinstance(obj, BatchSampler) and type(obj).__module__.startswith("torch.utils.data") or isinstance(obj, _NO_GLOBAL) or _is_torchdata_sampler(obj):
+            continue
+        elif obj is sampler or isinstance(obj, Sampler):
+            return "all"
+    return regime
+
+
+def capture(sampler: Any, private_rng: str) -> SamplerState:
+    """What decides ``sampler``'s next order (see the module docstring), as plain values.
+
+    A ``state_dict()`` that a state cannot hold raises :class:`StateError` naming it.
+    """
+    rngs: dict[str, Any] = {}
+    epochs: dict[str, int] = {}
+    states: dict[str, Any] = {}
+    for path, obj in _walk(sampler):
+        if capture_kind(obj) is not None:
+            rngs[path or "."] = capture_generator(obj)
+            continue
+        if obj is not sampler and not _searchable(obj):
+            continue  # a dataset the sampler refers to: not part of its order
+        epoch = vars(obj).get("epoch") if hasattr(obj, "__dict__") else None
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            epochs[path or "."] = epoch
+        if _has_state_dict(obj):
+            try:
+                states[path or "."] = to_plain(freeze(obj.state_dict(), f"{path or type(obj).__name__}.state_dict()"))
+            except StateError as e:
+                raise StateError(f"cannot record the order of {type(obj).__qualname__}: {e}") from None
+    return SamplerState(rngs=rngs, epochs=epochs, state=states or None, private_rng=private_rng)
+
+
+def apply(sampler: Any, state: SamplerState) -> None:
+    """Put the captured order back into ``sampler`` (and the objects it holds)."""
+    found = dict(_walk(sampler))
+    found["."] = sampler
+
+    def target(path: str, what: str) -> Any:
+        if path not in found:
+            raise ConfigMismatchError(
+                f"sampler {what} at {path!r}", "present", "missing",
+                "the sampler is not built like the one the state was saved with",
+            )
+        return found[path]
+
+    for path, plain in (state.state or {}).items():
+        obj = target(path, "state_dict")
+        if not _has_state_dict(obj):
+            raise ConfigMismatchError(f"sampler state_dict at {path!r}", "present", "missing")
+        obj.load_state_dict(from_plain(plain))
+    for path, plain in state.rngs.items():
+        restore_generator(target(path, "generator"), plain)
+    for path, epoch in state.epochs.items():
+        obj = target(path, "epoch")
+        obj.epoch = epoch
+
+
+class PrivateRng:
+    """A private stream for samplers that draw from the global RNGs: ``call`` runs a step
+    of the sampler with the stream swapped in and the caller's global state put back.
+
+    ``regime``: ``""`` (no swap), ``"torch"`` (torch's CPU RNG) or ``"all"`` (also Python's
+    ``random`` and NumPy's global RNG).
+
+    Example::
+
+        rng = PrivateRng("torch", seed=derive_seed(0, "sampler", rank, epoch))
+        it = rng.call(iter, sampler)
+        first = rng.call(next, it)
+    """
+
+    def __init__(self, regime: str, seed: int) -> None:
+        self.regime = regime
+        self._state: Any = None
+        if regime == "torch":
+            self._state = torch.Generator().manual_seed(item_seed(seed)).get_state()
+        elif regime == "all":
+            saved = capture_global()
+            try:
+                seed_global(seed)
+                self._state = capture_global()
+            finally:
+                restore_global(saved)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` drawing from the private stream."""
+        if self.regime == "torch":
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self._state)
+            try:
+                return fn(*args)
+            finally:
+                self._state = torch.get_rng_state()
+                torch.set_rng_state(saved)
+        if self.regime == "all":
+            saved_all = capture_global()
+            restore_global(self._state)
+            try:
+                return fn(*args)
+            finally:
+                self._state = capture_global()
+                restore_global(saved_all)
+        return fn(*args)
+
+
+def _plain_hook(obj: Any) -> Any:
+    if isinstance(obj, (np.generic, np.ndarray, torch.Tensor)):
+        return obj.tolist()
+    if hasattr(obj, "__index__"):
+        return obj.__index__()
+    raise NotImplementedError(type(obj).__qualname__)
+
+
+_index_encoder = msgspec.msgpack.Encoder(enc_hook=_plain_hook)
+
+
+def plain_indices(indices: Any) -> Any:
+    """Dataset indices as plain values (ints, strings, lists) for a restore key.
+
+    Raises ``TypeError`` for an index that has no plain form."""
+    try:
+        return msgspec.to_builtins(indices, enc_hook=_plain_hook)
+    except (NotImplementedError, TypeError) as e:
+        raise TypeError(f"the sampler yielded an index with no plain form: {e}") from None
+
+
+def index_digest(digest: Any, indices: Any) -> None:
+    """Add the indices of one consumed item to ``digest`` (a hashlib object)."""
+    try:
+        data = _index_encoder.encode(indices)
+    except (NotImplementedError, TypeError):
+        data = repr(indices).encode()
+    digest.update(len(data).to_bytes(4, "little"))
+    digest.update(data)
+
+
+def new_digest() -> Any:
+    """The digest of an iteration that consumed nothing."""
+    return hashlib.blake2b(digest_size=16)
+
+
+class OrderSampler(Sampler[int]):
+    """``loader.sampler`` of a loader that builds its own order (shuffle without a sampler).
+
+    ``len(sampler)`` is this rank's number of samples per epoch (read from
+    ``len(dataset)`` when asked), ``set_epoch(e)`` is ``loader.set_epoch(e)``, ``epoch``
+    the epoch the next ``iter(loader)`` starts, and iterating it gives the dataset
+    indices of that epoch for this rank (the loader itself never iterates it).
+
+    Example::
+
+        loader.sampler.set_epoch(3)      # as with DistributedSampler
+        len(loader.sampler)              # samples of this rank per epoch
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = weakref.ref(loader)
+
+    def _owner(self) -> Any:
+        loader = self._loader()
+        if loader is None:
+            raise RuntimeError("the loader of this sampler no longer exists")
+        return loader
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next ``iter(loader)`` starts (see ``SavableDataLoader.set_epoch``)."""
+        self._owner().set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter(loader)`` starts."""
+        return int(self._owner()._upcoming_epoch())
+
+    def __len__(self) -> int:
+        return int(self._owner()._mode.sample_count())
+
+    def __iter__(self) -> Iterator[int]:
+        owner = self._owner()
+        return iter(owner._mode.epoch_indices(owner._upcoming_epoch()))

@@ -1,0 +1,124 @@
+"""SavableDataLoader takes torch's DataLoader arguments exactly: the same signature,
+positional or keyword, torch's defaults accepted when passed, and every combination torch
+refuses refused with torch's message (as a LoaderUsageError, a ValueError)."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+import savable_loader as sl
+from savable_loader.errors import LoaderUsageError
+from tests.common import RandomMapDataset
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def test_signature_is_torchs_plus_keyword_only_extras():
+    ours = list(inspect.signature(sl.SavableDataLoader.__init__).parameters.values())
+    theirs = list(inspect.signature(DataLoader.__init__).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [
+        (p.name, p.kind, p.default) for p in theirs
+    ]
+    extras = ours[len(theirs):]
+    assert [p.name for p in extras] == ["seed", "worker_config", "snapshot_every_n_steps", "save_timeout"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extras)
+
+
+def test_positional_arguments_and_explicit_defaults():
+    ds = RandomMapDataset(10)
+    loader = sl.SavableDataLoader(ds, 4, True, None, None, 0, None, False, True, 0, None, None, None)
+    assert (loader.batch_size, loader.drop_last, len(loader)) == (4, True, 2)
+    sl.SavableDataLoader(
+        ds, batch_size=1, shuffle=None, sampler=None, batch_sampler=None, num_workers=0, collate_fn=None,
+        pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None, multiprocessing_context=None,
+        generator=None, prefetch_factor=None, persistent_workers=False, pin_memory_device="", in_order=True,
+        snapshot_every_n_steps=1,
+    )
+
+
+def test_generic_like_torch():
+    assert sl.SavableDataLoader[int] is not None
+    assert typing.get_origin(sl.SavableDataLoader[int]) is sl.SavableDataLoader
+
+    def make() -> sl.SavableDataLoader[list[torch.Tensor]]:
+        return sl.SavableDataLoader(RandomMapDataset(2))
+
+    assert isinstance(make(), DataLoader)
+
+
+_DS = RandomMapDataset(12)
+_SAMPLER = SequentialSampler(_DS)
+_BATCHES = BatchSampler(_SAMPLER, 3, False)
+
+REFUSED = [
+    (_DS, {"num_workers": -1}),
+    (_DS, {"timeout": -1}),
+    (_DS, {"batch_size": None, "drop_last": True}),
+    (_DS, {"num_workers": 0, "multiprocessing_context": "fork"}),
+    (_DS, {"num_workers": 1, "multiprocessing_context": "bad"}),
+    (_DS, {"num_workers": 1, "multiprocessing_context": object()}),
+    (_DS, {"prefetch_factor": 2}),
+    (_DS, {"num_workers": 1, "prefetch_factor": -1}),
+    (_DS, {"persistent_workers": True}),
+    (_DS, {"batch_size": 11, "sampler": _SAMPLER, "shuffle": True}),
+    (_DS, {"batch_sampler": _BATCHES, "sampler": _SAMPLER, "shuffle": 3}),
+    (_DS, {"batch_size": 11, "batch_sampler": _BATCHES}),
+    (_DS, {"shuffle": True, "batch_sampler": _BATCHES}),
+    (_DS, {"drop_last": 3, "batch_sampler": _BATCHES}),
+    (_DS, {"batch_size": 0}),
+    (_DS, {"batch_size": 2, "drop_last": "yes"}),
+    (Stream(), {"shuffle": True}),
+    (Stream(), {"sampler": 3}),
+    (Stream(), {"batch_sampler": 3}),
+    (RandomMapDataset(0), {"shuffle": True, "generator": torch.Generator()}),
+]
+
+
+@pytest.mark.parametrize(("dataset", "kwargs"), REFUSED, ids=[str(sorted(k)) for _, k in REFUSED])
+def test_every_combination_torch_refuses_is_refused_with_torchs_message(dataset, kwargs):
+    with pytest.raises(Exception) as torch_error:
+        DataLoader(dataset, **kwargs)
+    with pytest.raises(Exception) as ours:
+        sl.SavableDataLoader(dataset, **kwargs)
+    if isinstance(torch_error.value, TypeError):
+        assert isinstance(ours.value, TypeError)
+    else:
+        assert isinstance(torch_error.value, ValueError)
+        assert isinstance(ours.value, LoaderUsageError) and isinstance(ours.value, ValueError)
+    assert str(torch_error.value) in str(ours.value)
+
+
+def test_our_own_arguments_are_checked():
+    with pytest.raises(LoaderUsageError, match="snapshot_every_n_steps"):
+        sl.SavableDataLoader(_DS, snapshot_every_n_steps=0)
+    with pytest.raises(LoaderUsageError, match="seed must be an int"):
+        sl.SavableDataLoader(_DS, seed="1")
+    with pytest.raises(LoaderUsageError, match="save_timeout"):
+        sl.SavableDataLoader(_DS, save_timeout=0)
+    with pytest.raises(LoaderUsageError, match="seed=1 differs"):
+        sl.SavableDataLoader(_DS, seed=1, worker_config=sl.WorkerConfig(seed=2))
+    wc = sl.WorkerConfig(num_workers=2, seed=4)
+    loader = sl.SavableDataLoader(_DS, worker_config=wc, multiprocessing_context="fork")
+    assert (loader.num_workers, loader.seed) == (2, 4)
+
+
+def test_a_pipeline_takes_its_worker_config():
+    wc = sl.WorkerConfig(num_workers=0, seed=9)
+    from tests.common import RangeSource
+
+    loader = sl.SavableDataLoader(RangeSource(4, wc), batch_size=None)
+    assert loader.seed == 9 and loader.worker_config is wc
+    with pytest.raises(LoaderUsageError, match="batch_size=None"):
+        sl.SavableDataLoader(RangeSource(4, wc))
+    with pytest.raises(LoaderUsageError, match="expected unspecified shuffle"):
+        sl.SavableDataLoader(RangeSource(4, wc), batch_size=None, shuffle=True)
