@@ -32,24 +32,9 @@ RUN_TIMEOUT = 300
 
 pytestmark = pytest.mark.timeout(900)
 
-# Why a scenario fails today (strict: each flips to a failure once it passes).
-lightning_ddp = ("#14 + #15 phase 2: Lightning rebuilds a loader whose sampler is not a DistributedSampler, "
-                 "passing sampler= (refused today), and its checkpoint holds rank 0's loader state only")
-fabric_ddp = "#15 phase 2: Fabric rebuilds a loader whose sampler is not a DistributedSampler"
-rank_zero = "#15 phase 2: Accelerate saves registered objects from the main process only (rank 0's loader state)"
-rebuilt = ("#15 phase 2: Accelerate rebuilds a plain DataLoader from the loader's attributes; today an "
-           "AttributeError or TypeError from inside the loader")
-epoch_end = ("#14: a loop that counts its own epochs, resumed from a save at an epoch's last batch, runs one "
-             "epoch too many (the state must resume into that epoch's empty remainder)")
-
-
 def _requires(*modules: str) -> pytest.MarkDecorator:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed")
-
-
-def _xfail(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=reason)
 
 
 def _env() -> dict[str, str]:
@@ -120,20 +105,35 @@ def check_scenario(tmp_path: Path, script: str, procs: int, torchrun: bool, *arg
 
 
 @_requires("lightning")
-@pytest.mark.parametrize("procs", [1, pytest.param(2, marks=_xfail(lightning_ddp))])
+@pytest.mark.parametrize("procs", [1, 2])
 def test_lightning_trainer(tmp_path, procs):
+    """The loader from ``train_dataloader()``; on 2 devices it is already split (its
+    sampler is a DistributedSampler) and Lightning keeps it; rank 1 resumes from rank 0's
+    checkpoint entry."""
     check_scenario(tmp_path, "lightning_trainer.py", procs, False, str(procs))
 
 
 @_requires("lightning")
-@_xfail("#15 phase 2: Lightning fetches one batch ahead of a loader without len()")
-def test_lightning_trainer_pipeline(tmp_path):
-    check_scenario(tmp_path, "lightning_trainer.py", 1, False, "1", "--pipeline")
+def test_lightning_trainer_loader_built_before_fit(tmp_path):
+    """``trainer.fit(model, loader)`` with the loader built before the process group
+    exists: Lightning rebuilds it with a DistributedSampler and the user's arguments;
+    rank 1 derives its DistributedSampler position from rank 0's entry."""
+    check_scenario(tmp_path, "lightning_trainer.py", 2, False, "2", "--before-fit")
 
 
 @_requires("lightning")
-@pytest.mark.parametrize("procs", [pytest.param(1, marks=_xfail(epoch_end)), pytest.param(2, marks=_xfail(fabric_ddp))])
+@pytest.mark.parametrize("procs", [1, 2])
+def test_lightning_trainer_pipeline(tmp_path, procs):
+    """A savable pipeline (no ``len()``): Lightning fetches a batch ahead, the state leaves
+    it out; on 2 devices every rank's state is gathered into rank 0's checkpoint."""
+    check_scenario(tmp_path, "lightning_trainer.py", procs, False, str(procs), "--pipeline")
+
+
+@_requires("lightning")
+@pytest.mark.parametrize("procs", [1, 2])
 def test_fabric(tmp_path, procs):
+    """Fabric's ``setup_dataloaders`` keeps the loader; its per-process ``set_epoch`` count
+    (0 again after a resume) does not move the loader's epochs."""
     check_scenario(tmp_path, "fabric_loop.py", procs, False, str(procs))
 
 
@@ -141,13 +141,13 @@ def test_fabric(tmp_path, procs):
 
 
 @_requires("accelerate")
-@pytest.mark.parametrize("procs", [pytest.param(1, marks=_xfail(epoch_end)), pytest.param(2, marks=_xfail(rank_zero))])
+@pytest.mark.parametrize("procs", [1, 2])
 def test_accelerate_register_for_checkpointing(tmp_path, procs):
     check_scenario(tmp_path, "accelerate_loop.py", procs, procs > 1, "register")
 
 
 @_requires("accelerate")
-@pytest.mark.parametrize("procs", [pytest.param(1, marks=_xfail(rebuilt)), pytest.param(2, marks=_xfail(rebuilt))])
+@pytest.mark.parametrize("procs", [1, 2])
 def test_accelerate_prepare_is_a_clear_error(tmp_path, procs):
     """``accelerator.prepare(loader)`` rebuilds a plain DataLoader from the loader's
     attributes: the first batch says so, and what to do."""
@@ -167,13 +167,11 @@ def test_savable_trainer(tmp_path, procs):
 
 
 @_requires("transformers", "datasets")
-@pytest.mark.parametrize("procs", [pytest.param(1, marks=_xfail(rebuilt))])
-def test_trainer_with_the_loader_says_use_savable_trainer(tmp_path, procs):
+def test_trainer_with_the_loader_says_use_savable_trainer(tmp_path):
     """A plain Trainer skips batches with ``skip_first_batches``, which rebuilds a plain
     DataLoader: a clear error naming SavableTrainer, not a TypeError."""
-    _ok(_run([_command("hf_trainer.py", tmp_path, "ref", procs, procs > 1, "override")], tmp_path)[0])
-    done = _run([_command("hf_trainer.py", tmp_path, f"resume-{SAVE_STEPS[1]}", procs, procs > 1, "override")],
-                tmp_path)[0]
+    _ok(_run([_command("hf_trainer.py", tmp_path, "ref", 1, False, "override")], tmp_path)[0])
+    done = _run([_command("hf_trainer.py", tmp_path, f"resume-{SAVE_STEPS[1]}", 1, False, "override")], tmp_path)[0]
     assert done.returncode != 0
     assert "LoaderUsageError" in done.stderr and "SavableTrainer" in done.stderr, done.stderr[-3000:]
 
@@ -181,7 +179,7 @@ def test_trainer_with_the_loader_says_use_savable_trainer(tmp_path, procs):
 # -- torch.distributed.checkpoint ----------------------------------------------------
 
 
-@pytest.mark.parametrize("procs", [pytest.param(1, marks=_xfail(epoch_end)), pytest.param(2, marks=_xfail(epoch_end))])
+@pytest.mark.parametrize("procs", [1, 2])
 def test_dcp_under_torchrun(tmp_path, procs):
     check_scenario(tmp_path, "dcp_loop.py", procs, True)
 

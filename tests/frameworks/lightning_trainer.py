@@ -1,11 +1,13 @@
 """A Lightning Trainer with SavableDataLoader where the DataLoader goes (CPU).
 
-    python lightning_trainer.py OUT RUN DEVICES [--pipeline]
+    python lightning_trainer.py OUT RUN DEVICES [--pipeline | --before-fit]
 
 RUN is ``ref`` (15 steps, ``ModelCheckpoint(every_n_train_steps=3)``) or ``resume-<S>``
 (``trainer.fit(ckpt_path=<ref's step=S.ckpt>)``). With DEVICES=2 the Trainer runs DDP
 (gloo) with its default settings. ``--pipeline``: a savable pipeline (no ``len()``) in
-place of the map-style dataset.
+place of the map-style dataset. ``--before-fit``: the loader is built before
+``trainer.fit(model, loader)`` (before the process group exists, so on 2 devices
+Lightning rebuilds it with a ``DistributedSampler``), not in ``train_dataloader()``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import savable_loader as sl  # noqa: E402
 
 OUT, RUN, DEVICES = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 PIPELINE = "--pipeline" in sys.argv
+BEFORE_FIT = "--before-fit" in sys.argv
 
 
 class Model(L.LightningModule):
@@ -36,6 +39,8 @@ class Model(L.LightningModule):
     def configure_optimizers(self):
         return c.make_model_optimizer(self.lin)
 
+
+class ModelWithData(Model):
     def train_dataloader(self):
         if PIPELINE:
             from _pipeline import pipeline_loader
@@ -54,4 +59,9 @@ trainer = L.Trainer(max_steps=c.TOTAL_STEPS, accelerator="cpu", devices=DEVICES,
 ckpt = None
 if RUN.startswith("resume-"):
     ckpt = str(OUT / "ckpt_ref" / f"step={RUN.split('-')[1]}.ckpt")
-trainer.fit(Model(), ckpt_path=ckpt)
+if BEFORE_FIT:
+    loader = sl.SavableDataLoader(c.Augmented(c.dataset_len(DEVICES)), batch_size=c.BATCH, shuffle=True,
+                                  num_workers=c.WORKERS)
+    trainer.fit(Model(), train_dataloaders=loader, ckpt_path=ckpt)
+else:
+    trainer.fit(ModelWithData(), ckpt_path=ckpt)
