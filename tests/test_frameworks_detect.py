@@ -96,3 +96,25 @@ def _epoch(epoch: int) -> sl.SavableDataLoader:
     loader = _loader()
     loader.set_epoch(epoch)
     return loader
+
+
+@_requires("accelerate")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_pipeline_rebuilt_by_skip_first_batches_is_a_clear_error(workers):
+    """A savable pipeline iterated by the plain DataLoader Accelerate rebuilt: in the main
+    process, or in that loader's worker processes (each would read the same data)."""
+    from accelerate import skip_first_batches
+
+    from savable_loader.sources import IterableSource
+
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=workers, seed=3)
+    loader = sl.SavableDataLoader(IterableSource(_stream, wc), batch_size=None, worker_config=wc)
+    with pytest.raises((sl.LoaderUsageError, RuntimeError), match="register_for_checkpointing") as raised:
+        next(iter(skip_first_batches(loader, 1)))
+    if workers == 0:
+        assert isinstance(raised.value, sl.LoaderUsageError)
+
+
+def _stream(info):
+    """A global worker's share of 16 integers."""
+    return range(info.global_worker, 16, info.num_global_workers)
