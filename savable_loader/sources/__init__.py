@@ -5,6 +5,8 @@
 * ``ShardedFileDataset``: a folder of ``.npy`` / ``.pt`` / ``.jsonl`` shards listed in a
   ``metadata.json`` (``write_shards`` writes one, ``read_metadata`` checks one).
 * ``IterableSource``: a user generator function with an explicit position.
+* ``TorchIterableSource``: a plain ``torch.utils.data.IterableDataset`` (the loader builds
+  it for one; resumed from its ``state_dict()`` when it has one, by replay otherwise).
 
 Example::
 
@@ -18,6 +20,7 @@ from savable_loader.sources._shard_io import open_shard, read_metadata, write_sh
 from savable_loader.sources.index import BatchKey, IndexedDataset, IndexPlan, IndexSampler
 from savable_loader.sources.iterable import IterableSource, ReplayWarning, StreamInfo
 from savable_loader.sources.sharded import ShardedFileDataset
+from savable_loader.sources.torch_iterable import TorchIterableSource
 
 __all__ = [
     "BatchKey",
@@ -28,6 +31,7 @@ __all__ = [
     "ReplayWarning",
     "ShardedFileDataset",
     "StreamInfo",
+    "TorchIterableSource",
     "open_shard",
     "read_metadata",
     "write_shards",
