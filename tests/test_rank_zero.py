@@ -120,11 +120,20 @@ def test_an_entry_of_each_rank_is_taken_as_it_is():
     assert torch.equal(next(iter(restored)), want)
 
 
-@pytest.mark.parametrize("kind", ["own", "random", "pipeline"])
+class _Counting(torch.utils.data.IterableDataset):
+    """A plain torch IterableDataset (no ``len()``, no ``state_dict()``)."""
+
+    def __iter__(self):
+        return iter(range(16))
+
+
+@pytest.mark.parametrize("kind", ["own", "random", "pipeline", "iterable"])
 def test_a_save_can_leave_out_the_item_the_caller_holds(kind):
     """What Lightning's prefetch needs: the state saved while the caller holds the item
     yielded last is the state saved before that item."""
-    if kind == "pipeline":
+    if kind == "iterable":
+        loader = sl.SavableDataLoader(_Counting(), batch_size=2, seed=3)
+    elif kind == "pipeline":
         wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=3)
         loader = sl.SavableDataLoader(RangeSource(16, wc), batch_size=None, worker_config=wc)
     else:
@@ -136,4 +145,4 @@ def test_a_save_can_leave_out_the_item_the_caller_holds(kind):
     next(it)
     assert decode(encode(loader._save(held=1))) == decode(before)
     with pytest.raises(sl.StateError):
-        loader._save(held=2 if kind == "pipeline" else 5)
+        loader._save(held=2 if kind in ("pipeline", "iterable") else 5)
