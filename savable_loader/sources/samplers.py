@@ -406,15 +406,6 @@ class RandomOrderSampler(OrderSampler, RandomSampler):
     def num_samples(self) -> int:
         return len(self)
 
-    def set_epoch(self, epoch: int) -> None:
-        OrderSampler.set_epoch(self, epoch)
-
-    def __len__(self) -> int:
-        return OrderSampler.__len__(self)
-
-    def __iter__(self) -> Iterator[int]:
-        return OrderSampler.__iter__(self)
-
 
 class SequentialOrderSampler(OrderSampler, SequentialSampler):
     """``loader.sampler`` of a loader without shuffle on one rank: a ``SequentialSampler``,
@@ -431,12 +422,6 @@ class SequentialOrderSampler(OrderSampler, SequentialSampler):
     @property
     def data_source(self) -> Any:  # type: ignore[override]
         return self._owner().dataset
-
-    def __len__(self) -> int:
-        return OrderSampler.__len__(self)
-
-    def __iter__(self) -> Iterator[int]:
-        return OrderSampler.__iter__(self)
 
 
 def order_sampler(loader: Any, shuffle: bool, world_size: int) -> OrderSampler:
@@ -501,12 +486,3 @@ class DistributedOrderSampler(OrderSampler, DistributedSampler):  # type: ignore
     @property
     def total_size(self) -> int:  # type: ignore[override]
         return len(self) * self.num_replicas
-
-    def set_epoch(self, epoch: int) -> None:
-        OrderSampler.set_epoch(self, epoch)
-
-    def __len__(self) -> int:
-        return OrderSampler.__len__(self)
-
-    def __iter__(self) -> Iterator[int]:
-        return OrderSampler.__iter__(self)
