@@ -30,7 +30,7 @@ import msgspec
 from savable_loader.errors import StateError
 from savable_loader.state.codec import decode, encode_part
 from savable_loader.state.files import FILE_FORMAT, MAGIC, load_file
-from savable_loader.state.schema import ArrayValue, DatasetState, RankState, WorkerState
+from savable_loader.state.schema import ArrayValue, DatasetState, RankState, TupleValue, WorkerState
 
 __all__ = ["DOCUMENT_KEYS", "FORMAT", "StateBlob", "read_state", "render_text", "summarize"]
 
@@ -156,6 +156,8 @@ def _plain(value: Any) -> Any:
         return _outline(value)
     if isinstance(value, ArrayValue):
         return _value(value)
+    if isinstance(value, TupleValue):
+        return [_plain(v) for v in value.items]
     if isinstance(value, msgspec.Struct):
         out: dict[str, Any] = {}
         tag = _tag(value)
@@ -199,10 +201,21 @@ def _value(value: Any) -> dict[str, Any]:
             out["value"] = value
     elif isinstance(value, (bytes, bytearray, dict)):
         out["length"] = len(value)
-    elif isinstance(value, (list, tuple)):
-        out["length"] = len(value)
-        out["item_types"] = sorted({"array" if isinstance(v, ArrayValue) else type(v).__name__ for v in value})
+    elif isinstance(value, (list, tuple, TupleValue)):
+        items = value.items if isinstance(value, TupleValue) else value
+        if isinstance(value, TupleValue):
+            out["type"] = "tuple"
+        out["length"] = len(items)
+        out["item_types"] = sorted({_item_type(v) for v in items})
     return out
+
+
+def _item_type(value: Any) -> str:
+    if isinstance(value, ArrayValue):
+        return "array"
+    if isinstance(value, TupleValue):
+        return "tuple"
+    return type(value).__name__
 
 
 # -- text ---------------------------------------------------------------------------------

@@ -89,6 +89,42 @@ class SavableDataset(IterableDataset):
     ``config``; wrappers also return the datasets they wrap from ``children``. See the
     module docstring and docs/custom_dataset.md.
 
+    The RNG rule: random draws from the global RNGs (``random``, NumPy's, torch's) follow
+    from where a sample is in the stream, never from how the pipeline got there, so that
+    a resumed pipeline draws the same numbers.
+
+    1. The loader re-seeds the global RNGs before every item a worker produces, from
+       ``(seed, rank, worker, epoch, item index)``.
+    2. A source with restore keys calls ``mark_sample(key)`` before building each
+       sample: the RNGs are re-seeded from the key, so the sample's draws, and those of
+       the wrappers above that pass it on, follow from the key (``restore_sample(key)``
+       calls it too). A source without keys draws from rule 1's seeding.
+    3. A wrapper that yields a sample it held, that is anything not pulled from the
+       wrapped dataset in the same step (shuffle buffers, group buckets, packed rows,
+       micro-batch rests), calls ``mark_sample(key)`` right before the yield with the
+       sample's key, whether or not the pipeline can restore samples (it keeps the keys
+       of the samples it holds whenever they have one), or with None for a sample
+       without a key (None re-seeds nothing).
+    4. A wrapper that yields what it pulled in the same step passes the wrapped
+       dataset's ``sample_key`` on and does not re-seed.
+    5. The end-of-stream rule: a wrapper that goes on yielding after the dataset it
+       wraps has ended (a buffer draining, a short last batch) records that end in a
+       savable field, and a restored iterator with that field set does not iterate the
+       wrapped dataset again.
+
+    Why: a restored pipeline is a new iterator over restored fields, so whatever the
+    uninterrupted iterator had done and kept only in its frame is done again. Without
+    rule 5 a restored buffer would run its source's end of stream a second time (an
+    ``IterableSource`` calls ``mark_sample`` for the position past its end before it
+    learns there is none; without ``seek`` it replays its whole stream), which re-seeds
+    in the middle of an item and shifts the draws of what follows in that item (a map
+    above, a source without keys beside it in a blend). With rule 5 a restored iterator
+    makes the calls the uninterrupted one makes, item for item, so rule 1 suffices for
+    samples without keys; with rule 3 the draws after a held sample follow from its key,
+    as they do when ``restore_sample`` rebuilds it. A field added to ``_savable_fields``
+    later can be listed in ``_savable_optional``, so that states written before it
+    still restore.
+
     Example::
 
         class Range(SavableDataset):
@@ -115,6 +151,9 @@ class SavableDataset(IterableDataset):
     """
 
     _savable_fields: ClassVar[tuple[str, ...]] = ()
+    #: Fields of ``_savable_fields`` that a state may lack (added after states were first
+    #: written): restoring such a state keeps the value ``reset_state_own()`` gives them.
+    _savable_optional: ClassVar[frozenset[str]] = frozenset()
 
     #: The restore key of the sample this dataset yielded last (None: it gives no keys).
     sample_key: Any = None
@@ -140,12 +179,28 @@ class SavableDataset(IterableDataset):
         Python ``random``, NumPy's and torch's global RNGs are re-seeded from
         ``(seed, epoch, repetition, dataset type, key)``, so whatever runs downstream of
         this yield (a random map, say) draws the same numbers when ``restore_sample``
-        rebuilds the sample and calls ``mark_sample(key)`` at the same point. Sources call
-        it for every sample; wrappers that reorder samples (buffers) call it too.
+        rebuilds the sample and calls ``mark_sample(key)`` at the same point. ``key``
+        None records that the sample has no key and leaves the RNGs as they are: its
+        draws follow the loader's per-item seeding. A key must be a JSON value (None,
+        bool, int, float, str, lists, tuples, str-keyed dicts); anything else (a NumPy
+        integer, say) is a :class:`RestoreKeyError` naming the dataset and the key.
+
+        Sources call it for every sample; wrappers that yield samples they held (buffers,
+        buckets, packed rows, micro-batch rests) call it before every such yield, with the
+        sample's key or None: see the RNG rule in the class docstring.
         """
         self.sample_key = key
+        if key is None:
+            return
         wc = self.worker_config
-        text = msgspec.json.encode(key).decode()
+        try:
+            text = msgspec.json.encode(key).decode()
+        except (TypeError, ValueError) as e:  # a UnicodeEncodeError is a ValueError
+            raise RestoreKeyError(
+                f"{type(self).__name__}.mark_sample: restore key {key!r} of type {type_name(key)} "
+                f"is not a JSON value ({e}); keys are None, bool, int, float, str, and lists, tuples and "
+                "str-keyed dicts of these (convert NumPy scalars with int() / float())"
+            ) from e
         seed_global(derive_seed(wc.seed, "key", wc.active_epoch(), *active_repetitions(), type(self).__name__, text))
 
     def restore_sample(self, key: Any) -> Any:
@@ -228,7 +283,7 @@ class SavableDataset(IterableDataset):
             raise StateError(
                 f"{expected}: state has {len(state.children)} child states, the pipeline has {len(kids)}"
             )
-        missing = set(self._savable_fields) - set(state.fields)
+        missing = set(self._savable_fields) - set(state.fields) - self._savable_optional
         extra = set(state.fields) - set(self._savable_fields)
         if missing or extra:
             raise StateError(
@@ -239,6 +294,8 @@ class SavableDataset(IterableDataset):
             child.restore_state(child_state)
         self.reset_state_own()
         for name in self._savable_fields:
+            if name not in state.fields:
+                continue  # an optional field that an older state lacks
             value = state.fields[name]
             current = getattr(self, name, None)
             if capture_kind(current) is not None:

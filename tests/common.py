@@ -12,6 +12,7 @@ the epoch's StopIteration restores to the next epoch. Saves may also be taken af
 from __future__ import annotations
 
 import random
+import struct
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -23,24 +24,39 @@ import savable_loader as sl
 from savable_loader.state import decode, encode
 
 
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).tolist()
+
+
 def assert_same(a: Any, b: Any, path: str = "item") -> None:
-    """Bit-exact equality of nested tensors, arrays, lists, tuples, dicts and scalars."""
+    """Bit-exact equality of nested tensors, arrays, NumPy scalars, lists, tuples, dicts and
+    scalars: types (namedtuples, dict subclasses), dtypes (of NumPy scalars too, byte order
+    included), shapes, dict key order and bits (NaN payloads, -0.0) must all match."""
+    assert type(a) is type(b), f"{path}: {type(a).__qualname__} {a!r} vs {type(b).__qualname__} {b!r}"
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b).__name__}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a, b), f"{path}: tensors differ\n{a}\n{b}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
+        assert torch.equal(a, b) or _bits(a) == _bits(b), f"{path}: tensors differ\n{a}\n{b}"
     elif isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), f"{path}: arrays differ"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: array {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        same = np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+        assert same, f"{path}: arrays differ\n{a}\n{b}"
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype, f"{path}: NumPy scalar of dtype {a.dtype} vs {b.dtype}"
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"{path}: {a!r} vs {b!r}"
     elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), f"{path}: {a!r} vs {b!r}"
+        assert len(a) == len(b), f"{path}: {a!r} vs {b!r}"
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{path}: keys {a.keys()} vs {b.keys()}"
+        assert list(a) == list(b), f"{path}: keys {list(a)} vs {list(b)}"
         for k in a:
             assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, float):
+        assert struct.pack("<d", a) == struct.pack("<d", b), f"{path}: {a!r} vs {b!r}"
     else:
-        assert a == b and type(a) is type(b), f"{path}: {a!r} vs {b!r}"
+        assert a == b, f"{path}: {a!r} vs {b!r}"
 
 
 def assert_streams(got: list[Any], want: list[Any], what: str) -> None:
@@ -81,6 +97,12 @@ def expected_chunks(lengths: list[int], k: int, between: bool) -> list[int]:
     if k == 0 and not between:
         return list(lengths)
     acc = 0
+    if between:  # after the StopIteration of the first epoch that ends at k (empty ones too)
+        for e, n in enumerate(lengths):
+            acc += n
+            if acc == k:
+                return list(lengths[e + 1 :])
+        raise AssertionError(f"no epoch ends at save point {k}")
     for e, n in enumerate(lengths):
         if acc < k <= acc + n or (n == 0 and acc == k and not between):
             return ([] if between else [acc + n - k]) + list(lengths[e + 1 :])
@@ -100,6 +122,7 @@ def check_resume_everywhere(
     steps: Iterable[int] | None = None,
     variants: Iterable[str] = ("live",),
     check_live_next_epoch: bool = True,
+    reference: list[list[Any]] | None = None,
 ) -> int:
     """Save at every step (or ``steps``), restore into a fresh loader, compare. Returns
     the number of save points checked.
@@ -109,11 +132,13 @@ def check_resume_everywhere(
     (``break`` out of the loop and drop the iterator, then save) and ``"raise"`` (an
     exception in the loop body leaves the loop, then save). All restore to the same
     continuation. After ``break``/``raise`` the live loader's next ``iter()`` must start
-    the next epoch (``check_live_next_epoch``), as torch's does.
+    the next epoch (``check_live_next_epoch``), as torch's does. ``reference``: the
+    uninterrupted epochs, if the caller has them already (``epochs_of(factory(), epochs)``).
     """
     if restore_factory is None:
         restore_factory = factory
-    reference = epochs_of(factory(), epochs)
+    if reference is None:
+        reference = epochs_of(factory(), epochs)
     lengths = [len(e) for e in reference]
     flat = [x for e in reference for x in e]
     assert flat, "the reference stream is empty"

@@ -17,9 +17,11 @@ import torch
 from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset, config_fingerprint, plain_config, type_name
-from savable_loader.errors import LoaderUsageError, StateError
+from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.state.codec import decode_part, encode_part
 from savable_loader.state.schema import DatasetState
+from tests.common import assert_same
+
 
 def wc() -> WorkerConfig:
     return WorkerConfig(rank=0, world_size=1, num_workers=0, seed=0)
@@ -256,27 +258,27 @@ def test_other_rng_fields_round_trip(gen) -> None:
 
 
 @pytest.mark.parametrize(
-    "value, expected",
+    "value",
     [
-        (np.float64(1.5), 1.5),
-        (np.int32(-4), -4),
-        (np.bool_(True), True),
-        (np.str_("txt"), "txt"),
-        ({"mean": np.float64(0.25), "n": [np.int64(3)]}, {"mean": 0.25, "n": [3]}),
-        (bytearray(b"ab"), b"ab"),
-        ((1, (2, 3)), [1, [2, 3]]),
-        ({1: "int keys", "s": None}, {1: "int keys", "s": None}),
+        np.float64(1.5),
+        np.int32(-4),
+        np.bool_(True),
+        np.str_("txt"),
+        {"mean": np.float64(0.25), "n": [np.int64(3)]},
+        (1, (2, 3)),
+        {1: "int keys", "s": None},
+        np.array(["a", "bc"]),
+        np.array(["2020-01-01"], dtype="datetime64[D]"),
     ],
     ids=repr,
 )
-def test_numpy_scalars_and_containers_are_saved_as_plain_values(value: Any, expected: Any) -> None:
+def test_values_come_back_with_their_types(value: Any) -> None:
+    # issue #21: NumPy scalars used to come back as Python scalars, tuples as lists
     ds = Holder(wc(), value)
-    state = encode_decode(ds.save_state())
-    assert state.fields["value"] == expected
-    other = Holder(wc(), None)
-    other.restore_state(state)
-    assert other.value == expected
-    assert type(other.value) is type(expected)
+    for state in (ds.save_state(), encode_decode(ds.save_state())):
+        other = Holder(wc(), None)
+        other.restore_state(state)
+        assert_same(other.value, value)
 
 
 def test_tree_with_children_round_trips() -> None:
@@ -314,9 +316,9 @@ def test_tree_with_children_round_trips() -> None:
         ({"ok": 1, "bad": len}, "Holder.value['bad']"),
         ({(1, 2): "tuple key"}, "Holder.value"),
         ({True: "bool key"}, "Holder.value"),
-        (np.array(["a", "b"]), "Holder.value"),
         (np.array([None, 1], dtype=object), "Holder.value"),
-        (np.array(["2020-01-01"], dtype="datetime64[D]"), "Holder.value"),
+        (np.array([1.0], dtype=np.longdouble), "Holder.value"),
+        (bytearray(b"ab"), "Holder.value"),
         (torch.zeros(2, dtype=torch.float8_e4m3fn), "Holder.value"),
     ],
     ids=lambda v: type(v).__name__ if not isinstance(v, str) else v,
@@ -331,7 +333,7 @@ def test_unsupported_field_value_raises_state_error_naming_the_field(value: Any,
 def test_open_file_field_raises_state_error(tmp_path: Path) -> None:
     with open(tmp_path / "f.txt", "w") as f:
         ds = Holder(wc(), f)
-        with pytest.raises(StateError, match=r"state field Holder\.value holds a TextIOWrapper"):
+        with pytest.raises(StateError, match=r"state field Holder\.value holds a value of type TextIOWrapper"):
             ds.save_state()
 
 
@@ -482,3 +484,80 @@ def test_worker_config_must_be_a_worker_config(bad: Any) -> None:
 def test_type_name() -> None:
     assert type_name(Source(wc())) == f"{__name__}.Source"
     assert type_name(3) == "builtins.int"
+
+
+class Grown(Holder):
+    """A Holder that gained an optional field after its states were first written."""
+
+    _savable_fields = ("value", "added")
+    _savable_optional = frozenset({"added"})
+
+    def reset_state_own(self) -> None:
+        super().reset_state_own()
+        self.added = "default"
+
+
+def test_optional_field_missing_from_an_older_state_keeps_its_reset_value() -> None:
+    old = encode_decode(Holder(wc(), 5).save_state())
+    old = DatasetState(type=f"{__name__}.Grown", fields=old.fields)
+    ds = Grown(wc(), 0)
+    ds.added = "changed"
+    ds.restore_state(old)
+    assert (ds.value, ds.added) == (5, "default")
+    new = encode_decode(Grown(wc(), 7).save_state())
+    assert new.fields == {"value": 7, "added": "default"}
+
+
+def test_a_missing_field_that_is_not_optional_is_still_refused() -> None:
+    state = DatasetState(type=f"{__name__}.Grown", fields={"added": "x"})
+    with pytest.raises(StateError, match=r"state fields \['added'\] do not match _savable_fields"):
+        Grown(wc(), 0).restore_state(state)
+
+
+# -- restore keys ---------------------------------------------------------------------------
+
+
+def draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_mark_sample_seeds_from_the_key_value() -> None:
+    # a tuple key comes back from a state as a tuple, a list key as a list: both seed alike
+    ds = Source(wc())
+    ds.mark_sample((3, "a"))
+    first = draws()
+    ds.mark_sample([3, "a"])
+    assert draws() == first
+    ds.mark_sample([3, "b"])
+    assert draws() != first
+    seed_all(5)
+    expected = draws()
+    seed_all(5)
+    ds.mark_sample(None)  # no key: the RNGs are left as they are
+    assert ds.sample_key is None and draws() == expected
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    "key, shown",
+    [
+        (np.int64(3), "numpy.int64"),
+        ([1, np.int32(2)], "builtins.list"),
+        ({None: 1}, "builtins.dict"),
+        ("\ud800", "builtins.str"),
+        (torch.tensor(1), "torch.Tensor"),
+    ],
+    ids=["numpy-int", "numpy-inside", "none-dict-key", "lone-surrogate", "tensor"],
+)
+def test_mark_sample_refuses_a_key_that_is_not_a_json_value(key: Any, shown: str) -> None:
+    ds = Source(wc())
+    with pytest.raises(RestoreKeyError) as info:
+        ds.mark_sample(key)
+    message = str(info.value)
+    assert message.startswith(f"Source.mark_sample: restore key {key!r} of type {shown} is not a JSON value")
+    assert "int() / float()" in message

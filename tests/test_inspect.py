@@ -23,6 +23,7 @@ from savable_loader.state import (
     LoaderConfig,
     PipelinePosition,
     RankState,
+    TupleValue,
     WorkerState,
     encode,
     save_file,
@@ -70,7 +71,9 @@ def synthetic_state(rank: int = 0, world_size: int = 1) -> RankState:
     node = DatasetState(type="pkg.Outer", fields={"n": 7, "name": "x" * 100, "blob": b"\x00" * 40},
                         children=[DatasetState(type="pkg.Inner", fields={
                             "arr": ArrayValue(library="numpy", dtype="float32", shape=(2, 3), data=b"\x00" * 24),
-                            "items": [1, "a"], "d": {"k": None}})])
+                            "items": [1, "a"], "d": {"k": None},
+                            "pair": TupleValue([1, ArrayValue(library="numpy-scalar", dtype="float32", shape=(),
+                                                              data=b"\x00\x00\xc0?")])})])
     return RankState(
         config=LoaderConfig(rank=rank, world_size=world_size, num_workers=2, seed=9, batch_size=None,
                             shuffle=False, drop_last=False, dataset_fingerprint="b" * 24),
@@ -239,6 +242,7 @@ def test_synthetic_pipeline_outline(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert inner["arr"] | {"size": 0} == {"type": "array", "size": 0, "library": "numpy", "dtype": "float32",
                                          "shape": [2, 3]}
     assert inner["items"]["item_types"] == ["int", "str"]
+    assert inner["pair"] | {"size": 0} == {"type": "tuple", "size": 0, "length": 2, "item_types": ["array", "int"]}
     code, text, _ = inspect(path, capsys)
     assert code == 0
     assert "worker 0        consumed 10, snapshot at 7 (skip 3), exhausted; dataset state" in text

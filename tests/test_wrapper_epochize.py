@@ -203,3 +203,20 @@ def test_over_an_iterable_source_with_packing():
     fresh = _packed_stream(2)
     for key, row in run:
         assert_same(fresh.restore_sample(str(key)), row, str(key))
+
+
+@pytest.mark.parametrize(("n", "length", "limit"), [(2, 1, 5), (2, 2, 4), (3, 1, 7)])
+def test_inside_a_repeat_resumes_at_epoch_boundaries(n, length, limit):
+    # Found by tests/test_pipeline_properties.py: an EpochizeDataset inside a
+    # RepeatDataset kept (in-process) the inner stream it had built under the last pass's
+    # seeds across the loader's epoch boundary, while a restore there rebuilt it outside
+    # any pass: the next epoch drew another dataset of the blend first. The carry now
+    # serves only a reset in the context (repetitions) it was made in.
+    from savable_loader.wrappers import BlendDataset, LimitDataset
+
+    def make():
+        wc = make_wc(0)
+        blend = BlendDataset([RangeSource(n, wc), RangeSource(n, wc)])
+        return make_loader(LimitDataset(RepeatDataset(EpochizeDataset(blend, length)), limit))
+
+    assert check_resume_everywhere(make, 2) == 2 * limit + 3

@@ -3,6 +3,9 @@ the buckets in the state; resume and restore keys."""
 
 from __future__ import annotations
 
+import enum
+
+import numpy as np
 import pytest
 import torch
 
@@ -27,7 +30,7 @@ N = 23
 
 
 def group_of(v: int):
-    """Buckets of unequal rates, with tuple keys (they come back from a state as lists)."""
+    """Buckets of unequal rates, with tuple keys (kept as tuples in a state)."""
     return (v % 3 == 0, "a" if v % 2 else "b")
 
 
@@ -89,7 +92,7 @@ def test_state_holds_the_buckets(monkeypatch):
     assert (ws.snapshot_index, ws.index) == (2, 2)  # the snapshot taken as the second batch left
     buckets = ws.dataset.fields["buckets"]
     # after 0..8 (two full buckets yielded): (True, "b") holds 0 and 6, (True, "a") 3
-    assert [b[0] for b in buckets] == [[True, "b"], [True, "a"]]
+    assert [decode_sample(b[0]) for b in buckets] == [(True, "b"), (True, "a")]  # tuples stay tuples
     assert [[int(decode_sample(s)[0]) for s in b[1]] for b in buckets] == [[0, 6], [3]]
     assert [b[2] for b in buckets] == [[0, 6], [3]]  # the samples' restore keys
     del it
@@ -123,3 +126,39 @@ def test_custom_collate():
     wc = make_wc(0)
     ds = GroupBatchDataset(RangeSource(6, wc), 2, lambda x: int(x[0]) % 2, collate_fn=lambda s: torch.stack(s)[:, 0].tolist())
     assert list(ds) == [[0, 2], [1, 3], [4], [5]]
+
+
+class Parity(enum.IntEnum):
+    EVEN = 0
+    ODD = 1
+
+
+@pytest.mark.parametrize(
+    "key_fn",
+    [
+        lambda x: x[: 1 + int(x[0]) % 2].shape,  # torch.Size, the docstring's example
+        lambda x: Parity(int(x[0]) % 2),
+        lambda x: (np.int64(int(x[0]) % 3), np.float32(0.5), np.bool_(True)),
+    ],
+    ids=["torch-size", "int-enum", "numpy-scalars"],
+)
+def test_group_keys_of_subclasses_and_numpy_scalars_resume_exactly(key_fn, monkeypatch):
+    # a state refuses tuple / int subclasses: the buckets hold the plain value the key
+    # equals (same buckets), so that a snapshot can be taken while a bucket is partial
+    set_snapshot_policy(monkeypatch, "every")
+    factory = lambda: make_loader(GroupBatchDataset(RangeSource(N, make_wc(0)), 3, key_fn))  # noqa: E731
+    assert check_resume_everywhere(factory, 2) >= 2 * 8
+    loader = factory()
+    it = iter(loader)
+    next(it)
+    buckets = decode(encode(loader.save_state_rank())).position.workers[0].dataset.fields["buckets"]
+    assert all(type(decode_sample(b[0])) in (tuple, int) for b in buckets)
+    del it
+
+
+def test_group_keys_are_bucketed_by_value():
+    wc = make_wc(0)
+    ids = lambda b: [int(x[0]) for x in b]  # noqa: E731
+    plain = GroupBatchDataset(RangeSource(12, wc), 2, lambda x: int(x[0]) % 3, collate_fn=ids)
+    numpy = GroupBatchDataset(RangeSource(12, wc), 2, lambda x: np.int8(int(x[0]) % 3), collate_fn=ids)
+    assert list(numpy) == list(plain) == [[0, 3], [1, 4], [2, 5], [6, 9], [7, 10], [8, 11]]

@@ -114,7 +114,7 @@ def _shuffle_node(state: sl.state.RankState, worker: int) -> tuple[DatasetState,
     node = ws.dataset
     assert isinstance(node, DatasetState)
     assert node.type == "savable_loader.wrappers.shuffle_buffer.ShuffleBufferDataset"
-    assert sorted(node.fields) == ["buffer", "draws", "keys", "seed"]
+    assert sorted(node.fields) == ["buffer", "draws", "ended", "keys", "seed"]
     assert node.children[0].type == "tests.common.RangeSource"
     return node, ws.snapshot_index
 

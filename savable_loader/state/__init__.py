@@ -20,6 +20,7 @@ from savable_loader.state.schema import (
     PipelinePosition,
     RankState,
     RestoreKey,
+    TupleValue,
     WorkerState,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "RankState",
     "RestoreKey",
     "SCHEMA_VERSION",
+    "TupleValue",
     "WorkerState",
     "decode",
     "encode",

@@ -28,6 +28,7 @@ __all__ = [
     "RankState",
     "RestoreKey",
     "SamplerState",
+    "TupleValue",
     "WorkerState",
 ]
 
@@ -40,14 +41,20 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class ArrayValue:
-    """A tensor or NumPy array inside a dataset state: library, dtype, shape, raw bytes.
+    """A tensor, NumPy array or NumPy scalar inside a dataset state: library, dtype,
+    shape, raw bytes.
 
-    Stored as a MessagePack extension (code 1), never as a pickle. A plain class rather
-    than a Struct so that msgspec hands it to the codec's extension hook.
+    ``library`` is ``"torch"``, ``"numpy"`` or ``"numpy-scalar"`` (a NumPy scalar such as
+    ``np.float32(1.5)``, shape ``()``; dtypes ``"str"`` and ``"bytes"`` hold ``np.str_``
+    as UTF-8 and ``np.bytes_`` as they are). Data is little-endian, except for NumPy
+    dtypes written with a leading ``">"`` (big-endian arrays). Stored as a MessagePack
+    extension (code 1), never as a pickle. A plain class rather than a Struct so that
+    msgspec hands it to the codec's extension hook.
 
     Example::
 
         ArrayValue(library="numpy", dtype="int64", shape=(2,), data=np.arange(2).tobytes())
+        ArrayValue(library="numpy-scalar", dtype="float32", shape=(), data=b"\x00\x00\xc0?")  # 1.5
     """
 
     __slots__ = ("library", "dtype", "shape", "data")
@@ -71,11 +78,39 @@ class ArrayValue:
         return f"ArrayValue(library={self.library!r}, dtype={self.dtype!r}, shape={self.shape}, {len(self.data)} bytes)"
 
 
+class TupleValue:
+    """A tuple inside a dataset state (MessagePack arrays decode as lists): its items.
+
+    Stored as a MessagePack extension (code 2) whose payload is the MessagePack array of
+    the items, so a tuple comes back as a tuple.
+
+    Example::
+
+        TupleValue([1, "a", [2, 3]])   # the state form of (1, "a", [2, 3])
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = list(items)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TupleValue):
+            return NotImplemented
+        return self.items == other.items
+
+    __hash__ = None  # type: ignore[assignment]  # holds lists
+
+    def __repr__(self) -> str:
+        return f"TupleValue({self.items!r})"
+
+
 class DatasetState(msgspec.Struct, kw_only=True):
     """One node of a pipeline's state tree, tagged with the class that made it.
 
     ``fields`` holds plain values (None, bool, int, float, str, bytes, lists, dicts,
-    :class:`ArrayValue`); ``children`` the states of the datasets this one wraps.
+    :class:`ArrayValue`, :class:`TupleValue`); ``children`` the states of the datasets
+    this one wraps.
 
     Example::
 

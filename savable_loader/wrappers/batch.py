@@ -19,12 +19,18 @@ class BatchDataset(BaseWrapperDataset):
 
     ``collate_fn`` defaults to torch's ``default_collate``. The last, shorter batch of an
     epoch is yielded unless ``drop_last``. The batch under construction is local to the
-    iterator: a batch is only yielded whole, and the state is taken between batches.
+    iterator: a batch is only yielded whole, and the state is taken between batches. The
+    state's ``ended`` says that the wrapped dataset has ended this epoch (the short last
+    batch was yielded), so that a restore does not run its end of stream again (see
+    ``SavableDataset``).
 
     Example::
 
         ds = BatchDataset(source, batch_size=32)
     """
+
+    _savable_fields = ("ended",)
+    _savable_optional = frozenset({"ended"})
 
     def __init__(
         self,
@@ -42,8 +48,14 @@ class BatchDataset(BaseWrapperDataset):
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.collate_fn = default_collate if collate_fn is None else collate_fn
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        self.ended = False
 
     def __iter__(self) -> Iterator[Any]:
+        if self.ended:
+            return
         batch: list[Any] = []
         keys: list[Any] = []
         inner = self.dataset
@@ -54,6 +66,7 @@ class BatchDataset(BaseWrapperDataset):
                 self.sample_key = None if None in keys else keys
                 yield self.collate_fn(batch)
                 batch, keys = [], []
+        self.ended = True
         if batch and not self.drop_last:
             self.sample_key = None if None in keys else keys
             yield self.collate_fn(batch)

@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from savable_loader.config import _ActiveWorker
+from savable_loader.config import _ActiveWorker, active_repetitions
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers.base import BaseWrapperDataset
@@ -73,8 +73,11 @@ class EpochizeDataset(BaseWrapperDataset):
             raise LoaderUsageError(f"EpochizeDataset length must be a non-negative int, got {length!r}")
         self.length = length
         self._inner_it: Iterator[Any] | None = None
-        # (logical worker, epoch) whose start the live inner state is at, if any.
-        self._carry: tuple[int, int] | None = None
+        # (logical worker, epoch, enclosing repetitions) whose start the live inner state
+        # is at, if any. The repetitions count: inside a RepeatDataset the inner state was
+        # built under the pass's seeds, which a rebuild at the loader's epoch start (no
+        # pass) would not reproduce, so the carry only serves a reset in the same context.
+        self._carry: tuple[int, int, tuple[int, ...]] | None = None
         #: Inner samples this object replayed to rebuild epoch starts (not state).
         self.replayed = 0
         self.passes = 0
@@ -108,7 +111,7 @@ class EpochizeDataset(BaseWrapperDataset):
         otherwise rebuild it (see the class docstring)."""
         wc = self.worker_config
         worker, epoch = wc.rank_worker_id(), wc.active_epoch()
-        if self._carry == (worker, epoch):
+        if self._carry == (worker, epoch, active_repetitions()):
             self._carry = None
             self._begin_epoch()
             return
@@ -184,7 +187,7 @@ class EpochizeDataset(BaseWrapperDataset):
 
     def _set_carry(self) -> None:
         wc = self.worker_config
-        self._carry = (wc.rank_worker_id(), wc.active_epoch() + 1)
+        self._carry = (wc.rank_worker_id(), wc.active_epoch() + 1, active_repetitions())
 
     def __iter__(self) -> Iterator[Any]:
         return self._run()

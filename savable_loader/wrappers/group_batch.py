@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
+import numpy as np
 from torch.utils.data import default_collate
 
 from savable_loader.dataset import SavableDataset
@@ -13,23 +14,36 @@ from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["GroupBatchDataset"]
 
-_PLAIN = (type(None), bool, int, float, str)
+_PLAIN = frozenset({type(None), bool, int, float, str})
 
 
 def _hashable(key: Any) -> Hashable:
-    """A group key as a dict key (tuples come back from a state as lists)."""
+    """A group key as a dict key (states of earlier versions hold tuples as lists)."""
     if isinstance(key, (list, tuple)):
         return tuple(_hashable(k) for k in key)
     return key
 
 
-def _check_group(key: Any) -> None:
-    if isinstance(key, _PLAIN):
-        return
+def _plain_group(key: Any) -> Any:
+    """``key`` as plain Python values, for the bucket and the state.
+
+    Subclasses and NumPy scalars of the plain types (``torch.Size``, ``IntEnum``,
+    ``np.int64``, ``np.float32``) become the plain value they equal, with the same hash:
+    the buckets are the same, and a state holds the key (a state refuses subclasses).
+    """
+    cls = type(key)
+    if cls in _PLAIN:
+        return key
     if isinstance(key, tuple):
-        for k in key:
-            _check_group(k)
-        return
+        return tuple(_plain_group(k) for k in key)
+    if isinstance(key, (bool, np.bool_)):
+        return bool(key)
+    if isinstance(key, (int, np.integer)):
+        return int(key)
+    if isinstance(key, (float, np.floating)):
+        return float(key)
+    if isinstance(key, str):
+        return str(key)
     raise LoaderUsageError(
         f"GroupBatchDataset key_fn must return None, bool, int, float, str or a tuple of them, got {key!r}"
     )
@@ -42,7 +56,9 @@ class GroupBatchDataset(BaseWrapperDataset):
     Typical use: batches of similar length (``key_fn=lambda s: len(s["tokens"]) // 64``)
     or of one modality. At the end of the epoch the partial buckets are yielded, oldest
     first, unless ``drop_last``. ``collate_fn`` defaults to torch's ``default_collate``.
-    Group keys must be plain values (None, bool, int, float, str, tuples of them).
+    Group keys must be plain values (None, bool, int, float, str, tuples of them);
+    subclasses and NumPy scalars of these (``torch.Size``, ``IntEnum``, ``np.int64``)
+    are taken as the plain value they equal.
 
     State: the buckets with their samples and the samples' restore keys (samples must not
     be modified in place after they are pulled). A batch's restore key is the list of its
@@ -53,7 +69,10 @@ class GroupBatchDataset(BaseWrapperDataset):
         ds = GroupBatchDataset(source, batch_size=16, key_fn=lambda s: s["image"].shape[-2:])
     """
 
-    _savable_fields = ("buckets",)
+    # ``ended``: the wrapped dataset has ended this epoch (the partial buckets drain); a
+    # restore then does not run its end of stream again (see ``SavableDataset``).
+    _savable_fields = ("buckets", "ended")
+    _savable_optional = frozenset({"ended"})
 
     def __init__(
         self,
@@ -80,21 +99,19 @@ class GroupBatchDataset(BaseWrapperDataset):
     def reset_state_own(self) -> None:
         # [group key, samples, sample keys] per bucket, oldest first
         self.buckets: list[list[Any]] = []
+        self.ended = False
 
     def _emit(self, bucket: list[Any]) -> Any:
         _, samples, keys = bucket
-        if any(k is None for k in keys):
-            self.sample_key = None
-        else:
-            self.mark_sample(list(keys))
+        # the RNG rule: re-seed from the batch's key (None: a sample has no key, no re-seed)
+        self.mark_sample(None if any(k is None for k in keys) else list(keys))
         return self.collate_fn(samples)
 
     def __iter__(self) -> Iterator[Any]:
         inner = self.dataset
         index = {_hashable(b[0]): b for b in self.buckets}
-        for sample in inner:
-            group = self.key_fn(sample)
-            _check_group(group)
+        for sample in () if self.ended else inner:
+            group = _plain_group(self.key_fn(sample))
             h = _hashable(group)
             bucket = index.get(h)
             if bucket is None:
@@ -107,6 +124,7 @@ class GroupBatchDataset(BaseWrapperDataset):
                 del index[h]
                 self.buckets = [b for b in self.buckets if b is not bucket]
                 yield self._emit(bucket)
+        self.ended = True
         while self.buckets:
             bucket = self.buckets.pop(0)
             if not self.drop_last:

@@ -67,9 +67,11 @@ class MicroBatchDataset(BaseWrapperDataset):
     than it is refused at once; otherwise any batch smaller than ``micro_batch_size`` is an
     error (pass ``batch_size=`` when short last batches are expected).
 
-    State: the part of the current batch not yet yielded (so tuples inside a batch come
-    back as lists after a restore), the batch's key and the next micro index. Restore keys
-    are ``[batch key, micro index]``, marked before each micro-batch is yielded.
+    State: the part of the current batch not yet yielded (it keeps its types: tuples,
+    NumPy scalars; a namedtuple batch is refused when the state is taken, since it would
+    come back as a plain tuple), the batch's key and the next micro index. Restore keys
+    are ``[batch key, micro index]``, marked before each micro-batch is yielded (the RNG
+    rule of ``SavableDataset``).
 
     Example::
 
@@ -140,10 +142,7 @@ class MicroBatchDataset(BaseWrapperDataset):
             self.rest = None if size <= m else slice_batch(self.rest, m, size)
             key = None if self.batch_key is None else [self.batch_key, self.micro]
             self.micro += 1
-            if key is None:
-                self.sample_key = None
-            else:
-                self.mark_sample(key)
+            self.mark_sample(key)  # the RNG rule: re-seed from the key (None: no key, no re-seed)
             yield out
 
     def restore_sample(self, key: Any) -> Any:

@@ -35,7 +35,8 @@ class PackingDataset(BaseWrapperDataset):
     per worker, state, and readable as attributes (or in a saved state).
 
     State: the buffer (``best_fit``), the unplaced rest of the current document
-    (``greedy``) and the counters. Rows are built whole before they are yielded.
+    (``greedy``), the counters and whether the wrapped dataset has ended. Rows are built
+    whole before they are yielded.
     A row's restore key lists its pieces ``[document key, start, stop]`` (offsets in the
     document, ``bos`` included); it is marked (``mark_sample``) before the row is yielded,
     so random draws downstream follow from it. Rows have the dtype of the documents
@@ -46,7 +47,12 @@ class PackingDataset(BaseWrapperDataset):
         ds = PackingDataset(tokenized, row_length=2048, strategy="best_fit", bos=1)
     """
 
-    _savable_fields = ("carry", "carry_key", "carry_start", "buffer", "keys", "tokens_cropped", "tokens_dropped")
+    # ``ended`` (best_fit): the wrapped dataset has ended this epoch and the buffer
+    # drains; a restore then does not run its end of stream again (see ``SavableDataset``).
+    _savable_fields = (
+        "carry", "carry_key", "carry_start", "buffer", "keys", "tokens_cropped", "tokens_dropped", "ended",
+    )
+    _savable_optional = frozenset({"ended"})
 
     def __init__(
         self,
@@ -80,6 +86,7 @@ class PackingDataset(BaseWrapperDataset):
         self.keys: list[Any] = []
         self.tokens_cropped = 0
         self.tokens_dropped = 0
+        self.ended = False
 
     def _document(self, sample: Any) -> torch.Tensor:
         if isinstance(sample, list):
@@ -133,17 +140,15 @@ class PackingDataset(BaseWrapperDataset):
 
     def _best_fit(self) -> Iterator[torch.Tensor]:
         inner = self.dataset
-        it = iter(inner)
+        it: Iterator[Any] = iter(()) if self.ended else iter(inner)
         buffer, keys = self.buffer, self.keys
-        exhausted = False
 
         def fill() -> None:
-            nonlocal exhausted
-            while len(buffer) < self.buffer_size and not exhausted:
+            while len(buffer) < self.buffer_size and not self.ended:
                 try:
                     sample = next(it)
                 except StopIteration:
-                    exhausted = True
+                    self.ended = True
                     return
                 doc = self._document(sample)
                 if len(doc):
@@ -179,10 +184,8 @@ class PackingDataset(BaseWrapperDataset):
             yield torch.cat(parts)
 
     def _mark(self, pieces: list[list[Any]]) -> None:
-        if any(key is None for key, _, _ in pieces):
-            self.sample_key = None
-        else:
-            self.mark_sample(pieces)
+        # the RNG rule: re-seed from the row's key (None: a piece has no key, no re-seed)
+        self.mark_sample(None if any(key is None for key, _, _ in pieces) else pieces)
 
     def restore_sample(self, key: Any) -> torch.Tensor:
         """The row made of the pieces ``[[document key, start, stop], ...]``."""

@@ -18,33 +18,40 @@ class ShuffleBufferDataset(BaseWrapperDataset):
 
     The buffer's samples and its own counter-based RNG (a seed and a draw count) are
     part of the state, so a restore needs no random access into the source: the buffer
-    is stored in the state itself, with the samples' restore keys (when the wrapped
-    pipeline gives keys; ``keys`` is None otherwise). Samples must not be
-    modified in place after they are yielded (the state holds copies taken at snapshot
-    time).
+    is stored in the state itself, with the samples' restore keys (``keys`` is None until
+    the wrapped pipeline gives a sample a key). Samples must not be modified in place
+    after they are yielded (the state holds copies taken at snapshot time).
+
+    Before yielding a sample the buffer calls ``mark_sample`` with the sample's key (None
+    for a sample without one), so random draws above it follow from the key whether or
+    not the pipeline can restore samples (the RNG rule of ``SavableDataset``).
 
     Example::
 
         ds = ShuffleBufferDataset(source, size=1000)
     """
 
-    _savable_fields = ("buffer", "keys", "seed", "draws")
+    # ``ended``: the wrapped dataset has ended this epoch (the buffer drains). A restored
+    # buffer then does not run the wrapped pipeline's end of stream a second time (the
+    # end-of-stream rule of ``SavableDataset``).
+    _savable_fields = ("buffer", "keys", "seed", "draws", "ended")
+    _savable_optional = frozenset({"ended"})
 
     def __init__(self, dataset: SavableDataset, size: int) -> None:
         super().__init__(dataset)
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise LoaderUsageError(f"ShuffleBufferDataset size must be a positive int, got {size!r}")
         self.size = size
-        # Keys are kept only for a pipeline that can rebuild samples: otherwise they would
-        # be a list of Nones as long as the buffer in every state.
-        self._keyed = dataset.can_restore_sample()
         self.reset_state_own()
 
     def reset_state_own(self) -> None:
         self.buffer: list[Any] = []
-        self.keys: list[Any] | None = [] if self._keyed else None
+        # None while no buffered sample has a key (no list of Nones in every state of a
+        # keyless pipeline); else the key of every buffered sample, None for keyless ones.
+        self.keys: list[Any] | None = None
         self.seed = self.worker_config.epoch_seed()
         self.draws = 0
+        self.ended = False
 
     def _pick(self) -> Any:
         buffer, keys = self.buffer, self.keys
@@ -55,22 +62,24 @@ class ShuffleBufferDataset(BaseWrapperDataset):
         if keys is not None:
             keys[i], keys[-1] = keys[-1], keys[i]
             key = keys.pop()
-        if key is None:
-            self.sample_key = None
-        else:
-            # The yielded sample is not the one just pulled: re-seed for what follows.
-            self.mark_sample(key)
+        # The yielded sample is not (always) the one just pulled: re-seed for what follows
+        # from its key (None: no key, no re-seed).
+        self.mark_sample(key)
         return buffer.pop()
 
     def __iter__(self) -> Iterator[Any]:
         inner = self.dataset
-        keys = self.keys
-        for sample in inner:
-            self.buffer.append(sample)
-            if keys is not None:
-                keys.append(inner.sample_key)
-            if len(self.buffer) >= self.size:
-                yield self._pick()
+        if not self.ended:
+            for sample in inner:
+                key = inner.sample_key
+                if key is not None and self.keys is None:
+                    self.keys = [None] * len(self.buffer)
+                self.buffer.append(sample)
+                if self.keys is not None:
+                    self.keys.append(key)
+                if len(self.buffer) >= self.size:
+                    yield self._pick()
+            self.ended = True
         while self.buffer:
             yield self._pick()
 
