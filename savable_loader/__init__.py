@@ -16,12 +16,16 @@ Example::
     loader.restore_state_rank(sl.state.load_file("loader.state"))
 
 Names are imported lazily, so ``savable_loader.state`` (and ``python -m savable_loader
-inspect``) work without importing torch.
+inspect``) work without importing torch. When torch is already imported, the loader class
+is created at once: frameworks that record the arguments of ``DataLoader`` subclasses
+(Lightning patches the ``__init__`` of every subclass that exists when it asks for a
+loader) then record the user's own call, not the loader's internal one.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from savable_loader._version import __version__
@@ -94,6 +98,10 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+if "torch" in sys.modules:
+    __getattr__("SavableDataLoader")
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only

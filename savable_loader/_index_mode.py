@@ -25,7 +25,7 @@ import msgspec
 from savable_loader._mode import Iteration, Mode
 from savable_loader._permutation import ORDER_ALGORITHMS, ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.dataset import config_fingerprint, current_names, plain_config, type_name
-from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError
+from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
 from savable_loader.rng import SEED_FORMULA
 from savable_loader.sources.index import (
     BatchKey,
@@ -41,6 +41,7 @@ from savable_loader.state.schema import (
 )
 
 __all__ = [
+    "MAX_HELD",
     "IndexIteration",
     "IndexMode",
     "OrderMode",
@@ -64,6 +65,10 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
+#: Items yielded last that a save can leave out (``Iteration.position(held=...)``).
+MAX_HELD = 4
+
+
 class IndexIteration(Iteration):
     """One iteration of the drop-in path: the keys drawn, the items consumed."""
 
@@ -75,6 +80,8 @@ class IndexIteration(Iteration):
         self.dataset_len = mode.dataset_len
         self.fingerprint = mode.fingerprint
         self.issued: deque[BatchKey] = deque()
+        #: The keys consumed last, newest last (a save may leave out items the caller holds).
+        self.recent: deque[BatchKey] = deque(maxlen=MAX_HELD)
         #: The keys' source raised (a sampler of the user's): the position is lost.
         self.source_failed = False
 
@@ -101,7 +108,19 @@ class IndexIteration(Iteration):
 
     def _consume(self, key: BatchKey) -> None:
         self.advance(key)
+        self.recent.append(key)
         self.mode.last = (self, key)
+
+    def held_keys(self, held: int) -> list[BatchKey]:
+        """The last ``held`` keys consumed (``StateError`` if not known)."""
+        if held == 0:
+            return []
+        if held > len(self.recent):
+            raise StateError(
+                f"cannot leave the last {held} items out of the state: this iteration yielded "
+                f"{len(self.recent)} that a save can leave out (at most {MAX_HELD})"
+            )
+        return list(self.recent)[-held:]
 
     def advance(self, key: BatchKey) -> None:
         """Count ``key`` as consumed."""
@@ -252,9 +271,10 @@ class OrderIteration(IndexIteration):
         self.plan = plan
         self.stages = stages
 
-    def position(self, timeout: float = 0.0) -> IndexPosition:
+    def position(self, timeout: float = 0.0, held: int = 0) -> IndexPosition:
+        consumed = self.consumed - sum(len(k.positions) for k in self.held_keys(held))
         return IndexPosition(
-            epoch=self.epoch, consumed=self.consumed, dataset_len=self.plan.dataset_len, stages=list(self.stages)
+            epoch=self.epoch, consumed=consumed, dataset_len=self.plan.dataset_len, stages=list(self.stages)
         )
 
     def remaining(self) -> int | None:

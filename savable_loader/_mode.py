@@ -56,10 +56,13 @@ class Iteration(ABC):
         cannot go on and its position is lost."""
 
     @abstractmethod
-    def position(self, timeout: float) -> Position:
-        """Where the iteration is: everything yielded so far counts as consumed.
+    def position(self, timeout: float, held: int = 0) -> Position:
+        """Where the iteration is: everything yielded so far counts as consumed, except
+        the last ``held`` items, which the caller fetched ahead and still holds (a
+        framework's prefetch: see ``_frameworks.batches_held_by_caller``).
 
-        ``timeout``: seconds a pipeline may wait for a worker's answer."""
+        ``timeout``: seconds a pipeline may wait for a worker's answer. Raises
+        ``StateError`` if the position before the ``held`` items is not known."""
 
     def workers_started(self, torch_iter: Any) -> None:
         """torch's iterator (and its worker processes, if any) exists."""
@@ -144,6 +147,17 @@ class Mode(ABC):
     def adopt(self, seed: int, seed_formula: int) -> None:
         """Take the seed and seed formula of a restored state."""
         self.seed_formula = seed_formula
+
+    def reconcile(self, position: Any, fabric: bool) -> tuple[Any, int]:
+        """Before the first iteration after a restore: the position to resume (None: start
+        the epoch afresh) and the epoch to run, given what the caller set since the
+        restore (a sampler of the user's may have been moved to another epoch; ``fabric``:
+        Lightning Fabric's per-process count did it)."""
+        return position, position.epoch
+
+    def finish_rest(self, position: Any) -> None:
+        """The restored ``position``'s remainder, which is empty, is skipped (``set_epoch``
+        of the next epoch): bring the order's own state to that epoch's end."""
 
     def concurrent(self, persistent: bool, num_workers: int) -> bool:
         """Whether two iterations may run side by side (else a new one supersedes the

@@ -69,6 +69,7 @@ class PipelineIteration(Iteration):
         self.consumed = [s.index for s in self.starts]
         self.exhausted = [s.exhausted for s in self.starts]
         self.next_worker = rotation
+        self.last_worker: int | None = None  # the logical worker of the item yielded last
         self.workers = len(self.starts)
         # Per logical worker: the newest snapshot attached to an item yielded from it, as
         # [snapshot index, encoded DatasetState, decoded DatasetState or None].
@@ -107,6 +108,7 @@ class PipelineIteration(Iteration):
                     self.held[worker_id] = [*snapshot[0], None]
             if index != END:
                 self.consumed[worker_id] = index + 1
+                self.last_worker = worker_id
                 self.mode.last_item = (self.epoch, worker_id, index, key)
                 return payload
             self.exhausted[worker_id] = True
@@ -161,11 +163,22 @@ class PipelineIteration(Iteration):
             if self.mode.channels is channels:
                 self.mode.channels = None
 
-    def position(self, timeout: float) -> PipelinePosition:
+    def position(self, timeout: float, held: int = 0) -> PipelinePosition:
         with self._lock:
             consumed = list(self.consumed)
             exhausted = list(self.exhausted)
             next_worker = self.next_worker
+            if held:
+                # the item yielded last is still the caller's: its worker yields it again,
+                # next (the workers between, if any, had ended: their ends came before it)
+                last = self.last_worker
+                if held > 1 or last is None or consumed[last] <= self.starts[last].index:
+                    raise StateError(
+                        f"cannot leave the last {held} items out of a savable pipeline's state: it can leave out "
+                        f"the last item of the iteration, {'and no item was yielded yet' if last is None else 'only'}"
+                    )
+                consumed[last] -= 1
+                next_worker = last
             key = (tuple(consumed), tuple(exhausted), next_worker)
             if self._last_save is not None and self._last_save[0] == key:
                 return self._last_save[1]

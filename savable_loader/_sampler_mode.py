@@ -16,21 +16,23 @@ loader), and a state cannot move to another world size.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import torch
 
-from savable_loader._index_mode import IndexIteration, IndexMode, check_key_setting
+from savable_loader._index_mode import MAX_HELD, IndexIteration, IndexMode, check_key_setting
 from savable_loader._seeds import sampler_seed
 from savable_loader.dataset import type_name
-from savable_loader.errors import ConfigMismatchError, RestoreKeyError
+from savable_loader.errors import ConfigMismatchError, LoaderUsageError, RestoreKeyError
 from savable_loader.sources.index import BatchKey
 from savable_loader.sources.samplers import (
     PrivateRng,
     apply,
     capture,
+    capture_epochs,
     index_digest,
     new_digest,
     plain_indices,
@@ -59,6 +61,8 @@ class SamplerIteration(IndexIteration):
         self.auto_collation = mode.auto_collation
         self.drawn = 0  # samples drawn from the sampler (positions of the next key)
         self.digest = new_digest()
+        #: digests before the items consumed last (a save may leave out items the caller holds)
+        self.digests: deque[Any] = deque(maxlen=MAX_HELD)
         self.length = mode.sampler_length()
         self._first: list[Any] = []
 
@@ -106,11 +110,16 @@ class SamplerIteration(IndexIteration):
 
     def advance(self, key: BatchKey) -> None:
         self.consumed += 1
+        self.digests.append(self.digest.copy())
         index_digest(self.digest, key.indices)
 
-    def position(self, timeout: float = 0.0) -> IndexPosition:
-        record = msgspec.structs.replace(self.record, digest=self.digest.hexdigest())
-        return IndexPosition(epoch=self.epoch, consumed=self.consumed, dataset_len=self.dataset_len, sampler=record)
+    def position(self, timeout: float = 0.0, held: int = 0) -> IndexPosition:
+        keys = self.held_keys(held)
+        digest = self.digests[-len(keys)] if keys else self.digest
+        record = msgspec.structs.replace(self.record, digest=digest.hexdigest())
+        return IndexPosition(
+            epoch=self.epoch, consumed=self.consumed - len(keys), dataset_len=self.dataset_len, sampler=record
+        )
 
     def remaining(self) -> int | None:
         return None if self.length is None else max(self.length - self.consumed, 0)
@@ -130,6 +139,8 @@ class SamplerMode(IndexMode):
         self.index_sampler = index_sampler
         self.auto_collation = auto_collation
         self.generator = generator
+        #: the samplers' ``epoch`` attributes when a state was restored last
+        self.epochs_at_restore: dict[str, int] = {}
         super().__init__(dataset, salt=("sampler-sample", kwargs["rank"]), batched=auto_collation, **kwargs)
 
     def sampler_name(self) -> str:
@@ -168,6 +179,66 @@ class SamplerMode(IndexMode):
         iteration.prime()
         self.feed_sampler.feed(iteration.feed(iteration.keys()))
         return iteration
+
+    def restored(self) -> None:
+        super().restored()
+        self.epochs_at_restore = capture_epochs(self.index_sampler)
+
+    def reconcile(self, position: Any, fabric: bool) -> tuple[Any, int]:
+        """A restored position meets a sampler whose ``epoch`` the caller changed since the
+        restore (``sampler.set_epoch(e)``, which the loader does not see):
+
+        * at an epoch's start, or after an epoch's last batch (nothing left of it): the
+          caller starts the next epoch its way, as in an uninterrupted run (Lightning's
+          Trainer does this after a save at an epoch's last batch); the rest of the
+          restored epoch is played through first, so that the sampler's generators are
+          where the uninterrupted run had them;
+        * in the middle of an epoch: the caller would get another order than the saved
+          one: :class:`LoaderUsageError`, as ``loader.set_epoch`` gives. Lightning Fabric's
+          count (``fabric``), which starts again at 0 in a resumed process, is overridden
+          by the restored epoch instead.
+        """
+        record = position.sampler if isinstance(position, IndexPosition) else None
+        if record is None or fabric:
+            return position, position.epoch
+        now = capture_epochs(self.index_sampler)
+        changed = {  # moved since the restore, to another value than the state's
+            path: value for path, value in now.items()
+            if self.epochs_at_restore.get(path) != value and record.epochs.get(path) != value
+        }
+        if not changed:
+            return position, position.epoch
+        if record.at_start:
+            apply(self.index_sampler, record)
+            apply(self.index_sampler, SamplerState(epochs=changed))
+            return None, position.epoch
+        left = self.remaining(position)
+        if left == 0:
+            self.finish_rest(position)
+            apply(self.index_sampler, SamplerState(epochs=changed))
+            return None, position.epoch + 1
+        raise LoaderUsageError(
+            f"the sampler's epoch was set to {changed} after the restore, but the restored state continues epoch "
+            f"{position.epoch} of the sampler at {dict(record.epochs)} "
+            f"({'an unknown number of' if left is None else left} items left): set it back (or do not set it) to "
+            "continue, or build a new loader to start another epoch"
+        )
+
+    def finish_rest(self, position: Any) -> None:
+        record = position.sampler if isinstance(position, IndexPosition) else None
+        if record is None or record.at_start:
+            return
+        sampler = self.index_sampler
+        apply(sampler, record)
+        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, position.epoch))
+        iteration = SamplerIteration(self, position.epoch, record, rng, rng.call(iter, sampler), resumed=True)
+        iteration.skip(position)  # checks the order against the state's digest
+        iteration.prime()  # the sampler's end: its generators where the uninterrupted run had them
+        if iteration._first:
+            raise ConfigMismatchError(
+                "position.consumed", position.consumed, f"< {position.consumed} (the sampler's items this epoch)",
+                "the sampler yields more items than its len() says",
+            )
 
     def start_position(self, epoch: int) -> IndexPosition:
         """The start of ``epoch``, with what decides the sampler's order from there."""

@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from savable_loader._frameworks import check_not_rebuilt
 from savable_loader._seeds import worker_epoch_seed, worker_seed
 from savable_loader.errors import LoaderUsageError
 
@@ -95,8 +96,17 @@ class WorkerConfig:
         return max(self.num_workers, 1)
 
     def rank_worker_id(self) -> int:
-        """Logical id of the worker the calling code runs in (0 in the main process)."""
-        return getattr(_active, "worker_id", 0)
+        """Logical id of the worker the calling code runs in (0 in the main process).
+
+        Raises :class:`LoaderUsageError` in a worker process of a torch ``DataLoader``
+        that no SavableDataLoader runs (one rebuilt from a SavableDataLoader's
+        attributes, e.g. by ``accelerator.prepare``): each of its workers would read the
+        same data."""
+        worker_id = getattr(_active, "worker_id", None)
+        if worker_id is None:
+            check_not_rebuilt()
+            return 0
+        return int(worker_id)
 
     def global_worker_id(self) -> int:
         """``rank * workers_per_rank + rank_worker_id()``: unique across all ranks."""

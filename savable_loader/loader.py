@@ -38,11 +38,13 @@ from savable_loader._arguments import (
 from savable_loader._elastic import elastic_position
 from savable_loader._failures import terminate_worker, translate_worker_error
 from savable_loader._feeder import WorkerInit
+from savable_loader._frameworks import fabric_iterating, saving_framework
 from savable_loader._index_mode import OrderMode
 from savable_loader._iterable_mode import IterableMode
 from savable_loader._iterator import RUNNING, Fate, Record, SavableIterator
 from savable_loader._mode import SKIP, Mode
 from savable_loader._pipeline_mode import PipelineMode
+from savable_loader._rank_zero import derive_state, entries_of_every_rank
 from savable_loader._sampler_mode import SamplerMode
 from savable_loader._seeds import engine_generator_seed
 from savable_loader._sigchld import install, loader_call
@@ -69,7 +71,7 @@ from savable_loader.errors import (
     WorkerTimeoutError,
 )
 from savable_loader.rng import LEGACY_SEED_FORMULA, SEED_FORMULA
-from savable_loader.sources.samplers import OrderSampler
+from savable_loader.sources.samplers import order_sampler
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import PipelinePosition, RankState, RestoreKey
 
@@ -200,8 +202,10 @@ class SavableDataLoader(DataLoader[T_co]):
             )
         except ValueError as e:  # BatchSampler, RandomSampler, multiprocessing_context
             raise refused(str(e)) from None
-        self.worker_config = wc
-        self.seed = wc.seed
+        # properties, not instance attributes: frameworks that rebuild a DataLoader from
+        # its instance attributes (Lightning, Fabric) then pass the user's own arguments
+        self._worker_config = wc
+        self._seed = wc.seed
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.save_timeout = save_timeout
         self._mode: Mode = make_mode()
@@ -254,12 +258,13 @@ class SavableDataLoader(DataLoader[T_co]):
             "drop_last": drop_last, "shuffle": bool(shuffle), "reseed": reseed,
         }
         if sampler is None and batch_sampler is None and not (generator is not None and shuffle):
-            order_sampler = OrderSampler(self)
+            # an instance of torch's sampler for these arguments (frameworks inspect it)
+            face = order_sampler(self, bool(shuffle), wc.world_size or 1)
 
             def own_order() -> Mode:
                 return OrderMode(dataset, batch_size=batch_size, collate_fn=self.collate_fn, **common)
 
-            return {"batch_size": batch_size, "sampler": order_sampler}, own_order
+            return {"batch_size": batch_size, "sampler": face}, own_order
         if sampler is None and batch_sampler is None:
             try:  # generator= with shuffle=True: torch's own sampler, as torch builds it
                 sampler = RandomSampler(dataset, generator=generator)
@@ -289,6 +294,18 @@ class SavableDataLoader(DataLoader[T_co]):
             prefetch_factor=prefetch_factor, persistent_workers=self.persistent_workers,
             pin_memory_device=pin_memory_device, **self._mode.engine_kwargs(),
         )
+
+    @property
+    def worker_config(self) -> WorkerConfig:
+        """Rank, world size, workers and seed of this loader (from ``worker_config=``, or
+        resolved at construction from the arguments and ``torch.distributed``)."""
+        return self._worker_config
+
+    @property
+    def seed(self) -> int:
+        """The seed of the order and the per-sample RNG streams (a restore into a loader
+        built with ``seed=None`` adopts the state's)."""
+        return self._seed
 
     @property
     def _iterator(self) -> Any:
@@ -327,7 +344,14 @@ class SavableDataLoader(DataLoader[T_co]):
                     self._end(record, Fate.ABANDONED)
                 live = [r for r in self._records if r.fate is Fate.LIVE]
             resume = self._pending
-            epoch = resume.epoch if resume is not None else self._next_epoch
+            if resume is not None:
+                resume, epoch = mode.reconcile(resume, fabric_iterating())
+            else:
+                epoch = self._next_epoch
+            if resume is None and self._user_samplers() and fabric_iterating():
+                # Fabric set its per-process count (0 again after a resume): use the epoch
+                # an uninterrupted run has here, as the loader's own order does
+                self._set_sampler_epochs(epoch)
             reuse = self._persistent and loader_iterator(self._engine) is not None
             if reuse and not mode.workers_reusable():  # (see PipelineMode.workers_reusable)
                 self._shutdown(loader_iterator(self._engine))
@@ -479,9 +503,13 @@ class SavableDataLoader(DataLoader[T_co]):
                         f"({'an unknown number of' if left is None else left} batches left); set_epoch({pending.epoch}) "
                         "keeps it, or build a new loader to start another epoch"
                     )
+                self._mode.finish_rest(pending)  # a sampler's generators: where the epoch's end left them
                 self._pending = None
             if self._pending is None:
                 self._next_epoch = epoch
+        self._set_sampler_epochs(epoch)
+
+    def _set_sampler_epochs(self, epoch: int) -> None:
         for sampler in self._user_samplers():
             set_epoch = getattr(sampler, "set_epoch", None)
             if callable(set_epoch):
@@ -543,14 +571,18 @@ class SavableDataLoader(DataLoader[T_co]):
         saving raises :class:`LoaderUsageError` until the next ``iter()``; restore a new
         loader from a state saved before the failure.
         """
+        return self._save(held=0)
+
+    def _save(self, held: int) -> RankState:
         with self._state_lock:
-            position = self._describe()
+            position = self._describe(held)
             return RankState(
                 config=self._mode.loader_config(self.num_workers), position=position, library_version=__version__
             )
 
-    def _describe(self) -> Any:
-        """The position a save records (see ``_iterator.py``)."""
+    def _describe(self, held: int = 0) -> Any:
+        """The position a save records (see ``_iterator.py``), leaving out the last
+        ``held`` items of a live iteration (a framework fetched them ahead)."""
         mode = self._mode
         records = self._records
         if not records:
@@ -563,10 +595,15 @@ class SavableDataLoader(DataLoader[T_co]):
                 f"cannot save: {len(others) + 1} iterations of this loader are in progress (epochs {epochs}), and a "
                 "state describes one; finish or close the others (it.close(), del it) first"
             )
+        if held and record.fate is not Fate.LIVE:
+            raise LoaderUsageError(
+                f"cannot save: the caller holds {held} batch(es) fetched ahead, but the loader's last iteration "
+                f"(epoch {record.iteration.epoch}) is {record.fate.value}"
+            )
         if record.fate is Fate.LIVE:
             try:
                 with loader_call():  # a pipeline may ask its workers: deliver their deaths here
-                    return record.iteration.position(self.save_timeout)
+                    return record.iteration.position(self.save_timeout, held)
             except RuntimeError as e:
                 if isinstance(e, SavableLoaderError):
                     raise
@@ -627,7 +664,7 @@ class SavableDataLoader(DataLoader[T_co]):
                 )
             position = mode.check(state.config, position, self.num_workers, elastic=elastic)
             if not mode.seed_explicit:
-                self.seed = state.config.seed
+                self._seed = state.config.seed
             mode.adopt(self.seed, formula)
             self._records = []
             self._pending = position
@@ -732,16 +769,42 @@ class SavableDataLoader(DataLoader[T_co]):
         Keyed by data-parallel rank so that ``torch.distributed.checkpoint`` stores each
         rank's entry (values under one key would be de-duplicated as replicated); safe with
         ``torch.load(weights_only=True)``. Makes the loader a DCP ``Stateful``.
+
+        Frameworks that ask every rank and write rank 0's answer (Lightning's Trainer and
+        Fabric, Accelerate's ``save_state``) get every rank's entry from rank 0 where
+        another rank cannot derive its position from rank 0's (savable pipelines, most
+        samplers of the user's; see ``savable_loader/_rank_zero.py``). Called by
+        Lightning's training loop, the state leaves out the batch the loop fetched ahead
+        of a loader without ``len()`` (it has not trained on it yet).
         """
-        return {self._state_key(): encode(self.save_state_rank())}
+        try:
+            saving = saving_framework(self)
+        except LookupError as e:
+            raise LoaderUsageError(
+                f"cannot save exactly: {e}, and the state of each loader cannot leave its own out; give the loaders "
+                "a length (Lightning then fetches nothing ahead) or train from one loader"
+            ) from None
+        state = self._save(saving.held if saving is not None else 0)
+        if saving is not None and saving.every_rank:
+            return entries_of_every_rank(self, state)  # rank 0's answer is written
+        return {self._state_key(): encode(state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (this rank's entry)."""
+        """Restore from :meth:`state_dict` (this rank's entry).
+
+        Checkpoints written by rank 0 only (Lightning, Fabric, Accelerate's
+        ``register_for_checkpointing``) hold ``dp_rank_0`` alone: another rank then
+        derives its own position from it where that is exact (the loader's own order, or
+        torch's ``DistributedSampler``; ranks stepping in lockstep, see
+        ``savable_loader/_rank_zero.py``) and raises :class:`StateError` naming the
+        recipe otherwise.
+        """
         key = self._state_key()
-        if not isinstance(state_dict, dict) or key not in state_dict:
+        others = [k for k in state_dict if str(k).startswith("dp_rank_")] if isinstance(state_dict, dict) else []
+        if key not in others and len(others) != 1:
             found = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__qualname__
             raise StateError(f"load_state_dict needs the entry {key!r} made by state_dict(), found {found}")
-        data = state_dict[key]
+        data = state_dict[key if key in others else others[0]]
         if isinstance(data, torch.Tensor):
             data = data.numpy().tobytes()
         if isinstance(data, io.BytesIO):
@@ -749,4 +812,6 @@ class SavableDataLoader(DataLoader[T_co]):
         state = decode(data)
         if isinstance(state, list):
             raise StateError("load_state_dict got a gathered state of several ranks")
+        if key not in others and isinstance(state, RankState):
+            state = derive_state(self, state)  # another rank's state (a checkpoint of rank 0's)
         self.restore_state_rank(state)

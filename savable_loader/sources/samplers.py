@@ -56,6 +56,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from savable_loader._frameworks import fabric_iterating, rebuild_error, rebuilt_by
 from savable_loader._values import freeze, from_plain, to_plain
 from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StateError, UsageTypeError
 from savable_loader.rng import (
@@ -72,12 +73,17 @@ from savable_loader.state.schema import SamplerState
 __all__ = [
     "MAX_DEPTH",
     "MAX_ITEMS",
+    "DistributedOrderSampler",
     "OrderSampler",
     "PrivateRng",
+    "RandomOrderSampler",
+    "SequentialOrderSampler",
     "apply",
     "capture",
+    "capture_epochs",
     "index_digest",
     "new_digest",
+    "order_sampler",
     "plain_indices",
     "private_regime",
 ]
@@ -177,6 +183,19 @@ def capture(sampler: Any, private_rng: str) -> SamplerState:
             except StateError as e:
                 raise StateError(f"cannot record the order of {type(obj).__qualname__}: {e}") from None
     return SamplerState(rngs=rngs, epochs=epochs, state=states or None, private_rng=private_rng)
+
+
+def capture_epochs(sampler: Any) -> dict[str, int]:
+    """The ``epoch`` attributes of ``sampler`` and the objects it holds, by path (as
+    :func:`capture` records them)."""
+    epochs: dict[str, int] = {}
+    for path, obj in _walk(sampler):
+        if capture_kind(obj) is not None or (obj is not sampler and not _searchable(obj)):
+            continue
+        epoch = vars(obj).get("epoch") if hasattr(obj, "__dict__") else None
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            epochs[path or "."] = epoch
+    return epochs
 
 
 def apply(sampler: Any, state: SamplerState) -> None:
@@ -296,6 +315,13 @@ class OrderSampler(Sampler[int]):
     the epoch the next ``iter(loader)`` starts, and iterating it gives the dataset
     indices of that epoch for this rank (the loader itself never iterates it).
 
+    The loader shows one of its subclasses, each an instance of the torch sampler a
+    ``DataLoader`` with the same arguments would have, so that frameworks that inspect
+    ``loader.sampler`` treat the loader as they treat torch's:
+    :class:`RandomOrderSampler` (``shuffle=True``, a ``RandomSampler``),
+    :class:`SequentialOrderSampler` (a ``SequentialSampler``) and, split over several
+    data-parallel ranks, :class:`DistributedOrderSampler` (a ``DistributedSampler``).
+
     Example::
 
         loader.sampler.set_epoch(3)      # as with DistributedSampler
@@ -308,11 +334,27 @@ class OrderSampler(Sampler[int]):
     def _owner(self) -> Any:
         loader = self._loader()
         if loader is None:
-            raise LoaderUsageError("the loader of this sampler no longer exists")
+            rebuilt = rebuilt_by()
+            if rebuilt is not None:
+                raise rebuild_error(*rebuilt)
+            raise LoaderUsageError(
+                "this sampler belongs to a SavableDataLoader that no longer exists: it shows that loader's order and "
+                "works only while the loader does"
+            )
         return loader
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next ``iter(loader)`` starts (see ``SavableDataLoader.set_epoch``)."""
+        """The epoch the next ``iter(loader)`` starts (see ``SavableDataLoader.set_epoch``).
+
+        Lightning Fabric's loader wrapper calls it before every ``iter()`` with its count
+        of iterations in this process, which starts again at 0 in a resumed process: that
+        call is ignored, the loader counting (and restoring) its epochs itself, as an
+        uninterrupted run would number them."""
+        if fabric_iterating():
+            return
+        rebuilt = rebuilt_by()
+        if rebuilt is not None:
+            raise rebuild_error(*rebuilt)
         self._owner().set_epoch(epoch)
 
     @property
@@ -324,5 +366,123 @@ class OrderSampler(Sampler[int]):
         return int(self._owner()._mode.sample_count())
 
     def __iter__(self) -> Iterator[int]:
+        rebuilt = rebuilt_by()
+        if rebuilt is not None:
+            raise rebuild_error(*rebuilt)
         owner = self._owner()
         return iter(owner._mode.epoch_indices(owner._upcoming_epoch()))
+
+
+class RandomOrderSampler(OrderSampler, RandomSampler):
+    """``loader.sampler`` of a shuffling loader on one rank: a ``RandomSampler``, as
+    torch's ``DataLoader(shuffle=True)`` has. Lightning and Fabric, distributing such a
+    loader, rebuild it with the user's arguments and a ``DistributedSampler`` over the
+    dataset, as they do a ``DataLoader``.
+
+    Its ``RandomSampler`` attributes: ``data_source`` (the dataset), ``replacement``
+    (False), ``num_samples`` (``len(sampler)``), ``generator`` (None: the order comes from
+    the loader's seed).
+
+    Example::
+
+        isinstance(SavableDataLoader(ds, shuffle=True).sampler, RandomSampler)   # True
+    """
+
+    replacement = False
+    _num_samples = None
+    generator = None
+
+    def __init__(self, loader: Any) -> None:  # RandomSampler's attributes are properties here
+        OrderSampler.__init__(self, loader)
+
+    @property
+    def data_source(self) -> Any:  # type: ignore[override]
+        rebuilt = rebuilt_by()  # Accelerate's prepare() builds its own RandomSampler from it
+        if rebuilt is not None:
+            raise rebuild_error(*rebuilt)
+        return self._owner().dataset
+
+    @property
+    def num_samples(self) -> int:
+        return len(self)
+
+
+class SequentialOrderSampler(OrderSampler, SequentialSampler):
+    """``loader.sampler`` of a loader without shuffle on one rank: a ``SequentialSampler``,
+    as torch's ``DataLoader`` has (``data_source`` is the dataset).
+
+    Example::
+
+        isinstance(SavableDataLoader(ds).sampler, SequentialSampler)   # True
+    """
+
+    def __init__(self, loader: Any) -> None:
+        OrderSampler.__init__(self, loader)
+
+    @property
+    def data_source(self) -> Any:  # type: ignore[override]
+        return self._owner().dataset
+
+
+def order_sampler(loader: Any, shuffle: bool, world_size: int) -> OrderSampler:
+    """The face of a loader's own order: see :class:`OrderSampler`."""
+    if world_size > 1:
+        return DistributedOrderSampler(loader)
+    return RandomOrderSampler(loader) if shuffle else SequentialOrderSampler(loader)
+
+
+class DistributedOrderSampler(OrderSampler, DistributedSampler):  # type: ignore[override]
+    """``loader.sampler`` of a loader that builds its own order over several data-parallel
+    ranks: a ``torch.utils.data.DistributedSampler``, so that frameworks that split a
+    loader's data over ranks (Lightning's Trainer and Fabric) see that it is split already
+    and use it as it is, instead of rebuilding it around a sampler of their own.
+
+    Its attributes are those of ``DistributedSampler``, read from the loader:
+    ``num_replicas`` and ``rank`` (the loader's data-parallel world), ``shuffle``,
+    ``seed``, ``epoch``, ``num_samples`` (``len(sampler)``, this rank's padded share),
+    ``total_size`` and ``drop_last`` (False: the split pads the order to equal shares, as
+    ``DistributedSampler(drop_last=False)``; the loader's ``drop_last`` drops a last
+    incomplete batch). A loader built before ``torch.distributed`` was initialised (one
+    rank) shows a :class:`RandomOrderSampler` or :class:`SequentialOrderSampler`, which
+    those frameworks rebuild as they rebuild a ``DataLoader``.
+
+    Example::
+
+        loader = SavableDataLoader(ds, batch_size=8, shuffle=True)   # after init_process_group
+        isinstance(loader.sampler, DistributedSampler)               # True on 2 ranks
+    """
+
+    def __init__(self, loader: Any) -> None:  # DistributedSampler's attributes are properties here
+        OrderSampler.__init__(self, loader)
+
+    @property
+    def dataset(self) -> Any:  # type: ignore[override]
+        return self._owner().dataset
+
+    @property
+    def num_replicas(self) -> int:  # type: ignore[override]
+        return int(self._owner().worker_config.world_size)
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return int(self._owner().worker_config.rank)
+
+    @property
+    def shuffle(self) -> bool:  # type: ignore[override]
+        return bool(self._owner()._mode.shuffle)
+
+    @property
+    def seed(self) -> int:  # type: ignore[override]
+        return int(self._owner().seed)
+
+    @property
+    def drop_last(self) -> bool:  # type: ignore[override]
+        return False
+
+    @property
+    def num_samples(self) -> int:  # type: ignore[override]
+        return len(self)
+
+    @property
+    def total_size(self) -> int:  # type: ignore[override]
+        return len(self) * self.num_replicas
