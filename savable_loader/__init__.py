@@ -33,15 +33,20 @@ from savable_loader._version import __version__
 __all__ = [
     "ConfigMismatchError",
     "DataError",
+    "DatasetContractError",
+    "InternalError",
     "LoaderUsageError",
     "RestoreKey",
     "RestoreKeyError",
+    "ResumeMismatchError",
     "SavableDataLoader",
     "SavableDataset",
     "SavableLoaderError",
     "StateError",
     "StateFileError",
     "StateVersionError",
+    "UnsavedRngWarning",
+    "UsageTypeError",
     "WorkerConfig",
     "WorkerDiedError",
     "WorkerError",
@@ -51,27 +56,33 @@ __all__ = [
     "rng",
     "sources",
     "state",
+    "testing",
     "wrappers",
 ]
 
 _LAZY = {
     "ConfigMismatchError": "savable_loader.errors",
     "DataError": "savable_loader.errors",
+    "DatasetContractError": "savable_loader.errors",
+    "InternalError": "savable_loader.errors",
     "LoaderUsageError": "savable_loader.errors",
     "RestoreKey": "savable_loader.state.schema",
     "RestoreKeyError": "savable_loader.errors",
+    "ResumeMismatchError": "savable_loader.errors",
     "SavableDataLoader": "savable_loader.loader",
     "SavableDataset": "savable_loader.dataset",
     "SavableLoaderError": "savable_loader.errors",
     "StateError": "savable_loader.errors",
     "StateFileError": "savable_loader.errors",
     "StateVersionError": "savable_loader.errors",
+    "UnsavedRngWarning": "savable_loader.errors",
+    "UsageTypeError": "savable_loader.errors",
     "WorkerConfig": "savable_loader.config",
     "WorkerDiedError": "savable_loader.errors",
     "WorkerError": "savable_loader.errors",
     "WorkerTimeoutError": "savable_loader.errors",
 }
-_SUBMODULES = {"errors", "rng", "sources", "state", "wrappers"}
+_SUBMODULES = {"errors", "rng", "sources", "state", "testing", "wrappers"}
 
 
 def __getattr__(name: str) -> Any:
@@ -94,18 +105,23 @@ if "torch" in sys.modules:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from savable_loader import errors, rng, sources, state, wrappers
+    from savable_loader import errors, rng, sources, state, testing, wrappers
     from savable_loader.config import WorkerConfig
     from savable_loader.dataset import SavableDataset
     from savable_loader.errors import (
         ConfigMismatchError,
         DataError,
+        DatasetContractError,
+        InternalError,
         LoaderUsageError,
         RestoreKeyError,
+        ResumeMismatchError,
         SavableLoaderError,
         StateError,
         StateFileError,
         StateVersionError,
+        UnsavedRngWarning,
+        UsageTypeError,
         WorkerDiedError,
         WorkerError,
         WorkerTimeoutError,

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from savable_loader.errors import StateError, WorkerDiedError, WorkerTimeoutError
+from savable_loader.errors import InternalError, StateError, WorkerDiedError, WorkerTimeoutError
 from savable_loader.state.codec import decode_part
 from savable_loader.state.schema import WorkerState
 
@@ -55,7 +55,7 @@ class WorkerChannels:
 
     def worker_ends(self) -> list[tuple[Any, Any]]:
         if self._worker is None:
-            raise RuntimeError("worker pipe ends were already closed")
+            raise InternalError("worker pipe ends were already closed")
         return self._worker
 
     def close_worker_ends(self) -> None:
@@ -124,7 +124,7 @@ class WorkerChannels:
                 physical = conns[conn]
                 logical = requests[physical][0]
                 try:
-                    kind, request_id, payload = msgspec.msgpack.decode(conn.recv_bytes())
+                    kind, request_id, payload = msgspec.msgpack.decode(conn.recv_bytes())  # type: ignore[union-attr]
                 except (EOFError, OSError) as e:
                     raise WorkerDiedError(f"worker {logical} closed its pipe: {e}", worker_id=logical) from e
                 if request_id != pending[physical]:

@@ -173,7 +173,7 @@ class _ForkedRun:
                 child_args = argparse.Namespace(**vars(args))
                 child_args._child = role
                 code = child_main(child_args)
-            except BaseException:
+            except BaseException:  # noqa: BLE001 - a child role reports any failure, then exits
                 import traceback
 
                 traceback.print_exc()
@@ -453,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
             demo.cleanup()
             progress.close()
 
-        before_ok, _, before_problems = _compare(ref, [train], range(1, steps + 1), only_logged=True)
+        _before_ok, _, before_problems = _compare(ref, [train], range(1, steps + 1), only_logged=True)
         after_batches, after_losses, after_problems = _compare(ref, [resume], range(saved + 1, steps + 1))
         done = all(t.events("done") for t in resume)
         identical = not before_problems and not after_problems and done
@@ -466,14 +466,14 @@ def run(args: argparse.Namespace) -> int:
         per_rank = " per rank" if args.ranks > 1 else ""
         rows = [
             ("killed", f"SIGKILL to the training run's process group after step {killed} (--kill-at {kill_at})"),
-            ("last checkpoint", f"step {last_save['step']}: model + loader states of {ranks_txt.split(' (')[0]}; "
-                                f"rank 0 at epoch {last_save['epoch']}, {last_save['consumed']} samples consumed"),
+            ("last checkpoint", (f"step {last_save['step']}: model + loader states of {ranks_txt.split(' (')[0]}; "
+                                f"rank 0 at epoch {last_save['epoch']}, {last_save['consumed']} samples consumed")),
             ("save latency", (f"save_state_global {_ms([e['state_ms'] for e in saves])}; whole checkpoint "
                               f"(model.pt, loader.state, latest) {_ms([e['ckpt_ms'] for e in saves])} "
                               f"({len(saves)} save{'s' if len(saves) != 1 else ''})")
                              if saves else "n/a (killed before the first save after step 0)"),
-            ("restored", f"{r['checkpoint']}: rank 0 at epoch {r['epoch']}, {r['consumed']} samples consumed "
-                         f"-> continues at step {saved + 1}"),
+            ("restored", (f"{r['checkpoint']}: rank 0 at epoch {r['epoch']}, {r['consumed']} samples consumed "
+                         f"-> continues at step {saved + 1}")),
             ("restore time", f"loader state (load_file + restore_state_global) {r['loader_ms']:.1f} ms, model "
                              f"{r['model_ms']:.1f} ms; restore-to-first-batch {warm[0]['ms']:.0f} ms"
                              + (f" (cold start-to-first-batch {cold[0]['ms']:.0f} ms)" if cold else "")
@@ -481,11 +481,11 @@ def run(args: argparse.Namespace) -> int:
         ]
         if killed is not None and killed > saved:
             redone = f"{saved + 1}-{killed}" if killed > saved + 1 else f"{killed}"
-            rows.append(("re-done steps", f"{redone} (trained after the last checkpoint, before the kill: "
-                                          "they are lost with the model too, and trained again)"))
+            rows.append(("re-done steps", (f"{redone} (trained after the last checkpoint, before the kill: "
+                                          "they are lost with the model too, and trained again)")))
         rows += [
-            ("batches after restart", f"{after_batches}/{n_after} equal to the uninterrupted run "
-                                      f"(steps {saved + 1}-{steps}{per_rank})"),
+            ("batches after restart", (f"{after_batches}/{n_after} equal to the uninterrupted run "
+                                      f"(steps {saved + 1}-{steps}{per_rank})")),
             ("loss after restart", f"{after_losses}/{n_after} equal to the uninterrupted run, bit for bit"),
             ("loss curve (rank 0)", _curve(ref[0], resume[0], saved, steps)),
         ]
@@ -493,16 +493,16 @@ def run(args: argparse.Namespace) -> int:
         if problems:
             rows.append(("differences", "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else "")))
         lines = [
-            f"savable_loader demo: {steps} steps on {ranks_txt}, {args.workers} loader "
-            f"worker{'s' if args.workers != 1 else ''}{per_rank}, seed {args.seed}",
-            f"  a tiny convnet on {DATASET_LEN} synthetic 3x{SIDE}x{SIDE} images, batches of {BATCH_SIZE} "
+            (f"savable_loader demo: {steps} steps on {ranks_txt}, {args.workers} loader "
+            f"worker{'s' if args.workers != 1 else ''}{per_rank}, seed {args.seed}"),
+            (f"  a tiny convnet on {DATASET_LEN} synthetic 3x{SIDE}x{SIDE} images, batches of {BATCH_SIZE} "
             f"({per_epoch} an epoch{per_rank}); augmentation in the "
-            f"{'workers' if args.workers else 'main process'}: crop+flip (random), brightness (numpy), noise (torch)",
+            f"{'workers' if args.workers else 'main process'}: crop+flip (random), brightness (numpy), noise (torch)"),
             *(f"  {label + ':':<24}{value}" for label, value in rows),
             f"identical: {'yes' if identical else 'no'}",
             f"plain torch DataLoader: {plain}",
-            "  (it has no position to save: a restart can only go back to the start of the epoch, or load and "
-            "drop the batches already trained on)",
+            ("  (it has no position to save: a restart can only go back to the start of the epoch, or load and "
+            "drop the batches already trained on)"),
         ]
         if args.out:
             latest = out / CKPT_DIR / (out / CKPT_DIR / LATEST).read_text().strip()

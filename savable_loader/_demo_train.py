@@ -149,7 +149,7 @@ class _Log:
     """One JSON object a line, flushed and fsynced, so a SIGKILL loses no logged step."""
 
     def __init__(self, path: Path) -> None:
-        self.file: TextIO = open(path, "a", encoding="utf-8")
+        self.file: TextIO = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run (each record fsynced), closed at exit
 
     def write(self, **record: Any) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -270,7 +270,7 @@ def _rank_entry(args: argparse.Namespace, rank: int, world: int, port: int) -> N
             train_rank(args, rank, world)
         finally:
             dist.destroy_process_group()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the rank process reports any failure, then exits
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)

@@ -340,8 +340,10 @@ def elastic_position(states: Sequence[RankState], new_world_size: int) -> IndexP
                 "world_size", old_world, new_world_size,
                 "a savable pipeline's state is split per rank and worker: restore it on the same world size",
             )
-        if p.dataset_len != positions[0].dataset_len:
-            raise StateError(f"entry {i} has dataset_len {p.dataset_len}, entry 0 has {positions[0].dataset_len}")
+        if i == 0:
+            first_len = p.dataset_len
+        elif p.dataset_len != first_len:
+            raise StateError(f"entry {i} has dataset_len {p.dataset_len}, entry 0 has {first_len}")
     first = states[0].config
     for i, s in enumerate(states):
         for name in ("seed", "shuffle", "batch_size", "drop_last", "dataset_fingerprint", "order_algorithm"):
@@ -349,8 +351,8 @@ def elastic_position(states: Sequence[RankState], new_world_size: int) -> IndexP
                 raise StateError(
                     f"entry {i} was saved with {name}={getattr(s.config, name)!r}, entry 0 with {getattr(first, name)!r}"
                 )
-    epoch = min(p.epoch for p in positions)  # type: ignore[union-attr]
-    current = [p for p in positions if p.epoch == epoch]  # type: ignore[union-attr]
+    epoch = min(p.epoch for p in positions)
+    current = [p for p in positions if p.epoch == epoch]
     stages = list(current[0].stages)  # type: ignore[union-attr]
     n = positions[0].dataset_len  # type: ignore[union-attr]
     if any(p.stages != stages for p in current):  # type: ignore[union-attr]
@@ -363,14 +365,14 @@ def elastic_position(states: Sequence[RankState], new_world_size: int) -> IndexP
         shares = [share_length(n, old_world, rank, ()) for rank in range(old_world)]
     consumed = []
     for rank, p in enumerate(positions):
-        if p.epoch == epoch:  # type: ignore[union-attr]
+        if p.epoch == epoch:
             consumed.append(p.consumed)  # type: ignore[union-attr]
         elif p.epoch == epoch + 1 and p.consumed == 0 and not p.stages:  # type: ignore[union-attr]
             smallest = shares[-1] if stages else None
             consumed.append(_cut(shares[rank], first.batch_size, first.drop_last, smallest))
         else:
             raise StateError(
-                f"rank {rank} was saved in epoch {p.epoch}, rank {positions.index(current[0])} in epoch {epoch}: "  # type: ignore[union-attr]
+                f"rank {rank} was saved in epoch {p.epoch}, rank {positions.index(current[0])} in epoch {epoch}: "
                 "the ranks were more than one epoch apart"
             )
     for rank, count in enumerate(consumed):

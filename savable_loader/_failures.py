@@ -9,11 +9,18 @@ worker (after a pipeline restore, physical worker ``p`` plays another logical id
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import Any
 
+from savable_loader._torch_internals import (
+    DIED_TEXTS,
+    TIMEOUT_TEXT,
+    WORKER_PROCESS_TEXT,
+    died_pids,
+    pending_worker,
+    worker_processes,
+)
 from savable_loader.errors import WorkerDiedError, WorkerTimeoutError
 
 __all__ = ["terminate_worker", "translate_worker_error"]
@@ -27,22 +34,21 @@ def translate_worker_error(
 ) -> Exception:
     """Our error for ``error`` raised by torch's iterator, or ``error`` itself."""
     text = str(error)
-    workers = getattr(torch_iter, "_workers", None) or []
-    if isinstance(error, (EOFError, OSError)) and workers and "DataLoader worker process" not in text:
+    workers = worker_processes(torch_iter)
+    if isinstance(error, (EOFError, OSError)) and workers and WORKER_PROCESS_TEXT not in text:
         # A worker killed after queueing a tensor: receiving the tensor's shared memory
         # from the dead worker fails with a bare EOFError / ConnectionResetError.
         return _dead_worker_error(error, workers, logical)
     if not isinstance(error, RuntimeError):
         return error
-    if "timed out" in text:
-        info = getattr(torch_iter, "_task_info", {}).get(getattr(torch_iter, "_rcvd_idx", -1))
-        worker = logical(info[0]) if info else None
+    if TIMEOUT_TEXT in text:
+        physical = pending_worker(torch_iter)
+        worker = None if physical is None else logical(physical)
         return WorkerTimeoutError(
             f"worker {worker} produced nothing within timeout={timeout:g} s ({text})", worker_id=worker
         )
-    if "exited unexpectedly" in text or "killed by signal" in text or "is killed" in text:
-        match = re.search(r"pid(?:\(s\))?\s+([\d, ]+)", text)
-        pids = {int(p) for p in re.findall(r"\d+", match.group(1))} if match else set()
+    if any(died in text for died in DIED_TEXTS):
+        pids = died_pids(text)
         ids = [logical(i) for i, w in enumerate(workers) if w.pid in pids]
         name = f"worker {ids[0]}" if len(ids) == 1 else f"workers {ids}"
         return WorkerDiedError(f"{name} exited unexpectedly ({text})", worker_id=ids[0] if ids else None)
@@ -70,6 +76,6 @@ def _dead_worker_error(error: Exception, workers: list[Any], logical: Callable[[
 def terminate_worker(torch_iter: Any, logical: Callable[[int], int], worker_id: int | None) -> None:
     """End a hung worker (SIGTERM): it would not stop on request, and a shutdown would
     wait for it."""
-    for physical, process in enumerate(getattr(torch_iter, "_workers", None) or []):
+    for physical, process in enumerate(worker_processes(torch_iter)):
         if logical(physical) == worker_id and process.is_alive():
             process.terminate()

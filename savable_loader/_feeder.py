@@ -14,16 +14,19 @@ Installed by the worker init function of :class:`~savable_loader.SavableDataLoad
 
 from __future__ import annotations
 
-import multiprocessing.queues
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
-from torch._utils import ExceptionWrapper
 from torch.utils.data import get_worker_info
 
-from savable_loader._torch_internals import replace_worker_info
+from savable_loader._torch_internals import (
+    ExceptionWrapper,
+    queue_push_front,
+    replace_worker_info,
+    set_queue_feeder_hook,
+)
 
 __all__ = ["WorkerInit", "install_feeder_hook"]
 
@@ -46,10 +49,7 @@ def _on_feeder_error(queue: Any, error: BaseException, obj: Any) -> None:
     try:
         # Straight into the feeder's buffer, as ``put`` would, but also when the worker is
         # already closing the queue (``put`` refuses then): the feeder sends it next.
-        queue._sem.acquire(False)  # balances the release the receiving ``get`` does
-        with queue._notempty:
-            queue._buffer.appendleft((obj[0], wrapper))  # in the place of the dropped item
-            queue._notempty.notify()
+        queue_push_front(queue, (obj[0], wrapper))  # in the place of the dropped item
     except Exception:  # noqa: BLE001 - never let the hook end the feeder thread
         traceback.print_exc()
 
@@ -59,7 +59,7 @@ def install_feeder_hook() -> None:
     if not _state["installed"]:
         # A plain function on the class: ``Queue._start_thread`` passes the bound method
         # ``self._on_queue_feeder_error``, so the hook gets the queue to send the error on.
-        multiprocessing.queues.Queue._on_queue_feeder_error = _on_feeder_error  # type: ignore[assignment,method-assign]
+        set_queue_feeder_hook(_on_feeder_error)
         _state["installed"] = True
 
 

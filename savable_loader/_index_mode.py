@@ -24,8 +24,8 @@ import msgspec
 
 from savable_loader._mode import Iteration, Mode
 from savable_loader._permutation import ORDER_ALGORITHMS, ORDER_FEISTEL, ORDER_LEGACY
-from savable_loader.dataset import config_fingerprint, plain_config, type_name
-from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
+from savable_loader.dataset import config_fingerprint, current_names, plain_config, type_name
+from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
 from savable_loader.rng import SEED_FORMULA
 from savable_loader.sources.index import (
     BatchKey,
@@ -316,7 +316,7 @@ class OrderMode(IndexMode):
     def current_plan(self) -> IndexPlan:
         """The plan of the current ``len(dataset)``."""
         if self.plan is None:  # pragma: no cover - set by refresh() in __init__
-            raise RuntimeError("no plan")
+            raise InternalError("IndexMode has no plan: refresh() sets one in __init__")
         return self.plan
 
     def begin(self, epoch: int, resume: Any, context: Any = None, reuse_workers: bool = False) -> IndexIteration:
@@ -523,6 +523,9 @@ def _ranges(positions: list[int]) -> list[tuple[int, int, int]]:
 def check_dataset_config(saved: LoaderConfig, current: LoaderConfig) -> None:
     """ConfigMismatchError naming the first differing entry of the dataset configs."""
     if saved.dataset_fingerprint == current.dataset_fingerprint:
+        return
+    renamed = current_names(saved.dataset_config)  # classes saved under earlier names
+    if config_fingerprint(renamed) == current.dataset_fingerprint:
         return
     path, old, new = _first_difference(saved.dataset_config, current.dataset_config, "dataset_config")
     raise ConfigMismatchError(path, old, new, "the dataset changed since the state was saved")

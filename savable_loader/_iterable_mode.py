@@ -72,7 +72,7 @@ class IterableWorkerDataset(PipelineWorkerDataset):
     @property
     def user_dataset(self) -> IterableDataset:  # type: ignore[override]
         """The worker's copy of the user's IterableDataset."""
-        return self.dataset.dataset  # type: ignore[attr-defined, no-any-return]
+        return self.dataset.dataset  # type: ignore[attr-defined]
 
     def worker_started(self, physical: int) -> int:
         """In a new worker process, before the user's ``worker_init_fn``: make

@@ -7,7 +7,7 @@ superseded by a later ``iter()``), ``FAILED`` (a worker died or hung, or the pat
 go on after an error), or ``FORGOTTEN`` (an abandoned side iteration that gave its epoch
 number back, see below).
 
-The rules (DESIGN.md, "What a state means"; torch's behaviour where users know it):
+The rules (docs/concepts.md, "What a state means"; torch's behaviour where users know it):
 
 * Every iteration starts the next epoch, except the first one after a restore, which
   continues the restored position. An iteration begins at its iterator's first
@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from savable_loader._mode import Iteration
+from savable_loader._torch_internals import worker_processes
 
 if TYPE_CHECKING:  # pragma: no cover
     from savable_loader.loader import SavableDataLoader
@@ -109,7 +110,7 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
         return self._record
 
     def __next__(self) -> T_co:
-        return self._loader._next(self._started())  # type: ignore[no-any-return]
+        return self._loader._next(self._started())
 
     def close(self) -> None:
         """Abandon the iteration: later ``next()`` calls raise StopIteration."""
@@ -126,7 +127,7 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
     def _workers(self) -> list[Any]:
         """The worker processes of this iteration (torch's iterator attribute; begins the
         iteration if needed, as torch's iterator has its workers from the start)."""
-        return list(getattr(self._started().torch_iter, "_workers", None) or [])
+        return worker_processes(self._started().torch_iter)
 
     def __len__(self) -> int:
         return len(self._loader)

@@ -30,7 +30,7 @@ through attributes (``__dict__`` and ``__slots__``), list and tuple items, dict 
 arrays are not walked either. Found once per epoch in each worker (after
 ``worker_init_fn``), not per sample. A generator inside a closure, a C extension or a
 set cannot be reached: its draws are not exact, and only comparing a resumed run with
-an uninterrupted one finds it (``tests/common.py::check_resume_everywhere``).
+an uninterrupted one finds it (:func:`savable_loader.testing.check_resume`).
 
 Example::
 
@@ -41,7 +41,6 @@ Example::
 
 from __future__ import annotations
 
-import _random
 import functools
 import os
 import random
@@ -54,8 +53,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from savable_loader._seeds import owned_rng_base, pcg_increment
+from savable_loader._torch_internals import C_RANDOM_SEED, PY_RANDOM, numpy_global_randomstate
 from savable_loader.errors import LoaderUsageError
-from savable_loader.rng import counter_seed, derive_seed
+from savable_loader.rng import counter_seed
 
 __all__ = ["MAX_DEPTH", "MAX_ITEMS", "MAX_OBJECTS", "OwnedRngs", "find_generators"]
 
@@ -67,7 +68,7 @@ MAX_ITEMS = 256
 MAX_OBJECTS = 20_000
 
 _GLOBAL_IDS = frozenset(
-    id(g) for g in (random.seed.__self__, np.random.mtrand._rand, torch.default_generator)  # type: ignore[attr-defined]
+    id(g) for g in (PY_RANDOM, numpy_global_randomstate(), torch.default_generator)
 )
 _OPAQUE = (
     type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodWrapperType,
@@ -206,7 +207,7 @@ def _reseeder(path: str, gen: Any, base: int) -> Callable[[int], object]:
         )
     if isinstance(gen, random.Random):
         if type(gen).seed is random.Random.seed:
-            c_seed = _random.Random.seed  # skips Random.seed's Python-level checks
+            c_seed = C_RANDOM_SEED  # skips Random.seed's Python-level checks
 
             def seed_python(s: int) -> None:
                 c_seed(gen, s)
@@ -227,7 +228,7 @@ def _reseeder(path: str, gen: Any, base: int) -> Callable[[int], object]:
         # A PCG state set directly (the stream's increment fixed per generator and epoch):
         # about 2-3 µs in all, where building a new PCG64 through a SeedSequence takes about 7 µs.
         name = type(bit).__name__
-        inc = derive_seed(base, "pcg-increment") << 64 | derive_seed(base, "pcg-increment-low") | 1
+        inc = pcg_increment(base)
 
         def seed_pcg(s: int) -> None:
             bit.state = {
@@ -277,7 +278,7 @@ class OwnedRngs:
     def _prepare(found: list[tuple[str, Any]], seed: int, epoch: int) -> list[tuple[Callable[[int], object], int]]:
         prepared = []
         for path, gen in found:
-            base = derive_seed(seed, "owned-rng", epoch, path)
+            base = owned_rng_base(seed, epoch, path)
             prepared.append((_reseeder(path, gen, base), base))
         return prepared
 

@@ -58,7 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from savable_loader.rng import counter_seed, derive_seed
+from savable_loader._seeds import feistel_key, permutation_seed
+from savable_loader.rng import counter_seed
 
 __all__ = ["ORDER_ALGORITHMS", "ORDER_FEISTEL", "ORDER_LEGACY", "ROUNDS", "EpochOrder", "FeistelPermutation"]
 
@@ -151,7 +152,7 @@ class FeistelPermutation:
 
     def indices(self, positions: Sequence[int]) -> list[int]:
         """The dataset indices at ``positions``, as a list of Python ints."""
-        return self(np.asarray(positions, dtype=np.uint64)).tolist()  # type: ignore[no-any-return]
+        return self(np.asarray(positions, dtype=np.uint64)).tolist()
 
 
 class EpochOrder:
@@ -176,10 +177,10 @@ class EpochOrder:
         self._table: np.ndarray | None = None
         self._perm: FeistelPermutation | None = None
         if shuffle and algorithm == ORDER_LEGACY:
-            rng = np.random.Generator(np.random.PCG64(derive_seed(seed, "permutation", epoch)))
+            rng = np.random.Generator(np.random.PCG64(permutation_seed(seed, epoch)))
             self._table = rng.permutation(n)
         elif shuffle:
-            self._perm = FeistelPermutation(n, derive_seed(seed, "order", epoch))
+            self._perm = FeistelPermutation(n, feistel_key(seed, epoch))
 
     def __call__(self, positions: Any) -> np.ndarray:
         p = np.asarray(positions, dtype=np.int64)

@@ -19,14 +19,17 @@ from torch.utils.data import default_convert
 
 from savable_loader._channels import WorkerChannels
 from savable_loader._elastic import batch_rescale_factor
+from savable_loader._guards import release
 from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting
 from savable_loader._mode import SKIP, Iteration, Mode
+from savable_loader._seeds import pipeline_base, pipeline_item
+from savable_loader._torch_internals import worker_processes
 from savable_loader._values import plain_dataset_state
 from savable_loader._worker import END, PipelineWorkerDataset, walk
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
-from savable_loader.rng import SEED_FORMULA, counter_seed, derive_seed, item_seed, preserve_global_rng, seed_global
+from savable_loader.rng import SEED_FORMULA, preserve_global_rng, seed_global
 from savable_loader.state.codec import decode_part
 from savable_loader.state.schema import DatasetState, LoaderConfig, PipelinePosition, RestoreKey, WorkerState
 
@@ -84,7 +87,7 @@ class PipelineIteration(Iteration):
         self._lock = threading.Lock()
 
     def workers_started(self, torch_iter: Any) -> None:
-        self.processes = getattr(torch_iter, "_workers", None)
+        self.processes = worker_processes(torch_iter)
         if self.channels is not None:
             self.channels.close_worker_ends()
 
@@ -128,7 +131,7 @@ class PipelineIteration(Iteration):
                 return start.dataset if same else None
             if held[2] is None:
                 held[2] = decode_part(held[1], DatasetState)
-            return held[2]  # type: ignore[no-any-return]
+            return held[2]
         runtime = self.mode.torch_dataset.runtime
         if self.mode.worker_config.num_workers == 0 and runtime is not None:
             found = runtime.ring.find(produced)
@@ -144,6 +147,9 @@ class PipelineIteration(Iteration):
         return None
 
     def end(self, finished: bool, keep_workers: bool) -> None:
+        runtime = self.mode.torch_dataset.runtime
+        if runtime is not None and runtime.in_process:  # the pipeline object is free again
+            release(self.mode.torch_dataset.dataset, runtime)
         # a finished epoch hands each worker's end state on to the next; an abandoned one nothing
         self.mode.carry_on(self.epoch + 1, list(self.ended) if finished and all(self.exhausted) else None)
         channels = self.channels
@@ -422,8 +428,8 @@ class PipelineMode(Mode):
             )
         wc = self.worker_config
         with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch):
-            base = derive_seed(wc.seed, "pipeline", key.rank, key.worker, key.epoch)
-            seed_global(item_seed(counter_seed(base, key.index), self.seed_formula))
+            base = pipeline_base(wc.seed, key.rank, key.worker, key.epoch)
+            seed_global(pipeline_item(base, key.index, self.seed_formula))
             return self.collate.collate(dataset.restore_sample(key.sample))
 
 

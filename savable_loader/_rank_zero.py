@@ -42,9 +42,9 @@ from torch.utils.data import BatchSampler, DistributedSampler
 from savable_loader._elastic import epoch_length
 from savable_loader._index_mode import OrderMode
 from savable_loader._sampler_mode import SamplerMode
+from savable_loader._seeds import sampler_seed
 from savable_loader.distributed import DataParallelGroup, gather_states
 from savable_loader.errors import ConfigMismatchError, StateError
-from savable_loader.rng import derive_seed
 from savable_loader.sources.samplers import PrivateRng, apply, index_digest, new_digest
 from savable_loader.state.codec import encode
 from savable_loader.state.schema import IndexPosition, RankState
@@ -169,7 +169,7 @@ def _sampler_position(mode: SamplerMode, seed: int, state: RankState, position: 
     if record is None or record.at_start or not position.consumed:
         return position
     apply(sampler, record)
-    rng = PrivateRng(record.private_rng, derive_seed(seed, "sampler", rank, position.epoch))
+    rng = PrivateRng(record.private_rng, sampler_seed(seed, rank, position.epoch))
     items = rng.call(iter, sampler)
     digest = new_digest()
     batched = mode.auto_collation

@@ -24,9 +24,9 @@ import msgspec
 import torch
 
 from savable_loader._index_mode import MAX_HELD, IndexIteration, IndexMode, check_key_setting
+from savable_loader._seeds import sampler_seed
 from savable_loader.dataset import type_name
 from savable_loader.errors import ConfigMismatchError, LoaderUsageError, RestoreKeyError
-from savable_loader.rng import derive_seed
 from savable_loader.sources.index import BatchKey
 from savable_loader.sources.samplers import (
     PrivateRng,
@@ -171,7 +171,7 @@ class SamplerMode(IndexMode):
             self.check_resume_length(resume)
             record = resume.sampler
             apply(sampler, record)
-        rng = PrivateRng(record.private_rng, derive_seed(self.seed, "sampler", self.rank, epoch))
+        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, epoch))
         items = rng.call(iter, sampler)
         iteration = SamplerIteration(self, epoch, record, rng, items, resumed=resume is not None)
         if resume is not None:
@@ -230,7 +230,7 @@ class SamplerMode(IndexMode):
             return
         sampler = self.index_sampler
         apply(sampler, record)
-        rng = PrivateRng(record.private_rng, derive_seed(self.seed, "sampler", self.rank, position.epoch))
+        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, position.epoch))
         iteration = SamplerIteration(self, position.epoch, record, rng, rng.call(iter, sampler), resumed=True)
         iteration.skip(position)  # checks the order against the state's digest
         iteration.prime()  # the sampler's end: its generators where the uninterrupted run had them

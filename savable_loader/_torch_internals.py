@@ -1,28 +1,135 @@
-"""The private parts of torch's DataLoader that savable_loader relies on, in one place.
+"""The private parts of torch and CPython that savable_loader relies on, in one place.
 
-torch offers no public way to do what is done here. Every access goes through this
-module and fails loudly (``AttributeError`` naming the torch version) if a torch release
-moves something, rather than degrading silently; ``tests/test_torch_internals.py``
-checks each of them against the installed torch.
+torch offers no public way to do what is done here: keep persistent workers' iterator,
+stop an iterator's workers now, know its worker processes and the task it waits for,
+tell a dead or hung worker from torch's error text, make ``get_worker_info()`` show the
+user's dataset, and send a worker's unpicklable result back as an error. CPython and
+NumPy keep the global generators and the multiprocessing queue internals private too.
+
+Every access goes through this module and **fails loudly**: a missing attribute raises
+``AttributeError`` naming it and the installed torch version (never a silent
+``getattr(..., None) or []``). ``tests/test_torch_internals.py`` checks every attribute
+and every error-text pattern against the installed torch, so a torch upgrade that moves
+something fails there first. ``pyproject.toml`` declares the torch range CI tests.
+
+Example::
+
+    for process in worker_processes(torch_iter):   # [] for an in-process iterator
+        print(process.pid)
 """
 
 from __future__ import annotations
 
+import _random
 import dataclasses
+import multiprocessing.queues
 import os
+import random
+import re
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import DataLoader
 from torch.utils.data._utils import worker as _torch_worker
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-__all__ = ["replace_worker_info", "torch_worker_id"]
+from savable_loader.errors import InternalError
+
+__all__ = [
+    "C_RANDOM_SEED",
+    "DIED_TEXTS",
+    "PY_RANDOM",
+    "TIMEOUT_TEXT",
+    "WORKER_PROCESS_TEXT",
+    "ExceptionWrapper",
+    "died_pids",
+    "loader_iterator",
+    "numpy_global_randomstate",
+    "pending_worker",
+    "queue_push_front",
+    "replace_worker_info",
+    "set_loader_iterator",
+    "set_queue_feeder_hook",
+    "shutdown_workers",
+    "torch_worker_id",
+    "worker_processes",
+]
 
 #: (pid, id torch gave the worker process), recorded before the first replacement.
 _original: list[tuple[int, int]] = []
 
+#: torch's RuntimeError texts (``torch/utils/data/dataloader.py``, ``_utils/signal_handling.py``
+#: and torch's C++ SIGCHLD handler) that say a worker died or hung.
+TIMEOUT_TEXT = "timed out"
+DIED_TEXTS = ("exited unexpectedly", "killed by signal", "is killed")
+#: The prefix of the ``where`` of an ExceptionWrapper a worker sends (``reraise`` shows it).
+WORKER_PROCESS_TEXT = "DataLoader worker process"
+_PIDS = re.compile(r"pid(?:\(s\))?\s+([\d, ]+)")
+
+#: The hidden ``random.Random`` behind Python's module-level random functions.
+PY_RANDOM: random.Random = random.seed.__self__  # type: ignore[attr-defined]
+#: The C ``seed`` of ``random.Random`` (skips the Python-level argument checks, ~0.5 µs).
+C_RANDOM_SEED: Callable[..., None] = _random.Random.seed
+
 
 def _missing(what: str) -> AttributeError:
     return AttributeError(f"savable_loader needs {what}, which torch {torch.__version__} does not have")
+
+
+def _attr(obj: Any, name: str, what: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise _missing(what) from None
+
+
+# -- torch's DataLoader and its iterators ---------------------------------------------
+
+
+def loader_iterator(engine: DataLoader[Any]) -> Any:
+    """``DataLoader._iterator``: torch's iterator of persistent workers (None if none)."""
+    return _attr(engine, "_iterator", "DataLoader._iterator")
+
+
+def set_loader_iterator(engine: DataLoader[Any], value: Any) -> None:
+    """Set ``DataLoader._iterator`` (None: persistent workers start anew next time)."""
+    _attr(engine, "_iterator", "DataLoader._iterator")
+    engine._iterator = value
+
+
+def _multiprocess(torch_iter: Any) -> bool:
+    return isinstance(torch_iter, _MultiProcessingDataLoaderIter)
+
+
+def worker_processes(torch_iter: Any) -> list[Any]:
+    """The worker processes of torch's iterator, by physical id ([] in-process or None)."""
+    if not _multiprocess(torch_iter):
+        return []
+    return list(_attr(torch_iter, "_workers", "_MultiProcessingDataLoaderIter._workers"))
+
+
+def shutdown_workers(torch_iter: Any) -> None:
+    """Stop the workers of torch's iterator now (nothing for an in-process one)."""
+    if _multiprocess(torch_iter):
+        _attr(torch_iter, "_shutdown_workers", "_MultiProcessingDataLoaderIter._shutdown_workers")()
+
+
+def pending_worker(torch_iter: Any) -> int | None:
+    """The physical worker whose result torch's iterator waits for (None if unknown)."""
+    if not _multiprocess(torch_iter):
+        return None
+    tasks = _attr(torch_iter, "_task_info", "_MultiProcessingDataLoaderIter._task_info")
+    info = tasks.get(_attr(torch_iter, "_rcvd_idx", "_MultiProcessingDataLoaderIter._rcvd_idx"))
+    return None if not info else int(info[0])
+
+
+def died_pids(text: str) -> set[int]:
+    """The pids a torch "worker exited unexpectedly" error names."""
+    match = _PIDS.search(text)
+    return {int(p) for p in re.findall(r"\d+", match.group(1))} if match else set()
 
 
 def replace_worker_info(**changes: Any) -> None:
@@ -37,7 +144,7 @@ def replace_worker_info(**changes: Any) -> None:
         raise _missing("torch.utils.data._utils.worker._worker_info")
     info = _torch_worker._worker_info
     if info is None:
-        raise RuntimeError("replace_worker_info called outside a DataLoader worker")
+        raise InternalError("replace_worker_info called outside a DataLoader worker")
     if not _original or _original[0][0] != os.getpid():
         _original[:] = [(os.getpid(), info.id)]
     _torch_worker._worker_info = dataclasses.replace(info, **changes)
@@ -59,3 +166,30 @@ def torch_worker_id() -> int | None:
     if _original and _original[0][0] == os.getpid():
         return _original[0][1]
     return info.id
+
+
+# -- CPython and NumPy ----------------------------------------------------------------
+
+
+def numpy_global_randomstate() -> np.random.RandomState:
+    """NumPy's global ``RandomState`` (behind ``np.random.seed`` and ``np.random.rand``)."""
+    state = _attr(np.random.mtrand, "_rand", "numpy.random.mtrand._rand")
+    if not isinstance(state, np.random.RandomState):
+        raise _missing("numpy.random.mtrand._rand to be a RandomState")
+    return state
+
+
+def set_queue_feeder_hook(hook: Callable[..., None]) -> None:
+    """Make ``hook(queue, error, obj)`` the feeder-error hook of multiprocessing queues
+    (CPython calls ``self._on_queue_feeder_error(e, obj)`` when ``obj`` cannot be sent)."""
+    _attr(multiprocessing.queues.Queue, "_on_queue_feeder_error", "multiprocessing.queues.Queue._on_queue_feeder_error")
+    multiprocessing.queues.Queue._on_queue_feeder_error = hook  # type: ignore[attr-defined]
+
+
+def queue_push_front(queue: Any, item: Any) -> None:
+    """Put ``item`` first in a multiprocessing queue's feeder buffer, as ``put`` would,
+    also while the queue is closing (``put`` refuses then)."""
+    _attr(queue, "_sem", "multiprocessing.queues.Queue._sem").acquire(False)  # the receiving get releases it
+    with _attr(queue, "_notempty", "multiprocessing.queues.Queue._notempty"):
+        _attr(queue, "_buffer", "multiprocessing.queues.Queue._buffer").appendleft(item)
+        queue._notempty.notify()

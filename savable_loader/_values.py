@@ -286,10 +286,12 @@ def _from_array_value(value: ArrayValue) -> Any:
 
 def plain_dataset_state(state: DatasetState | None) -> DatasetState | None:
     """A snapshot's state tree with every field converted by :func:`to_plain`."""
-    if state is None:
-        return None
+    return None if state is None else _plain_tree(state)
+
+
+def _plain_tree(state: DatasetState) -> DatasetState:
     return DatasetState(
         type=state.type,
         fields={k: to_plain(v) for k, v in state.fields.items()},
-        children=[plain_dataset_state(c) for c in state.children],
+        children=[_plain_tree(c) for c in state.children],
     )

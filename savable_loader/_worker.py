@@ -40,19 +40,17 @@ from typing import Any, NoReturn
 
 import cloudpickle
 import msgspec
-from torch._utils import ExceptionWrapper
 from torch.utils.data import IterableDataset, get_worker_info
 
-from savable_loader._torch_internals import torch_worker_id
+from savable_loader._guards import exclusive
+from savable_loader._seeds import pipeline_base, pipeline_item
+from savable_loader._torch_internals import ExceptionWrapper, torch_worker_id
 from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import DataError, StateError
 from savable_loader.rng import (
     SEED_FORMULA,
-    counter_seed,
-    derive_seed,
-    item_seed,
     preserve_global_rng,
     seed_global,
 )
@@ -254,7 +252,7 @@ class WorkerRuntime:
         if start is not None and start.exhausted:
             return
         wc = self.worker_config
-        base_seed = derive_seed(wc.seed, "pipeline", wc.rank, worker_id, epoch)
+        base_seed = pipeline_base(wc.seed, wc.rank, worker_id, epoch)
         self.carried = None if start is None or start.dataset is not None else start.carried
         # reset/restore run user code too (reset_state_own): keep the caller's RNG out of it
         if self.carried is not None:  # go on from the previous epoch's end (EpochizeDataset)
@@ -284,7 +282,7 @@ class WorkerRuntime:
         iterator: Iterator[Any] | None = None
         while True:
             with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
-                seed_global(item_seed(counter_seed(base_seed, index), self.seed_formula))
+                seed_global(pipeline_item(base_seed, index, self.seed_formula))
                 t0 = time.perf_counter()
                 if iterator is None:
                     iterator = iter(self.dataset)
@@ -413,7 +411,7 @@ class WorkerRuntime:
                 if kind != "checkpoint":
                     raise StateError(f"unknown command {kind!r}")
                 reply = ["ok", request_id, encode_part(self.checkpoint(epoch, index))]
-            except Exception as e:  # answered to the main process, which raises it
+            except Exception as e:  # noqa: BLE001 - answered to the main process, which raises it
                 reply = ["error", request_id, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"]
             try:
                 res.send_bytes(msgspec.msgpack.encode(reply))
@@ -519,8 +517,8 @@ class PipelineWorkerDataset(IterableDataset):
         runtime.seed_formula = self.seed_formula
         runtime.errors_go_on = self.errors_go_on
         items = runtime.run(epoch, logical, starts[logical], self.planned_at if count == 0 else None)
-        if info is None:
-            return items
+        if info is None:  # in the main process: one live iteration per pipeline object
+            return exclusive(items, self.dataset, runtime)
         runtime.attach = self.attach
         return _with_snapshots(runtime, items)
 

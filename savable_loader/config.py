@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from savable_loader._frameworks import check_not_rebuilt
+from savable_loader._seeds import worker_epoch_seed, worker_seed
 from savable_loader.errors import LoaderUsageError
-from savable_loader.rng import derive_seed
 
 __all__ = ["WorkerConfig"]
 
@@ -52,14 +52,15 @@ class WorkerConfig:
         wc.worker_seed()   # differs per (seed, rank, worker)
     """
 
-    rank: int | None = None
-    world_size: int | None = None
+    # None (the default) is replaced in __post_init__: after construction both are ints.
+    rank: int = None  # type: ignore[assignment]
+    world_size: int = None  # type: ignore[assignment]
     num_workers: int = 0
     seed: int = 0
     data_parallel_group: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.rank is None or self.world_size is None:
+        if self.rank is None or self.world_size is None:  # type: ignore[redundant-expr, unused-ignore]
             d_rank, d_world = _dist_defaults()
             if self.data_parallel_group is not None:
                 import torch.distributed as dist
@@ -117,7 +118,7 @@ class WorkerConfig:
 
     def worker_seed(self) -> int:
         """A 64-bit seed derived from ``(seed, rank, rank_worker_id())``."""
-        return derive_seed(self.seed, "worker", self.rank, self.rank_worker_id())
+        return worker_seed(self.seed, self.rank, self.rank_worker_id())
 
     def epoch_seed(self) -> int:
         """A 64-bit seed derived from ``(seed, rank, rank_worker_id(), active_epoch())``.
@@ -125,10 +126,7 @@ class WorkerConfig:
         Sources that reshuffle every epoch seed from this in ``reset_state_own``. Inside
         a ``RepeatDataset`` the repetition counts too, so every pass is shuffled anew.
         """
-        return derive_seed(
-            self.seed, "worker-epoch", self.rank, self.rank_worker_id(), self.active_epoch(),
-            *active_repetitions(),
-        )
+        return worker_epoch_seed(self.seed, self.rank, self.rank_worker_id(), self.active_epoch(), active_repetitions())
 
     def fingerprint(self) -> dict[str, int]:
         """The fields a state records to detect a changed configuration."""
@@ -166,7 +164,7 @@ class _ActiveWorker:
         self.epoch = epoch
         self._saved: tuple[Any, Any] = (None, None)
 
-    def __enter__(self) -> _ActiveWorker:
+    def __enter__(self) -> _ActiveWorker:  # noqa: PYI034 - typing.Self needs Python 3.11
         self._saved = (getattr(_active, "worker_id", None), getattr(_active, "epoch", None))
         _active.worker_id = self.worker_id
         _active.epoch = self.epoch

@@ -37,13 +37,15 @@ from typing import Any, ClassVar
 import msgspec
 from torch.utils.data import IterableDataset
 
+from savable_loader._guards import check_first_save
+from savable_loader._seeds import key_seed
 from savable_loader._values import freeze, from_plain
 from savable_loader.config import WorkerConfig, active_repetitions
-from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
-from savable_loader.rng import capture_kind, derive_seed, restore_generator, seed_global
+from savable_loader.errors import DatasetContractError, LoaderUsageError, RestoreKeyError, StateError
+from savable_loader.rng import capture_kind, restore_generator, seed_global
 from savable_loader.state.schema import DatasetState
 
-__all__ = ["SavableDataset", "config_fingerprint", "plain_config", "type_name", "wrap_key"]
+__all__ = ["SavableDataset", "config_fingerprint", "current_names", "plain_config", "type_name", "wrap_key"]
 
 
 def wrap_key(head: Any, inner: Any) -> list[Any] | None:
@@ -52,10 +54,66 @@ def wrap_key(head: Any, inner: Any) -> list[Any] | None:
     return None if inner is None else [head, inner]
 
 
+#: Earlier state names of the classes seen so far -> their current name (see type_name).
+_RENAMED: dict[str, str] = {}
+
+
 def type_name(obj: Any) -> str:
-    """``module.QualName`` of an object's class."""
+    """The name an object's class is saved under: its ``__savable_name__`` if the class
+    declares one (its own, not inherited), else ``module.QualName``.
+
+    A class may also list the names earlier versions saved it under in
+    ``__savable_aliases__``: states (and configuration fingerprints) made under those
+    names restore exactly. Example::
+
+        class Toy(sl.SavableDataset):
+            __savable_name__ = "toy"                       # stable across moves and renames
+            __savable_aliases__ = ("__main__.Toy",)        # what earlier checkpoints hold
+
+    List the oldest name first: sample keys are seeded from it (:func:`seed_name`).
+    """
     cls = type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    own = cls.__dict__
+    name = own.get("__savable_name__")
+    if name is None:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+    elif not isinstance(name, str) or not name:
+        raise LoaderUsageError(f"{cls.__qualname__}.__savable_name__ must be a non-empty str, got {name!r}")
+    aliases = own.get("__savable_aliases__", ())
+    if isinstance(aliases, str) or not all(isinstance(a, str) for a in aliases):
+        raise LoaderUsageError(f"{cls.__qualname__}.__savable_aliases__ must be a tuple of str, got {aliases!r}")
+    for alias in aliases:
+        if _RENAMED.setdefault(alias, name) != name:
+            raise LoaderUsageError(
+                f"{cls.__qualname__}.__savable_aliases__ lists {alias!r}, which {_RENAMED[alias]!r} lists too"
+            )
+    return name
+
+
+def seed_name(cls: type) -> str:
+    """The class name a sample's key seed hashes (``mark_sample``): the original one, so
+    that a moved or renamed class draws the same numbers. ``__name__`` by default; the
+    last part of the first (oldest) ``__savable_aliases__`` entry if the class lists
+    earlier names; else its ``__savable_name__`` if it declares one."""
+    own = cls.__dict__
+    aliases = own.get("__savable_aliases__", ())
+    if aliases and not isinstance(aliases, str):
+        return str(aliases[0]).rsplit(".", 1)[-1]
+    declared = own.get("__savable_name__")
+    return declared if isinstance(declared, str) and declared else cls.__name__
+
+
+def current_names(config: Any) -> Any:
+    """A saved configuration tree with every earlier class name (an alias some class
+    declared in ``__savable_aliases__``) replaced by that class's current name."""
+    if isinstance(config, dict):
+        out = {k: current_names(v) for k, v in config.items()}
+        if isinstance(out.get("type"), str):
+            out["type"] = _RENAMED.get(out["type"], out["type"])
+        return out
+    if isinstance(config, list):
+        return [current_names(v) for v in config]
+    return config
 
 
 def plain_config(value: Any) -> Any:
@@ -171,7 +229,7 @@ class SavableDataset(IterableDataset):
         self.worker_config = worker_config
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - abstract
-        raise NotImplementedError(f"{type(self).__name__} must implement __iter__")
+        raise DatasetContractError(f"{type(self).__name__} must implement __iter__")
 
     def reset_state_own(self) -> None:
         """Set this dataset's own ``_savable_fields`` to the start of an epoch."""
@@ -206,7 +264,7 @@ class SavableDataset(IterableDataset):
                 f"is not a JSON value ({e}); keys are None, bool, int, float, str, and lists, tuples and "
                 "str-keyed dicts of these (convert NumPy scalars with int() / float())"
             ) from e
-        seed_global(derive_seed(wc.seed, "key", wc.active_epoch(), *active_repetitions(), type(self).__name__, text))
+        seed_global(key_seed(wc.seed, wc.active_epoch(), active_repetitions(), seed_name(type(self)), text))
 
     def restore_sample(self, key: Any) -> Any:
         """The sample ``key`` names, built alone in the calling process.
@@ -237,7 +295,7 @@ class SavableDataset(IterableDataset):
 
     def config(self) -> dict[str, Any]:
         """A dict that describes this dataset; a changed config refuses a restore."""
-        raise NotImplementedError(f"{type(self).__name__} must implement config()")
+        raise DatasetContractError(f"{type(self).__name__} must implement config()")
 
     def children(self) -> Sequence[SavableDataset]:
         """The savable datasets this one wraps (none for a source)."""
@@ -259,6 +317,7 @@ class SavableDataset(IterableDataset):
 
     def save_state(self) -> DatasetState:
         """The state of this dataset and its children, copied from the live fields."""
+        check_first_save(self)
         fields = {}
         for name in self._savable_fields:
             try:
@@ -281,7 +340,7 @@ class SavableDataset(IterableDataset):
         if not isinstance(state, DatasetState):
             raise StateError(f"{type(self).__name__}.restore_state needs a DatasetState, got {type(state).__name__}")
         expected = type_name(self)
-        if state.type != expected:
+        if state.type != expected and _RENAMED.get(state.type) != expected:
             raise StateError(f"state node was saved by {state.type}, but the pipeline has {expected} here")
         kids = self.children()
         if len(state.children) != len(kids):

@@ -9,11 +9,17 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
     │   └── StateFileError          a state file cannot be written or read (names the path; an OSError)
     ├── ConfigMismatchError         restore under a configuration that cannot be honoured
     ├── LoaderUsageError            the loader was called in a way it does not support
+    │   ├── UsageTypeError          an argument of the wrong type (also a TypeError)
+    │   └── DatasetContractError    a SavableDataset breaks its contract (say, an unlisted child)
     ├── RestoreKeyError             a restore key cannot be rebuilt (foreign, malformed, unsupported)
     ├── DataError                   data on disk is malformed (shard metadata, shard files)
+    ├── ResumeMismatchError         savable_loader.testing.check_resume found a resumed run that differs
+    ├── InternalError               an invariant of savable_loader itself broke: a bug, please report it
     └── WorkerError                 a worker process failed (names the worker)
         ├── WorkerDiedError         the worker process exited
         └── WorkerTimeoutError      the worker did not answer in time
+
+Warnings: :class:`UnsavedRngWarning` (a dataset holds a random generator it does not save).
 
 Example::
 
@@ -30,12 +36,17 @@ from typing import Any
 __all__ = [
     "ConfigMismatchError",
     "DataError",
+    "DatasetContractError",
+    "InternalError",
     "LoaderUsageError",
     "RestoreKeyError",
+    "ResumeMismatchError",
     "SavableLoaderError",
     "StateError",
     "StateFileError",
     "StateVersionError",
+    "UnsavedRngWarning",
+    "UsageTypeError",
     "WorkerDiedError",
     "WorkerError",
     "WorkerTimeoutError",
@@ -143,6 +154,43 @@ class LoaderUsageError(SavableLoaderError, ValueError):
     """
 
 
+class UsageTypeError(LoaderUsageError, TypeError):
+    """An argument of the wrong type (a function expected, a value that has no plain
+    form), or ``len()`` of something that has none. Also a ``TypeError``, as Python's.
+
+    Example::
+
+        sl.wrappers.MapDataset(source, fn=3)   # UsageTypeError: MapDataset fn must be callable, got 3
+    """
+
+
+class DatasetContractError(LoaderUsageError, NotImplementedError):
+    """A :class:`~savable_loader.SavableDataset` breaks its contract in a way that would
+    make a resume silently wrong; checked at the first save of each class.
+
+    Also a ``NotImplementedError`` (a subclass that does not implement ``__iter__`` or
+    ``config()`` raises it). Example: a wrapper holds its inner dataset but
+    ``children()`` does not return it::
+
+        class Bad(sl.SavableDataset):
+            def __init__(self, inner):
+                super().__init__(inner.worker_config)
+                self.inner = inner          # children() returns () : DatasetContractError at the first save
+    """
+
+
+class UnsavedRngWarning(UserWarning):
+    """A :class:`~savable_loader.SavableDataset` holds a random generator that is not
+    listed in ``_savable_fields``: its draws will not resume exactly. Given once per
+    class and process, at its first save.
+
+    Example::
+
+        class Noisy(sl.SavableDataset):
+            _savable_fields = ("pos",)     # self.rng is missing: UnsavedRngWarning
+    """
+
+
 class RestoreKeyError(SavableLoaderError, ValueError):
     """A restore key cannot be turned back into its batch.
 
@@ -171,6 +219,29 @@ class DataError(SavableLoaderError, ValueError):
             batch = next(it)
         except DataError as e:
             print(e)   # names the shard file and what is wrong with it
+    """
+
+
+class ResumeMismatchError(SavableLoaderError, AssertionError):
+    """:func:`savable_loader.testing.check_resume` found a resumed run that differs from
+    the uninterrupted one; the message names the save point and the first differing item.
+
+    Also an ``AssertionError``, so test runners report it as a failed check. Example::
+
+        try:
+            check_resume(factory)
+        except ResumeMismatchError as e:
+            print(e)   # save at step 3 (live, after epoch 0, item 2): the resumed run: item 5 ... differs: ...
+    """
+
+
+class InternalError(SavableLoaderError, RuntimeError):
+    """An invariant of savable_loader itself does not hold: a bug in the library, not in
+    the caller's code. The message says which invariant; please report it.
+
+    Also a ``RuntimeError``. Example::
+
+        raise InternalError("worker 2 sent sample 7 after its end marker")
     """
 
 

@@ -46,7 +46,9 @@ from savable_loader._mode import SKIP, Mode
 from savable_loader._pipeline_mode import PipelineMode
 from savable_loader._rank_zero import derive_state, entries_of_every_rank
 from savable_loader._sampler_mode import SamplerMode
+from savable_loader._seeds import engine_generator_seed
 from savable_loader._sigchld import install, loader_call
+from savable_loader._torch_internals import loader_iterator, set_loader_iterator, shutdown_workers
 from savable_loader._version import __version__
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
@@ -64,10 +66,11 @@ from savable_loader.errors import (
     RestoreKeyError,
     SavableLoaderError,
     StateError,
+    UsageTypeError,
     WorkerError,
     WorkerTimeoutError,
 )
-from savable_loader.rng import LEGACY_SEED_FORMULA, SEED_FORMULA, derive_seed, item_seed
+from savable_loader.rng import LEGACY_SEED_FORMULA, SEED_FORMULA
 from savable_loader.sources.samplers import order_sampler
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import PipelinePosition, RankState, RestoreKey
@@ -308,13 +311,13 @@ class SavableDataLoader(DataLoader[T_co]):
     def _iterator(self) -> Any:
         """torch's iterator of the persistent workers (torch's attribute; frameworks reset it)."""
         engine = self.__dict__.get("_engine")
-        return None if engine is None else engine._iterator
+        return None if engine is None else loader_iterator(engine)
 
     @_iterator.setter
     def _iterator(self, value: Any) -> None:
         engine = self.__dict__.get("_engine")
         if engine is not None:
-            engine._iterator = value
+            set_loader_iterator(engine, value)
 
     @property
     def _persistent(self) -> bool:
@@ -326,7 +329,7 @@ class SavableDataLoader(DataLoader[T_co]):
         """An iterator over the next epoch (or the rest of a restored one). The iteration
         begins at its first ``next()``: an iterator never advanced consumes nothing, as a
         torch iterator over a random sampler draws nothing before its first batch."""
-        if self.num_workers > 0 and not (self._persistent and self._engine._iterator is not None):
+        if self.num_workers > 0 and not (self._persistent and loader_iterator(self._engine) is not None):
             self.check_worker_number_rationality()  # torch's warning, when torch's iter() gives it
         return SavableIterator(self)
 
@@ -349,9 +352,9 @@ class SavableDataLoader(DataLoader[T_co]):
                 # Fabric set its per-process count (0 again after a resume): use the epoch
                 # an uninterrupted run has here, as the loader's own order does
                 self._set_sampler_epochs(epoch)
-            reuse = self._persistent and self._engine._iterator is not None
+            reuse = self._persistent and loader_iterator(self._engine) is not None
             if reuse and not mode.workers_reusable():  # (see PipelineMode.workers_reusable)
-                self._shutdown(self._engine._iterator)
+                self._shutdown(loader_iterator(self._engine))
                 reuse = False
             iteration = mode.begin(epoch, resume, self._mp_context(), reuse)
             self._pending = None
@@ -359,7 +362,7 @@ class SavableDataLoader(DataLoader[T_co]):
             self._started += 1
             record = Record(iteration, self._started, beside=bool(live))
             self._records = [r for r in self._records if r.fate is Fate.LIVE] + [record]
-            self._engine.generator.manual_seed(item_seed(derive_seed(self.seed, "workers", epoch)))  # type: ignore[union-attr]
+            self._engine.generator.manual_seed(engine_generator_seed(self.seed, epoch))
             try:
                 with loader_call():
                     torch_iter = iter(self._engine)
@@ -458,11 +461,9 @@ class SavableDataLoader(DataLoader[T_co]):
         torch iterator is freed: an error's traceback holds it in a reference cycle, and
         when the cycle collector frees it, its queues may be finalised first, so that its
         workers never get the stop signal and are killed after a 5 s join timeout each."""
-        shutdown = getattr(torch_iter, "_shutdown_workers", None)
-        if callable(shutdown):
-            shutdown()
-        if torch_iter is not None and self._engine._iterator is torch_iter:
-            self._engine._iterator = None  # persistent workers: start new ones next time
+        shutdown_workers(torch_iter)
+        if torch_iter is not None and loader_iterator(self._engine) is torch_iter:
+            set_loader_iterator(self._engine, None)  # persistent workers: start new ones next time
 
     @property
     def _torch_iter(self) -> Any:
@@ -544,7 +545,7 @@ class SavableDataLoader(DataLoader[T_co]):
             else:
                 return len(self)
         if left is None:
-            raise TypeError(f"the number of batches left is unknown ({type(self._mode).__name__} has no length)")
+            raise UsageTypeError(f"the number of batches left is unknown ({type(self._mode).__name__} has no length)")
         return left
 
     # -- state ------------------------------------------------------------------------
@@ -669,8 +670,8 @@ class SavableDataLoader(DataLoader[T_co]):
             self._pending = position
             self._next_epoch = position.epoch + 1
             mode.restored()
-            if self._engine._iterator is not None:  # persistent workers start anew
-                self._shutdown(self._engine._iterator)
+            if loader_iterator(self._engine) is not None:  # persistent workers start anew
+                self._shutdown(loader_iterator(self._engine))
 
     def _restore_resized(self, states: list[RankState], world_size: int) -> None:
         if not self._mode.resizable:

@@ -22,10 +22,9 @@ Example::
 
 from __future__ import annotations
 
-import _random
 import hashlib
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from savable_loader._torch_internals import C_RANDOM_SEED, PY_RANDOM
 from savable_loader.errors import StateError
 
 __all__ = [
@@ -108,8 +108,8 @@ def item_seed(seed: int, formula: int = SEED_FORMULA) -> int:
 
 # Python's module-level random functions are bound methods of one hidden instance; seeding
 # it through the C method skips Random.seed's Python-level argument checks (~0.5 µs).
-_PY_RANDOM: random.Random = random.seed.__self__  # type: ignore[attr-defined]
-_PY_SEED = _random.Random.seed
+_PY_RANDOM: random.Random = PY_RANDOM
+_PY_SEED = C_RANDOM_SEED
 _NP_SEED = np.random.seed
 _TORCH_SEED = torch.default_generator.manual_seed
 
@@ -215,7 +215,7 @@ def capture_kind(gen: Any) -> str | None:
     return None
 
 
-def _plain_bitgen(state: dict[str, Any]) -> dict[str, Any]:
+def _plain_bitgen(state: Mapping[str, Any]) -> dict[str, Any]:
     # NumPy bit-generator states hold ints wider than 64 bits and arrays: make them
     # strings and lists so MessagePack can carry them.
     out: dict[str, Any] = {}

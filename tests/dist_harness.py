@@ -15,8 +15,9 @@ import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -63,7 +63,7 @@ def fake_worker(cmd: Any, res: Any, mode: str, delay: float = 0.0) -> None:
         os._exit(7)
     while True:
         try:
-            kind, request_id, epoch, index = msgspec.msgpack.decode(cmd.recv_bytes())
+            kind, request_id, _epoch, index = msgspec.msgpack.decode(cmd.recv_bytes())
         except (EOFError, OSError):
             return
         if kind != "checkpoint" or mode == "silent":

@@ -13,8 +13,11 @@ from savable_loader import errors
 from savable_loader.errors import (
     ConfigMismatchError,
     DataError,
+    DatasetContractError,
+    InternalError,
     LoaderUsageError,
     RestoreKeyError,
+    ResumeMismatchError,
     SavableLoaderError,
     StateError,
     StateFileError,
@@ -31,8 +34,12 @@ TREE = {
     StateFileError: StateError,
     ConfigMismatchError: SavableLoaderError,
     LoaderUsageError: SavableLoaderError,
+    DatasetContractError: LoaderUsageError,
+    errors.UsageTypeError: LoaderUsageError,
     RestoreKeyError: SavableLoaderError,
     DataError: SavableLoaderError,
+    ResumeMismatchError: SavableLoaderError,
+    InternalError: SavableLoaderError,
     WorkerError: SavableLoaderError,
     WorkerDiedError: WorkerError,
     WorkerTimeoutError: WorkerError,
@@ -83,7 +90,10 @@ def test_direct_parents() -> None:
 def test_builtin_bases() -> None:
     assert issubclass(LoaderUsageError, ValueError)
     assert issubclass(DataError, ValueError) and issubclass(RestoreKeyError, ValueError)
-    assert issubclass(WorkerError, RuntimeError)
+    assert issubclass(WorkerError, RuntimeError) and issubclass(InternalError, RuntimeError)
+    assert issubclass(ResumeMismatchError, AssertionError)
+    assert issubclass(errors.UsageTypeError, TypeError) and issubclass(DatasetContractError, NotImplementedError)
+    assert issubclass(errors.UnsavedRngWarning, UserWarning)
     assert issubclass(WorkerDiedError, RuntimeError) and issubclass(WorkerTimeoutError, RuntimeError)
     assert not issubclass(StateError, ValueError)
     assert issubclass(StateFileError, OSError) and not issubclass(StateError, OSError)
@@ -91,7 +101,7 @@ def test_builtin_bases() -> None:
 
 
 def test_all_exports_and_top_level_names() -> None:
-    assert sorted(errors.__all__) == sorted(c.__name__ for c in ALL)
+    assert sorted(errors.__all__) == sorted([c.__name__ for c in ALL] + ["UnsavedRngWarning"])
     assert errors.__all__ == sorted(errors.__all__)
     for cls in ALL:
         assert getattr(savable_loader, cls.__name__) is cls

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from savable_loader._permutation import ORDER_LEGACY, FeistelPermutation
+from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import counter_seed, derive_seed, item_seed, seed_global
 from savable_loader.sources.index import BatchKey, IndexedDataset, IndexPlan, IndexSampler
 from tests.common import RandomMapDataset, assert_same
@@ -128,7 +129,7 @@ def test_batches_from_mid_epoch_start_are_the_tail(batch_size, drop_last):
 def test_sampler_hands_out_the_keys_it_was_fed():
     p = plan(20, seed=1, shuffle=True, batch_size=4)
     sampler = IndexSampler()
-    with pytest.raises(RuntimeError, match="only SavableDataLoader"):
+    with pytest.raises(LoaderUsageError, match="only SavableDataLoader"):
         iter(sampler)
     keys = p.batches(2, 8)
     sampler.feed(keys)

@@ -11,14 +11,14 @@ import pytest
 pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import transformers
+from torch import nn
 
-import savable_loader as sl  # noqa: E402
-from savable_loader.integrations import transformers as integration  # noqa: E402
-from savable_loader.integrations.transformers import SavableTrainer, loader_state_path  # noqa: E402
-from tests.common import assert_same  # noqa: E402
+import savable_loader as sl
+from savable_loader.integrations import transformers as integration
+from savable_loader.integrations.transformers import SavableTrainer, loader_state_path
+from tests.common import assert_same
 
 pytestmark = pytest.mark.timeout(300)
 transformers.logging.set_verbosity_error()

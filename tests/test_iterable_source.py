@@ -68,7 +68,7 @@ def stream(ds: IterableSource, worker: int, epoch: int) -> tuple[list[Any], list
 @pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES)
 def test_resume_at_every_step_with_seek(num_workers, policy, monkeypatch):
     set_snapshot_policy(monkeypatch, policy)
-    factory = lambda: make_loader(source(wconf(1, 2, num_workers)))  # noqa: E731
+    factory = lambda: make_loader(source(wconf(1, 2, num_workers)))
     assert check_resume_everywhere(factory, 2, steps=resume_steps(num_workers, 11)) >= 9
 
 
@@ -76,7 +76,7 @@ def test_resume_at_every_step_with_seek(num_workers, policy, monkeypatch):
 @pytest.mark.parametrize(("num_workers", "policy"), [RESUME_CASES[1], RESUME_CASES[2]])
 def test_resume_at_every_step_by_replay(num_workers, policy, monkeypatch):
     set_snapshot_policy(monkeypatch, policy)
-    factory = lambda: make_loader(source(wconf(0, 1, num_workers), seek=False))  # noqa: E731
+    factory = lambda: make_loader(source(wconf(0, 1, num_workers), seek=False))
     assert check_resume_everywhere(factory, 2, steps=resume_steps(num_workers, N)) >= 7
 
 

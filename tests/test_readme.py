@@ -17,7 +17,7 @@ README = (ROOT / "README.md").read_text()
 
 
 def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    return re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
 
 
 def test_ci_runs_the_readme_test_command():

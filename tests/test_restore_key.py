@@ -18,8 +18,14 @@ import pytest
 import torch
 
 import savable_loader as sl
-from savable_loader.wrappers import BatchDataset, FilterDataset, LimitDataset, MapDataset, RepeatDataset
-from savable_loader.wrappers import ShuffleBufferDataset
+from savable_loader.wrappers import (
+    BatchDataset,
+    FilterDataset,
+    LimitDataset,
+    MapDataset,
+    RepeatDataset,
+    ShuffleBufferDataset,
+)
 from tests.common import RandomMapDataset, RangeSource, assert_same
 
 pytestmark = pytest.mark.timeout(300)

@@ -207,14 +207,14 @@ def test_resume_at_every_step(folders, num_workers, policy, monkeypatch):
 @pytest.mark.parametrize("fmt", [".pt", ".jsonl"])
 def test_resume_other_formats(folders, fmt, monkeypatch):
     set_snapshot_policy(monkeypatch, "every")
-    factory = lambda: make_loader(ShardedFileDataset(folders[fmt], wconf(0, 1, 0), strategy="exact"))  # noqa: E731
+    factory = lambda: make_loader(ShardedFileDataset(folders[fmt], wconf(0, 1, 0), strategy="exact"))
     steps = [0, 1, 5, 9, 10, 11, 20, 29, 30, 31, 44, 59, 60]  # both epochs, shard and epoch edges
     assert check_resume_everywhere(factory, 2, steps=steps) == 15
 
 
 def test_resume_oversampling_across_epochs(folders, monkeypatch):
     set_snapshot_policy(monkeypatch, "every")
-    factory = lambda: make_loader(ShardedFileDataset(folders["uneven"], wconf(1, 3, 2), strategy="oversampling"))  # noqa: E731
+    factory = lambda: make_loader(ShardedFileDataset(folders["uneven"], wconf(1, 3, 2), strategy="oversampling"))
     assert check_resume_everywhere(factory, 2, steps=resume_steps(2, 11)) == 9
 
 

@@ -30,7 +30,93 @@ def test_replace_worker_info_changes_what_get_worker_info_returns():
 
 
 def test_replace_worker_info_outside_a_worker_is_an_error():
-    with pytest.raises(RuntimeError, match="outside a DataLoader worker"):
+    with pytest.raises(RuntimeError, match="outside a DataLoader worker"):  # an InternalError
         replace_worker_info(id=1)
     assert torch_worker_id() is None
     assert torch.__version__
+
+
+# -- every private attribute and error text, against the installed torch ------------------
+
+import inspect
+import multiprocessing.queues
+import random
+import re
+
+import numpy as np
+import torch.utils.data.dataloader as torch_dataloader
+from torch.utils.data._utils import signal_handling
+
+from savable_loader import _torch_internals as ti
+
+
+class _Range(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_dataloader_iterator_attributes_exist_and_work():
+    loader = DataLoader(_Range(), batch_size=None, num_workers=1, persistent_workers=True,
+                        multiprocessing_context="fork")
+    assert ti.loader_iterator(loader) is None
+    it = iter(loader)
+    assert ti.loader_iterator(loader) is it
+    assert next(it) == 0
+    processes = ti.worker_processes(it)
+    assert len(processes) == 1 and processes[0].is_alive()
+    assert ti.pending_worker(it) in (0, None)
+    ti.shutdown_workers(it)
+    processes[0].join(10)
+    assert not processes[0].is_alive()
+    ti.set_loader_iterator(loader, None)
+    assert ti.loader_iterator(loader) is None
+
+
+def test_in_process_iterators_have_no_workers():
+    it = iter(DataLoader(_Range(), batch_size=None))
+    assert ti.worker_processes(it) == [] and ti.pending_worker(it) is None
+    ti.shutdown_workers(it)  # nothing to stop
+    assert ti.worker_processes(None) == []
+
+
+def test_a_missing_attribute_fails_loudly_naming_torch():
+    class Moved(torch_dataloader._MultiProcessingDataLoaderIter):
+        def __init__(self) -> None:  # no torch state at all
+            pass
+
+    with pytest.raises(AttributeError, match=re.escape(
+            f"_MultiProcessingDataLoaderIter._workers, which torch {torch.__version__} does not have")):
+        ti.worker_processes(Moved())
+    with pytest.raises(AttributeError, match="DataLoader._iterator"):
+        ti.loader_iterator(object())
+
+
+def test_error_texts_are_torchs():
+    source = inspect.getsource(torch_dataloader) + inspect.getsource(signal_handling)
+    assert "DataLoader timed out after" in source and ti.TIMEOUT_TEXT in "DataLoader timed out after 3 seconds"
+    assert "exited unexpectedly" in source and ti.DIED_TEXTS[0] == "exited unexpectedly"
+    assert ti.WORKER_PROCESS_TEXT in inspect.getsource(torch.utils.data._utils.worker)
+    # torch's text for several dead workers, and for one
+    text = torch_dataloader._MultiProcessingDataLoaderIter._try_get_data.__code__.co_consts
+    assert any(isinstance(c, str) and "DataLoader worker (pid(s) " in c for c in text)
+    assert ti.died_pids("DataLoader worker (pid(s) 12, 345) exited unexpectedly") == {12, 345}
+    assert ti.died_pids("DataLoader worker (pid 77) is killed by signal: Killed.") == {77}
+    assert ti.died_pids("no pid here") == set()
+
+
+def test_cpython_and_numpy_internals():
+    assert isinstance(ti.PY_RANDOM, random.Random) and random.random.__self__ is ti.PY_RANDOM
+    np.random.seed(5)
+    assert ti.numpy_global_randomstate().get_state()[1][0] == np.random.get_state()[1][0]
+    r = random.Random()
+    ti.C_RANDOM_SEED(r, 3)
+    assert r.random() == random.Random(3).random()
+    assert callable(multiprocessing.queues.Queue._on_queue_feeder_error)
+    q = multiprocessing.get_context("fork").Queue()
+    q.put("a")  # starts the feeder thread, which sends what the buffer holds
+    ti.queue_push_front(q, "x")
+    assert {q.get(timeout=10), q.get(timeout=10)} == {"a", "x"}
+    q.close()

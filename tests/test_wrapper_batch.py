@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from savable_loader.errors import LoaderUsageError
-from savable_loader.wrappers import BatchDataset, MapDataset
 from savable_loader.state import decode, encode
+from savable_loader.wrappers import BatchDataset, MapDataset
 from tests.common import RangeSource, assert_streams, check_resume_everywhere, epochs_of
 from tests.wrapper_common import (
     RESUME_CASES,
@@ -66,14 +66,14 @@ def test_resume_at_every_step(num_workers, policy, drop_last, monkeypatch):
     batch_size = 2 if num_workers == 0 else 3
     epoch_len = len(expected_batches(num_workers, batch_size, drop_last))
     steps = resume_steps(num_workers, epoch_len)
-    factory = lambda: batch_loader(num_workers, batch_size, drop_last=drop_last)  # noqa: E731
+    factory = lambda: batch_loader(num_workers, batch_size, drop_last=drop_last)
     assert check_resume_everywhere(factory, 2, steps=steps) >= 9
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_custom_collate_resumes(num_workers):
     steps = [0, 3, 6] if num_workers else None
-    factory = lambda: batch_loader(num_workers, 3, collate_fn=ids_and_draw)  # noqa: E731
+    factory = lambda: batch_loader(num_workers, 3, collate_fn=ids_and_draw)
     assert check_resume_everywhere(factory, 2, steps=steps) >= 3
 
 

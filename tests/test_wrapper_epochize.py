@@ -64,7 +64,7 @@ def test_resume_at_every_step_three_epochs(num_workers, policy, monkeypatch):
 
 
 def test_resume_persistent_workers():
-    factory = lambda: epochized(2, persistent_workers=True)  # noqa: E731
+    factory = lambda: epochized(2, persistent_workers=True)
     assert check_resume_everywhere(factory, 3, steps=[0, 3, LENGTH, 2 * LENGTH + 1, 3 * LENGTH]) == 7
 
 
@@ -170,7 +170,7 @@ def test_resume_at_every_step_without_replay(num_workers, policy, persistent, mo
     set_snapshot_policy(monkeypatch, policy)
     with warnings.catch_warnings():
         warnings.simplefilter("error", EpochizeReplayWarning)
-        factory = lambda: epochized(num_workers, persistent_workers=persistent)  # noqa: E731
+        factory = lambda: epochized(num_workers, persistent_workers=persistent)
         assert check_resume_everywhere(factory, 4) >= 4 * LENGTH
 
 
@@ -205,7 +205,7 @@ def test_restore_sample_of_samples_buffered_across_epochs():
     # a shuffle buffer inside holds samples drawn in one loader epoch and yielded in the
     # next: their keys must not depend on the loader epoch (the inner runs in its passes)
     wc = make_wc(0)
-    factory = lambda: EpochizeDataset(ShuffleBufferDataset(RepeatDataset(RangeSource(N, wc)), 4), LENGTH)  # noqa: E731
+    factory = lambda: EpochizeDataset(ShuffleBufferDataset(RepeatDataset(RangeSource(N, wc)), 4), LENGTH)
     assert check_restore_samples(factory, epochs=3, count=3 * LENGTH) == 3 * LENGTH
 
 

@@ -22,7 +22,7 @@ def test_same_stream_and_resume(num_workers):
     wc = make_wc(num_workers)
     plain = epochs_of(make_loader(RangeSource(N, wc)), 2)
     # generation 0, no freeze: full collections of the test process's heap are slow (see below)
-    factory = lambda: make_loader(GcDataset(RangeSource(N, wc), 3, generation=0, freeze=False))  # noqa: E731
+    factory = lambda: make_loader(GcDataset(RangeSource(N, wc), 3, generation=0, freeze=False))
     assert_streams(epochs_of(factory(), 2)[1], plain[1], "with GcDataset")
     steps = None if num_workers == 0 else [0, 5, N, 2 * N]
     assert check_resume_everywhere(factory, 2, steps=steps) >= 4

@@ -60,7 +60,7 @@ def batch_ids(batch) -> list[int]:
 @pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES_FAST)
 def test_resume_at_every_step(num_workers, policy, monkeypatch):
     set_snapshot_policy(monkeypatch, policy)
-    factory = lambda: make_loader(grouped(num_workers))  # noqa: E731
+    factory = lambda: make_loader(grouped(num_workers))
     epoch_len = len(list(factory()))
     assert check_resume_everywhere(factory, 2, steps=resume_steps(num_workers, epoch_len)) >= 9
 
@@ -146,7 +146,7 @@ def test_group_keys_of_subclasses_and_numpy_scalars_resume_exactly(key_fn, monke
     # a state refuses tuple / int subclasses: the buckets hold the plain value the key
     # equals (same buckets), so that a snapshot can be taken while a bucket is partial
     set_snapshot_policy(monkeypatch, "every")
-    factory = lambda: make_loader(GroupBatchDataset(RangeSource(N, make_wc(0)), 3, key_fn))  # noqa: E731
+    factory = lambda: make_loader(GroupBatchDataset(RangeSource(N, make_wc(0)), 3, key_fn))
     assert check_resume_everywhere(factory, 2) >= 2 * 8
     loader = factory()
     it = iter(loader)
@@ -158,7 +158,7 @@ def test_group_keys_of_subclasses_and_numpy_scalars_resume_exactly(key_fn, monke
 
 def test_group_keys_are_bucketed_by_value():
     wc = make_wc(0)
-    ids = lambda b: [int(x[0]) for x in b]  # noqa: E731
+    ids = lambda b: [int(x[0]) for x in b]
     plain = GroupBatchDataset(RangeSource(12, wc), 2, lambda x: int(x[0]) % 3, collate_fn=ids)
     numpy = GroupBatchDataset(RangeSource(12, wc), 2, lambda x: np.int8(int(x[0]) % 3), collate_fn=ids)
     assert list(numpy) == list(plain) == [[0, 3], [1, 4], [2, 5], [6, 9], [7, 10], [8, 11]]

@@ -53,7 +53,7 @@ def test_resume_at_every_step(num_workers, policy, monkeypatch):
     set_snapshot_policy(monkeypatch, policy)
     wc = make_wc(num_workers)
     steps = resume_steps(num_workers, LENGTH)
-    factory = lambda: make_loader(LimitDataset(RangeSource(N, wc), LENGTH))  # noqa: E731
+    factory = lambda: make_loader(LimitDataset(RangeSource(N, wc), LENGTH))
     assert check_resume_everywhere(factory, 2, steps=steps) >= 9
 
 
@@ -63,7 +63,7 @@ def test_resume_fixed_length_epochs_over_repeat(num_workers, policy, monkeypatch
     wc = make_wc(num_workers)
     length = 17
     steps = resume_steps(num_workers, length)
-    factory = lambda: make_loader(LimitDataset(RepeatDataset(EpochShuffledSource(5 * max(num_workers, 1), wc)), length))  # noqa: E731
+    factory = lambda: make_loader(LimitDataset(RepeatDataset(EpochShuffledSource(5 * max(num_workers, 1), wc)), length))
     assert check_resume_everywhere(factory, 2, steps=steps) >= 9
 
 

@@ -57,7 +57,7 @@ def test_logs_name_the_samples_yielded(num_workers, tmp_path):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_and_index_goes_on(num_workers, tmp_path):
     wc = make_wc(num_workers)
-    factory = lambda: make_loader(LogSampleDataset(RangeSource(N, wc), tmp_path))  # noqa: E731
+    factory = lambda: make_loader(LogSampleDataset(RangeSource(N, wc), tmp_path))
     steps = None if num_workers == 0 else [0, 4, N, 2 * N - 1]
     assert check_resume_everywhere(factory, 2, steps=steps) >= 4
     # the last line for each (epoch, index) names the sample at that index

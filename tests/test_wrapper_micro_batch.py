@@ -55,7 +55,7 @@ def micro_ids(item) -> list[int]:
 @pytest.mark.parametrize(("num_workers", "policy"), RESUME_CASES_FAST)
 def test_resume_at_every_step(num_workers, policy, monkeypatch):
     set_snapshot_policy(monkeypatch, policy)
-    factory = lambda: make_loader(micro(num_workers, collate=as_dict))  # noqa: E731
+    factory = lambda: make_loader(micro(num_workers, collate=as_dict))
     epoch_len = len(list(factory()))
     assert check_resume_everywhere(factory, 2, steps=resume_steps(num_workers, epoch_len)) >= 9
 

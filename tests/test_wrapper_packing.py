@@ -71,7 +71,7 @@ CASES = [
 @pytest.mark.parametrize(("num_workers", "policy", "strategy"), CASES)
 def test_resume_at_every_step(num_workers, policy, strategy, monkeypatch):
     set_snapshot_policy(monkeypatch, policy)
-    factory = lambda: make_loader(packed(num_workers, strategy, buffer_size=4))  # noqa: E731
+    factory = lambda: make_loader(packed(num_workers, strategy, buffer_size=4))
     epoch_len = len(list(factory()))
     steps = None if num_workers == 0 else [0, 1, epoch_len // 2, epoch_len, epoch_len + 3, 2 * epoch_len]
     assert check_resume_everywhere(factory, 2, steps=steps) >= 7

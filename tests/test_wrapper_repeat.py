@@ -51,7 +51,7 @@ def test_resume_endless_repeat_cut_by_limit(num_workers, policy, monkeypatch):
     wc = make_wc(num_workers)
     workers = max(num_workers, 1)
     length = 3 * workers * 4 + 2
-    factory = lambda: make_loader(LimitDataset(RepeatDataset(RangeSource(3 * workers, wc)), length))  # noqa: E731
+    factory = lambda: make_loader(LimitDataset(RepeatDataset(RangeSource(3 * workers, wc)), length))
     assert check_resume_everywhere(factory, 2, steps=resume_steps(num_workers, length)) >= 9
 
 

@@ -172,7 +172,7 @@ class SavableTrainer(transformers.Trainer):
 
     # -- the loader -------------------------------------------------------------------
 
-    def get_train_dataloader(self) -> SavableDataLoader:  # type: ignore[override]
+    def get_train_dataloader(self) -> SavableDataLoader:
         """The training loader: a SavableDataLoader built from the Trainer's arguments,
         restored from the checkpoint ``train()`` resumes from, if any."""
         if self.train_dataset is None:
@@ -225,7 +225,7 @@ class SavableTrainer(transformers.Trainer):
 
     # -- checkpoints ------------------------------------------------------------------
 
-    def train(  # type: ignore[override]
+    def train(
         self,
         resume_from_checkpoint: str | bool | None = None,
         trial: Any = None,

@@ -1,12 +1,13 @@
 """Sources: where samples come from.
 
-* ``IndexedDataset`` / ``IndexSampler`` / ``IndexPlan``: the index source of the drop-in
-  path (built by the loader itself).
 * ``ShardedFileDataset``: a folder of ``.npy`` / ``.pt`` / ``.jsonl`` shards listed in a
   ``metadata.json`` (``write_shards`` writes one, ``read_metadata`` checks one).
 * ``IterableSource``: a user generator function with an explicit position.
 * ``TorchIterableSource``: a plain ``torch.utils.data.IterableDataset`` (the loader builds
   it for one; resumed from its ``state_dict()`` when it has one, by replay otherwise).
+
+The index source of the drop-in path (``savable_loader.sources.index``) is built by the
+loader itself and is not part of the public API.
 
 Example::
 
@@ -17,16 +18,11 @@ Example::
 """
 
 from savable_loader.sources._shard_io import open_shard, read_metadata, write_shards
-from savable_loader.sources.index import BatchKey, IndexedDataset, IndexPlan, IndexSampler
 from savable_loader.sources.iterable import IterableSource, ReplayWarning, StreamInfo
 from savable_loader.sources.sharded import ShardedFileDataset
 from savable_loader.sources.torch_iterable import TorchIterableSource
 
 __all__ = [
-    "BatchKey",
-    "IndexPlan",
-    "IndexSampler",
-    "IndexedDataset",
     "IterableSource",
     "ReplayWarning",
     "ShardedFileDataset",

@@ -34,7 +34,13 @@ from torch.utils.data import Dataset, Sampler, get_worker_info
 from savable_loader._elastic import Share, epoch_length, rank_share, share_length
 from savable_loader._owned_rng import OwnedRngs
 from savable_loader._permutation import ORDER_FEISTEL, EpochOrder
-from savable_loader.rng import SEED_FORMULA, counter_seed, derive_seed, item_seed, preserve_global_rng, seed_global
+from savable_loader._seeds import collate_seed, owned_stream_seed, sample_base, sample_item
+from savable_loader.errors import LoaderUsageError
+from savable_loader.rng import (
+    SEED_FORMULA,
+    preserve_global_rng,
+    seed_global,
+)
 from savable_loader.state.schema import IndexStage
 
 __all__ = ["BatchKey", "IndexPlan", "IndexSampler", "IndexedDataset"]
@@ -188,7 +194,7 @@ class IndexSampler(Sampler[BatchKey]):
 
     def __iter__(self) -> Iterator[BatchKey]:
         if self._next is None:
-            raise RuntimeError("IndexSampler iterated without keys: only SavableDataLoader iterates it")
+            raise LoaderUsageError("IndexSampler iterated without keys: only SavableDataLoader iterates it")
         return self._next
 
 
@@ -260,30 +266,29 @@ class IndexedDataset(Dataset):
         owned = OwnedRngs.cached(self.__dict__, dataset, self.collate_fn, self._owned_seed(), key.epoch)
         many = _own_getitems(dataset) if self.batched else None
         if many is not None or self.reseed == "batch":
-            seed_global(item_seed(counter_seed(base, key.positions[0]), formula))
+            seed_global(sample_item(base, key.positions[0], formula))
             owned.seed_sample(key.positions[0])
             samples = many(list(key.indices)) if many is not None else [dataset[index] for index in key.indices]
         else:
             samples = []
             for position, index in zip(key.positions, key.indices):
-                seed_global(item_seed(counter_seed(base, position), formula))
+                seed_global(sample_item(base, position, formula))
                 owned.seed_sample(position)
                 samples.append(dataset[index])
-        collate_seed = derive_seed(self.seed, "collate", key.epoch, key.positions[0])
-        seed_global(item_seed(collate_seed, formula))
+        seed_global(collate_seed(self.seed, key.epoch, key.positions[0], formula))
         owned.seed_collate(key.positions[0])
         return self.collate_fn(samples if self.batched else samples[0])
 
     def _owned_seed(self) -> int:
         """The seed of the owned generators' streams: the loader's seed for the loader's
         own (global) positions, salted like the global RNGs' for other streams."""
-        return self.seed if self.salt == ("sample",) else derive_seed(self.seed, *self.salt)
+        return owned_stream_seed(self.seed, tuple(self.salt))
 
     def _sample_base(self, epoch: int) -> int:
         cached = self.__dict__.get("_base")
         if cached is not None and cached[0] == (self.seed, epoch):
             return cached[1]
-        base = derive_seed(self.seed, *self.salt, epoch)
+        base = sample_base(self.seed, tuple(self.salt), epoch)
         self.__dict__["_base"] = ((self.seed, epoch), base)
         return base
 
@@ -300,4 +305,4 @@ def _own_getitems(dataset: Any) -> Callable[[list[Any]], Any] | None:
     method = getattr(type(dataset), "__getitems__", None)
     if method is None or getattr(method, "__module__", "").startswith("torch.utils.data"):
         return None
-    return dataset.__getitems__  # type: ignore[no-any-return]
+    return dataset.__getitems__

@@ -58,7 +58,7 @@ from torch.utils.data import (
 
 from savable_loader._frameworks import fabric_iterating, rebuild_error, rebuilt_by
 from savable_loader._values import freeze, from_plain, to_plain
-from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StateError
+from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StateError, UsageTypeError
 from savable_loader.rng import (
     capture_generator,
     capture_global,
@@ -289,7 +289,7 @@ def plain_indices(indices: Any) -> Any:
     try:
         return msgspec.to_builtins(indices, enc_hook=_plain_hook)
     except (NotImplementedError, TypeError) as e:
-        raise TypeError(f"the sampler yielded an index with no plain form: {e}") from None
+        raise UsageTypeError(f"the sampler yielded an index with no plain form: {e}") from None
 
 
 def index_digest(digest: Any, indices: Any) -> None:
@@ -431,7 +431,7 @@ def order_sampler(loader: Any, shuffle: bool, world_size: int) -> OrderSampler:
     return RandomOrderSampler(loader) if shuffle else SequentialOrderSampler(loader)
 
 
-class DistributedOrderSampler(OrderSampler, DistributedSampler):  # type: ignore[type-arg,misc,override]
+class DistributedOrderSampler(OrderSampler, DistributedSampler):  # type: ignore[override]
     """``loader.sampler`` of a loader that builds its own order over several data-parallel
     ranks: a ``torch.utils.data.DistributedSampler``, so that frameworks that split a
     loader's data over ranks (Lightning's Trainer and Fabric) see that it is split already

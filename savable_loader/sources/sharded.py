@@ -54,10 +54,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from savable_loader._seeds import shard_order_seed, shard_samples_seed
 from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import DataError, LoaderUsageError, RestoreKeyError
-from savable_loader.rng import derive_seed
 from savable_loader.sources._shard_io import Metadata, ShardReader, open_shard, read_metadata
 
 __all__ = ["STRATEGIES", "ShardedFileDataset"]
@@ -72,7 +72,7 @@ class _Layout:
     def __init__(self, counts: np.ndarray, seed: int, key: tuple[int, ...], shuffle: bool) -> None:
         self.seed, self.key, self.shuffle = seed, key, shuffle
         if shuffle:
-            rng = np.random.Generator(np.random.PCG64(derive_seed(seed, "shard-order", *key)))
+            rng = np.random.Generator(np.random.PCG64(shard_order_seed(seed, tuple(key))))
             self.order = rng.permutation(len(counts))
         else:
             self.order = np.arange(len(counts))
@@ -88,7 +88,7 @@ class _Layout:
         """The order in which the rows of ``shard`` are read in this epoch."""
         if not self.shuffle:
             return np.arange(count)
-        rng = np.random.Generator(np.random.PCG64(derive_seed(self.seed, "shard-samples", *self.key, shard)))
+        rng = np.random.Generator(np.random.PCG64(shard_samples_seed(self.seed, tuple(self.key), shard)))
         return rng.permutation(count)
 
 

@@ -53,6 +53,7 @@ from torch.utils.data import (
     graph_settings,
 )
 
+from savable_loader._seeds import datapipe_shuffle_seed, torch_iterable_base, torch_worker_info_seed
 from savable_loader._torch_internals import replace_worker_info
 from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.dataset import SavableDataset, type_name
@@ -60,7 +61,6 @@ from savable_loader.errors import DataError, LoaderUsageError, StateError
 from savable_loader.rng import (
     SEED_FORMULA,
     counter_seed,
-    derive_seed,
     item_seed,
     seed_global,
 )
@@ -95,7 +95,7 @@ def _name(dataset: Any) -> str:
 def torch_worker_seed(worker_config: WorkerConfig, worker: int, epoch: int) -> int:
     """``get_worker_info().seed`` of logical ``worker`` in ``epoch``: below 2**63, as torch's."""
     wc = worker_config
-    return item_seed(derive_seed(wc.seed, "torch-worker-info", int(wc.rank or 0), worker, epoch, *active_repetitions()))
+    return torch_worker_info_seed(wc.seed, int(wc.rank or 0), worker, epoch, active_repetitions())
 
 
 class TorchIterableSource(SavableDataset):
@@ -242,7 +242,7 @@ def _prepare_datapipe(pipe: IterDataPipe, wc: WorkerConfig, worker: int, epoch: 
     else:
         total, index = world_size, rank
     graph_settings.apply_sharding(pipe, total, index)
-    shared = torch.Generator().manual_seed(item_seed(derive_seed(wc.seed, "datapipe-shuffle", epoch, *active_repetitions())))
+    shared = torch.Generator().manual_seed(datapipe_shuffle_seed(wc.seed, epoch, active_repetitions()))
     graph_settings.apply_random_seed(pipe, shared)
 
 
@@ -264,7 +264,7 @@ class _Iteration:
         self.source = source
         wc = source.worker_config
         worker, epoch = wc.rank_worker_id(), wc.active_epoch()
-        self.base = derive_seed(wc.seed, "torch-iterable", int(wc.rank or 0), worker, epoch, *active_repetitions())
+        self.base = torch_iterable_base(wc.seed, int(wc.rank or 0), worker, epoch, active_repetitions())
         self.ended = False
         target = source.dataset
         restored = source.user_state

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -41,7 +41,7 @@ _MAX_ITEMSIZE = (1 << 31) - 1  # NumPy's limit for U / S, and for a time unit's 
 _MAX_NDIM = 32
 _LIBRARIES = ("torch", "numpy", "numpy-scalar")
 
-_TopLevel = Union[RankState, GlobalState]
+_TopLevel = RankState | GlobalState
 
 
 class _Peek(msgspec.Struct):
@@ -222,7 +222,7 @@ def decode(data: bytes | bytearray | memoryview) -> RankState | list[RankState]:
                     f"savable-loader ({__version__}) reads versions up to {SCHEMA_VERSION}: upgrade savable-loader"
                 )
         return list(obj.ranks)
-    return obj
+    return obj  # type: ignore[no-any-return]
 
 
 def encode_part(obj: Any) -> bytes:

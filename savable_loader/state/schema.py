@@ -57,7 +57,7 @@ class ArrayValue:
         ArrayValue(library="numpy-scalar", dtype="float32", shape=(), data=b"\x00\x00\xc0?")  # 1.5
     """
 
-    __slots__ = ("library", "dtype", "shape", "data")
+    __slots__ = ("data", "dtype", "library", "shape")
 
     def __init__(self, *, library: str, dtype: str, shape: tuple[int, ...], data: bytes) -> None:
         self.library = library

@@ -8,7 +8,7 @@ from typing import Any
 from torch.utils.data import default_collate
 
 from savable_loader.dataset import SavableDataset
-from savable_loader.errors import LoaderUsageError, RestoreKeyError
+from savable_loader.errors import LoaderUsageError, RestoreKeyError, UsageTypeError
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["BatchDataset"]
@@ -44,7 +44,7 @@ class BatchDataset(BaseWrapperDataset):
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise LoaderUsageError(f"BatchDataset batch_size must be a positive int, got {batch_size!r}")
         if collate_fn is not None and not callable(collate_fn):
-            raise TypeError(f"BatchDataset collate_fn must be callable, got {collate_fn!r}")
+            raise UsageTypeError(f"BatchDataset collate_fn must be callable, got {collate_fn!r}")
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.collate_fn = default_collate if collate_fn is None else collate_fn

@@ -6,9 +6,9 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from savable_loader._seeds import draw
 from savable_loader.dataset import SavableDataset, wrap_key
 from savable_loader.errors import LoaderUsageError
-from savable_loader.rng import counter_seed
 from savable_loader.wrappers.base import check_datasets, split_index_key
 
 __all__ = ["BlendDataset"]
@@ -79,7 +79,7 @@ class BlendDataset(SavableDataset):
     def _choose(self) -> int:
         """The index of the next dataset to draw from, among those still alive."""
         total = sum(w for w, a in zip(self.weights, self.alive) if a)
-        u = counter_seed(self.seed, self.draws) / 2.0**64 * total
+        u = draw(self.seed, self.draws) / 2.0**64 * total
         self.draws += 1
         acc = 0.0
         last = 0

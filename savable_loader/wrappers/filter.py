@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from savable_loader.dataset import SavableDataset
+from savable_loader.errors import UsageTypeError
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["FilterDataset"]
@@ -22,7 +23,7 @@ class FilterDataset(BaseWrapperDataset):
     def __init__(self, dataset: SavableDataset, predicate: Callable[[Any], bool]) -> None:
         super().__init__(dataset)
         if not callable(predicate):
-            raise TypeError(f"FilterDataset predicate must be callable, got {predicate!r}")
+            raise UsageTypeError(f"FilterDataset predicate must be callable, got {predicate!r}")
         self.predicate = predicate
 
     def __iter__(self) -> Iterator[Any]:

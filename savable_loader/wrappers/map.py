@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from savable_loader.dataset import SavableDataset
+from savable_loader.errors import UsageTypeError
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["MapDataset"]
@@ -26,7 +27,7 @@ class MapDataset(BaseWrapperDataset):
     def __init__(self, dataset: SavableDataset, fn: Callable[[Any], Any]) -> None:
         super().__init__(dataset)
         if not callable(fn):
-            raise TypeError(f"MapDataset fn must be callable, got {fn!r}")
+            raise UsageTypeError(f"MapDataset fn must be callable, got {fn!r}")
         self.fn = fn
 
     def __iter__(self) -> Iterator[Any]:

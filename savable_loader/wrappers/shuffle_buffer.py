@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from savable_loader._seeds import draw
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError
-from savable_loader.rng import counter_seed
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["ShuffleBufferDataset"]
@@ -55,7 +55,7 @@ class ShuffleBufferDataset(BaseWrapperDataset):
 
     def _pick(self) -> Any:
         buffer, keys = self.buffer, self.keys
-        i = counter_seed(self.seed, self.draws) % len(buffer)
+        i = draw(self.seed, self.draws) % len(buffer)
         self.draws += 1
         buffer[i], buffer[-1] = buffer[-1], buffer[i]
         key = None

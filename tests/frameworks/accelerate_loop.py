@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import set_seed  # noqa: E402
+import _common as c
+from accelerate import Accelerator
+from accelerate.utils import set_seed
 
-import savable_loader as sl  # noqa: E402
+import savable_loader as sl
 
 OUT, RUN, HOW = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 EPOCHS = 3

@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
-from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
+import _common as c
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
-import savable_loader as sl  # noqa: E402
+import savable_loader as sl
 
 OUT, RUN = Path(sys.argv[1]), sys.argv[2]
 EPOCHS = 3

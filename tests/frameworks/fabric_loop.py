@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
-import lightning as L  # noqa: E402
+import _common as c
+import lightning as L
 
-import savable_loader as sl  # noqa: E402
+import savable_loader as sl
 
 OUT, RUN, DEVICES = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 EPOCHS = 3

@@ -18,14 +18,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
-import datasets  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch import nn  # noqa: E402
+import _common as c
+import datasets
+import numpy as np
+import torch
+import transformers
+from torch import nn
 
-import savable_loader as sl  # noqa: E402
+import savable_loader as sl
 
 OUT, RUN, HOW = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 datasets.disable_progress_bars()

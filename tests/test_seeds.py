@@ -1,0 +1,73 @@
+"""Golden values of every seed formula (savable_loader._seeds): the streams of every
+saved state depend on them, so a refactor that changes one must fail here. And no module
+but ``_seeds`` (and the primitives in ``rng``) derives a seed from a namespace."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import savable_loader
+from savable_loader import _seeds as S
+
+GOLDEN = [
+    ("permutation_seed", S.permutation_seed(7, 3), 14449798435301780519),
+    ("sample_base", S.sample_base(7, ("sample",), 3), 10093222609530028193),
+    ("sample_item", S.sample_item(12345, 17, 2), 168974444027492382),
+    ("sample_item formula 1", S.sample_item(12345, 17, 1), 9392346480882268190),
+    ("collate_seed", S.collate_seed(7, 3, 16, 2), 2459627284196217753),
+    ("owned_stream_seed", S.owned_stream_seed(7, ("sampler", 1)), 11309229396052606201),
+    ("owned_stream_seed own order", S.owned_stream_seed(7, ("sample",)), 7),
+    ("owned_rng_base", S.owned_rng_base(7, 3, "dataset.rng"), 3540287442383536900),
+    ("pcg_increment", S.pcg_increment(99), 131498591603535047220450273677562599765),
+    ("engine_generator_seed", S.engine_generator_seed(7, 3), 7125898274847677007),
+    ("sampler_seed", S.sampler_seed(7, 1, 3), 10008236550795204982),
+    ("pipeline_base", S.pipeline_base(7, 1, 2, 3), 2177723346779873004),
+    ("pipeline_item", S.pipeline_item(12345, 5, 2), 6217189988962137646),
+    ("key_seed", S.key_seed(7, 3, (1,), "RangeSource", "[4]"), 6358320015103172491),
+    ("worker_seed", S.worker_seed(7, 1, 2), 8296181787550485606),
+    ("worker_epoch_seed", S.worker_epoch_seed(7, 1, 2, 3, (4,)), 9593139345557521410),
+    ("draw", S.draw(12345, 6), 2262534019502804546),
+    ("feistel_key", S.feistel_key(7, 3), 12199752852984971372),
+    ("shard_order_seed", S.shard_order_seed(7, (3, 1)), 13128273705462840260),
+    ("shard_samples_seed", S.shard_samples_seed(7, (3, 1), 5), 7841282420573183072),
+    ("torch_iterable_base", S.torch_iterable_base(7, 1, 2, 3, (4,)), 17581849285874706381),
+    ("torch_worker_info_seed", S.torch_worker_info_seed(7, 1, 2, 3, (4,)), 8788869791747196609),
+    ("datapipe_shuffle_seed", S.datapipe_shuffle_seed(7, 3, (4,)), 6035231451759496595),
+]
+
+
+@pytest.mark.parametrize(("name", "got", "want"), GOLDEN, ids=[g[0] for g in GOLDEN])
+def test_golden_values(name: str, got: int, want: int) -> None:
+    assert got == want, f"{name} changed: every stream it seeds (and every saved state) would change"
+
+
+def test_every_formula_is_pinned() -> None:
+    pinned = {name.split()[0] for name, _, _ in GOLDEN}
+    assert pinned == set(S.__all__) - {"NAMESPACES"}
+
+
+def test_item_seeds_of_formula_2_are_below_2_63() -> None:
+    assert all(S.sample_item(b, p, 2) < 2**63 for b in (0, 2**64 - 1, 12345) for p in range(50))
+
+
+def test_only_the_seeds_module_names_namespaces() -> None:
+    root = Path(savable_loader.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name in ("_seeds.py", "rng.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "derive_seed":
+                offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not offenders, f"seed formulas outside savable_loader/_seeds.py: {offenders}"
+
+
+def test_namespaces_are_the_ones_used() -> None:
+    source = Path(S.__file__).read_text().split("NAMESPACES = (", 1)[1]
+    used = set(re.findall(r'derive_seed\([^)]*?"([a-z-]+)"', source))
+    # "sample" is the salt of the loader's own order (sample_base's salt argument)
+    assert used | {"sample"} == set(S.NAMESPACES)
