@@ -79,7 +79,6 @@ __all__ = ["SavableDataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
 
-_DEFAULT_SAVE_TIMEOUT = 60.0
 
 
 class _Engine(DataLoader[Any]):
@@ -99,7 +98,8 @@ class SavableDataLoader(DataLoader[T_co]):
     (a :class:`~savable_loader.WorkerConfig`: rank, world size, workers, seed),
     ``snapshot_every_n_steps`` (accepted for torchdata's ``StatefulDataLoader``
     programs and ignored: every step can be saved here at no cost), ``save_timeout``
-    (seconds a pipeline save may wait for a worker) and ``reseed`` (map-style datasets:
+    (deprecated and without effect: a save never waits on a worker; passing it warns)
+    and ``reseed`` (map-style datasets:
     ``"sample"``, the default, re-seeds the global RNGs before every sample; ``"batch"``
     once per batch, for samples of a few microseconds: see docs/performance.md for what
     each keeps). Example::
@@ -165,7 +165,7 @@ class SavableDataLoader(DataLoader[T_co]):
         seed: int | None = None,
         worker_config: WorkerConfig | None = None,
         snapshot_every_n_steps: int | None = None,
-        save_timeout: float = _DEFAULT_SAVE_TIMEOUT,
+        save_timeout: float | None = None,
         reseed: str = "sample",
     ) -> None:
         if num_workers < 0:  # before the WorkerConfig check, with torch's message
@@ -207,6 +207,8 @@ class SavableDataLoader(DataLoader[T_co]):
         self._worker_config = wc
         self._seed = wc.seed
         self.snapshot_every_n_steps = snapshot_every_n_steps
+        #: Deprecated, without effect (see ``check_our_arguments``); kept for frameworks
+        #: that rebuild a DataLoader from its instance attributes.
         self.save_timeout = save_timeout
         self._mode: Mode = make_mode()
         self._engine = self._make_engine(worker_init_fn, pin_memory, timeout, prefetch_factor, pin_memory_device)
@@ -356,7 +358,7 @@ class SavableDataLoader(DataLoader[T_co]):
             if reuse and not mode.workers_reusable():  # (see PipelineMode.workers_reusable)
                 self._shutdown(loader_iterator(self._engine))
                 reuse = False
-            iteration = mode.begin(epoch, resume, self._mp_context(), reuse)
+            iteration = mode.begin(epoch, resume, reuse)
             self._pending = None
             self._next_epoch = epoch + 1
             self._started += 1
@@ -374,7 +376,6 @@ class SavableDataLoader(DataLoader[T_co]):
             RUNNING[id(record)] = torch_iter
             if self.num_workers > 0:
                 install()
-            iteration.workers_started(torch_iter)
         return record
 
     def _next(self, record: Record) -> Any:
@@ -429,8 +430,8 @@ class SavableDataLoader(DataLoader[T_co]):
                 return
             iteration = record.iteration
             if fate is Fate.ABANDONED:
-                try:  # taken now: the workers (and their pipes) are about to go
-                    record.position = iteration.position(self.save_timeout)
+                try:  # taken now: the iteration's bookkeeping is about to go
+                    record.position = iteration.position()
                 except Exception as e:  # noqa: BLE001 - raised by a later save
                     record.error = e
             record.fate = fate
@@ -470,12 +471,6 @@ class SavableDataLoader(DataLoader[T_co]):
         """torch's iterator of the most recent live iteration (None if none)."""
         live = [r for r in self._records if r.fate is Fate.LIVE]
         return live[-1].torch_iter if live else None
-
-    def _mp_context(self) -> Any:
-        ctx = self.multiprocessing_context
-        if ctx is None:
-            return torch.multiprocessing.get_context()
-        return ctx
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` starts, as ``DistributedSampler.set_epoch`` (and
@@ -602,8 +597,8 @@ class SavableDataLoader(DataLoader[T_co]):
             )
         if record.fate is Fate.LIVE:
             try:
-                with loader_call():  # a pipeline may ask its workers: deliver their deaths here
-                    return record.iteration.position(self.save_timeout, held)
+                with loader_call():  # a worker death signalled before the save is delivered here
+                    return record.iteration.position(held)
             except RuntimeError as e:
                 if isinstance(e, SavableLoaderError):
                     raise

@@ -443,7 +443,7 @@ def test_pipeline_worker_dataset_pickles_lambda_and_plan():
         pickle.dumps(ds)  # the plain pickle cannot carry the lambda
     pwd = PipelineWorkerDataset(ds, max_in_flight=5)
     starts = [None, WorkerState(worker_id=1, index=2, snapshot_index=0)]
-    pwd.set_plan(3, 1, starts, None)
+    pwd.set_plan(3, 1, starts)
     loaded = pickle.loads(pickle.dumps(pwd))
     expected = list(pwd)  # in the main process: physical 0 plays logical (0 + 1) % 2 = 1
     assert pwd.runtime is not None
