@@ -29,7 +29,9 @@ from savable_loader._version import __version__
 __all__ = [
     "ConfigMismatchError",
     "DataError",
+    "IntegrityError",
     "LoaderUsageError",
+    "RangeIgnoredError",
     "RestoreKey",
     "RestoreKeyError",
     "SavableDataLoader",
@@ -38,6 +40,7 @@ __all__ = [
     "StateError",
     "StateFileError",
     "StateVersionError",
+    "StorageError",
     "WorkerConfig",
     "WorkerDiedError",
     "WorkerError",
@@ -47,13 +50,16 @@ __all__ = [
     "rng",
     "sources",
     "state",
+    "storage",
     "wrappers",
 ]
 
 _LAZY = {
     "ConfigMismatchError": "savable_loader.errors",
     "DataError": "savable_loader.errors",
+    "IntegrityError": "savable_loader.errors",
     "LoaderUsageError": "savable_loader.errors",
+    "RangeIgnoredError": "savable_loader.errors",
     "RestoreKey": "savable_loader.state.schema",
     "RestoreKeyError": "savable_loader.errors",
     "SavableDataLoader": "savable_loader.loader",
@@ -62,12 +68,13 @@ _LAZY = {
     "StateError": "savable_loader.errors",
     "StateFileError": "savable_loader.errors",
     "StateVersionError": "savable_loader.errors",
+    "StorageError": "savable_loader.errors",
     "WorkerConfig": "savable_loader.config",
     "WorkerDiedError": "savable_loader.errors",
     "WorkerError": "savable_loader.errors",
     "WorkerTimeoutError": "savable_loader.errors",
 }
-_SUBMODULES = {"errors", "rng", "sources", "state", "wrappers"}
+_SUBMODULES = {"errors", "rng", "sources", "state", "storage", "wrappers"}
 
 
 def __getattr__(name: str) -> Any:
@@ -86,18 +93,21 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from savable_loader import errors, rng, sources, state, wrappers
+    from savable_loader import errors, rng, sources, state, storage, wrappers
     from savable_loader.config import WorkerConfig
     from savable_loader.dataset import SavableDataset
     from savable_loader.errors import (
         ConfigMismatchError,
         DataError,
+        IntegrityError,
         LoaderUsageError,
+        RangeIgnoredError,
         RestoreKeyError,
         SavableLoaderError,
         StateError,
         StateFileError,
         StateVersionError,
+        StorageError,
         WorkerDiedError,
         WorkerError,
         WorkerTimeoutError,
