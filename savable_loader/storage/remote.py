@@ -160,7 +160,7 @@ class Remote:
             config.setdefault("read_timeout", self.retry.timeout)
             options["config_kwargs"] = config
         try:
-            fs, _ = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **options)
+            fs, _ = fsspec.core.url_to_fs(self.url, **{"skip_instance_cache": True, **options})
         except ImportError as e:
             extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure",
                      "abfss": "azure", "hf": "hf", "http": "http", "https": "http"}.get(self.protocol)

@@ -96,7 +96,8 @@ _S3_CODES = {
 
 
 def _http_status(e: BaseException) -> int | None:
-    for value in (getattr(e, "status", None), getattr(e, "status_code", None), getattr(e, "code", None)):
+    for attr in ("status", "status_code", "code"):  # in this order: aiohttp deprecates .code
+        value = getattr(e, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
             return value
     response = getattr(e, "response", None)
