@@ -11,7 +11,7 @@
 on the k-th request (1-based, every request counted), ``always = fault`` on every
 request, ``delay`` slows every request down; a fault is ``"503"``, ``"429"``, ``"reset"`` (the connection is reset before an
 answer), ``"short"`` (the headers promise the whole body, half of it is sent, then the
-connection closes) or ``"stall"`` (nothing is sent for ``stall_seconds``). ``log``
+connection closes; on a HEAD or an empty body it moves to the next request) or ``"stall"`` (nothing is sent for ``stall_seconds``). ``log``
 records ``(method, path, range header, status or fault)`` of every request.
 """
 
@@ -100,6 +100,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _send(self, method: str, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
         short = getattr(self, "_pending_short", False) and method == "GET" and len(body) > 1
+        if getattr(self, "_pending_short", False) and not short:  # nothing to cut: the next request's
+            faults = self.server.faults
+            with faults.lock:
+                later = next(k for k in range(faults.count + 1, faults.count + 1000) if k not in faults.plan)
+                faults.plan[later] = "short"
         self.server.faults.record(method, self.path, self.headers.get("Range", ""), "short" if short else str(status))
         self.send_response(status)
         for k, v in headers:
@@ -124,10 +129,10 @@ class _Server(http.server.ThreadingHTTPServer):
 class _FileHandler(_Handler):
     server: _FileServerImpl
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._serve("HEAD")
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._serve("GET")
 
     def _serve(self, method: str) -> None:
@@ -138,7 +143,7 @@ class _FileHandler(_Handler):
             self._send(method, 404, [("Content-Length", "0")], b"")
             return
         data = path.read_bytes()
-        etag = hashlib.md5(data).hexdigest()  # noqa: S324 - an ETag, as S3 makes them
+        etag = hashlib.md5(data).hexdigest()
         headers = [("ETag", f'"{etag}"'), ("Accept-Ranges", "bytes")]
         rng = self.headers.get("Range")
         match = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "")
@@ -183,7 +188,7 @@ class _ProxyHandler(_Handler):
         finally:
             conn.close()
 
-    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward  # noqa: N815
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
 
 class _ProxyImpl(_Server):
@@ -267,7 +272,7 @@ class MotoServer:
                 "client_kwargs": {"region_name": "us-east-1"}}
 
     def bucket(self, name: str, files: dict[str, bytes]) -> None:
-        import boto3  # noqa: PLC0415 - only with moto
+        import boto3
 
         s3 = boto3.client("s3", endpoint_url=self.url, aws_access_key_id="testing",
                           aws_secret_access_key="testing", region_name="us-east-1")

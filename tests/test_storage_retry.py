@@ -67,7 +67,7 @@ class RedisError(Exception):
     pass
 
 
-class ConnectionError(RedisError):  # noqa: A001 - redis names its class so
+class ConnectionError(RedisError):
     pass
 
 

@@ -58,8 +58,7 @@ def normalize_etag(value: Any) -> str | None:
     if value is None:
         return None
     text = str(value).strip()
-    if text.startswith("W/"):
-        text = text[2:]
+    text = text.removeprefix("W/")
     return text.strip('"')
 
 
@@ -149,7 +148,7 @@ class Remote:
 
     def _open_filesystem(self) -> Any:
         try:
-            import fsspec  # noqa: PLC0415 - imported on first remote use only
+            import fsspec
         except ImportError as e:  # pragma: no cover - fsspec is a dependency
             raise StorageError(f"{self.url}: reading remote files needs fsspec ({e})", self.url) from e
         options = copy.deepcopy(self.storage_options)
@@ -167,7 +166,7 @@ class Remote:
             hint = f"pip install 'savable_loader[{extra}]'" if extra else "install the fsspec backend it names"
             raise StorageError(f"{self.url}: the {self.protocol!r} backend is not installed ({e}); {hint}",
                                self.url) from e
-        except Exception as e:  # noqa: BLE001 - a bad option or URL: say where
+        except Exception as e:
             raise StorageError(f"{self.url}: cannot open the filesystem ({type(e).__name__}: {e})", self.url) from e
         if self.protocol in ("s3", "s3a") and isinstance(getattr(fs, "retries", None), int):
             fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option): ours decides
@@ -178,7 +177,7 @@ class Remote:
         fs = self.filesystem()
         path = fs._strip_protocol(url)
         if getattr(fs, "async_impl", False):
-            from fsspec.asyn import sync  # noqa: PLC0415
+            from fsspec.asyn import sync
 
             return sync(fs.loop, getattr(fs, f"_{method}"), path, timeout=timeout, **kwargs)
         call = getattr(fs, method)

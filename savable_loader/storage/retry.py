@@ -264,7 +264,7 @@ class RetryPolicy:
                 return fn(max(min(self.timeout, left), 0.001))
             except StorageError:
                 raise
-            except Exception as e:  # noqa: BLE001 - classified below, re-raised as a StorageError
+            except Exception as e:
                 reason = transient(e)
                 elapsed = time.monotonic() - start
                 where = describe(url, byte_range)
