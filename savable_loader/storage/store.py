@@ -7,7 +7,8 @@ the pieces of this package:
   the size their metadata gives;
 * a remote folder (any fsspec URL) is read through the whole-file cache
   (:class:`~savable_loader.storage.cache.ShardCache`): ``open(file)`` downloads the file
-  once per node (in ranged requests of ``chunk_bytes``, each retried and length-checked),
+  once per node (in ranged requests of ``chunk_bytes``, up to ``parallel_requests`` of
+  them in flight, each retried and length-checked),
   checks its size, ETag and SHA-256 against the metadata when it has them, and hands out
   the local copy;
 * ``prefetch(files)`` names the files this process will open next, in order: a
@@ -38,7 +39,9 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -120,7 +123,8 @@ class Storage:
     * ``prefetch``: how many of the files named by :meth:`prefetch` are downloaded ahead
       (default 2; 0 turns prefetching off).
     * ``retry``: the :class:`~savable_loader.storage.RetryPolicy` of every request.
-    * ``chunk_bytes``: the size of the ranged requests a download is made of.
+    * ``chunk_bytes``: the size of the ranged requests a download is made of (default
+      16 MiB), ``parallel_requests``: how many of them are in flight at once (default 4).
 
     ``downloads`` and ``downloaded_bytes`` count this process's downloads (monitoring,
     not state). See the module docstring for what each method does.
@@ -142,11 +146,14 @@ class Storage:
         prefetch: int = 2,
         retry: RetryPolicy | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        parallel_requests: int = 4,
     ) -> None:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise LoaderUsageError(f"prefetch is {prefetch!r}; expected an int >= 0 (files downloaded ahead)")
         if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
             raise LoaderUsageError(f"chunk_bytes is {chunk_bytes!r}; expected an int >= 1")
+        if not isinstance(parallel_requests, int) or isinstance(parallel_requests, bool) or parallel_requests < 1:
+            raise LoaderUsageError(f"parallel_requests is {parallel_requests!r}; expected an int >= 1")
         self.remote = Remote(url, storage_options, retry)
         if storage_options:
             try:
@@ -161,6 +168,7 @@ class Storage:
             self.cache = ShardCache(cache_dir if cache_dir is not None else default_cache_dir(), cache_bytes)
         self.prefetch_depth = prefetch
         self.chunk_bytes = chunk_bytes
+        self.parallel_requests = parallel_requests
         self._runtime: _Runtime | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -308,8 +316,8 @@ class Storage:
         if total is None:  # the server does not say: one whole request
             pieces: Any = [self.remote.read(ref.path)]
         else:
-            pieces = (self.remote.read_range(ref.path, s, min(total, s + self.chunk_bytes))
-                      for s in range(0, total, self.chunk_bytes))
+            ranges = [(s, min(total, s + self.chunk_bytes)) for s in range(0, total, self.chunk_bytes)]
+            pieces = self._ranges(ref.path, ranges)
         written = 0
         for data in pieces:
             f.write(data)
@@ -319,6 +327,26 @@ class Storage:
         if digest is not None and ref.sha256 is not None and digest.hexdigest() != ref.sha256.lower():
             raise _mismatch(url, "sha256", ref.sha256.lower(), digest.hexdigest())
         return written
+
+    def _ranges(self, path: str, ranges: list[tuple[int, int]]) -> Iterator[bytes]:
+        """The ranges' bytes in order, up to ``parallel_requests`` requests in flight."""
+        if self.parallel_requests == 1 or len(ranges) == 1:
+            for start, end in ranges:
+                yield self.remote.read_range(path, start, end)
+            return
+        pool = ThreadPoolExecutor(self.parallel_requests, thread_name_prefix="savable_loader-download")
+        pending: deque[Future[bytes]] = deque()
+        try:
+            for start, end in ranges:
+                pending.append(pool.submit(self.remote.read_range, path, start, end))
+                if len(pending) >= self.parallel_requests:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+            pool.shutdown(wait=True)
 
     # -- prefetch ---------------------------------------------------------------------
 
