@@ -11,9 +11,9 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
     ├── LoaderUsageError            the loader was called in a way it does not support
     ├── RestoreKeyError             a restore key cannot be rebuilt (foreign, malformed, unsupported)
     ├── DataError                   data on disk is malformed (shard metadata, shard files)
-    ├── StorageError                a remote read failed (names the URL, byte range, attempts, last cause)
-    │   ├── RangeIgnoredError       the server answered a ranged read with other bytes (it ignores Range)
     │   └── IntegrityError          a file's size or checksum differs from what its metadata says
+    ├── StorageError                a remote read failed (names the URL, byte range, attempts, last cause)
+    │   └── RangeIgnoredError       the server answered a ranged read with other bytes (it ignores Range)
     └── WorkerError                 a worker process failed (names the worker)
         ├── WorkerDiedError         the worker process exited
         └── WorkerTimeoutError      the worker did not answer in time
@@ -180,6 +180,39 @@ class DataError(SavableLoaderError, ValueError):
     """
 
 
+class IntegrityError(DataError):
+    """A file's size, SHA-256 or ETag differs from the value its metadata records: the
+    file changed after the metadata was written, or the download is corrupted. Nothing of
+    such a file is read.
+
+    ``url`` is the file; ``field`` is ``"size"``, ``"sha256"`` or ``"etag"``; ``expected``
+    is the metadata's value and ``found`` the file's. Also a ``DataError`` (and a
+    ``ValueError``). Example::
+
+        try:
+            batch = next(it)
+        except IntegrityError as e:
+            print(e.field, e.expected, e.found)   # size 1048576 1049088
+    """
+
+    def __init__(
+        self,
+        message: str,
+        url: str = "",
+        field: str = "",
+        expected: Any = None,
+        found: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.url = url
+        self.field = field
+        self.expected = expected
+        self.found = found
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.url, self.field, self.expected, self.found))
+
+
 class StorageError(SavableLoaderError):
     """Reading from storage (a bucket, a web server, a cache) failed: every attempt of the
     retry policy failed, or the failure cannot be retried (a missing file, a refused
@@ -188,9 +221,10 @@ class StorageError(SavableLoaderError):
     ``url`` is the file, ``byte_range`` the ``(start, end)`` bytes asked for (None for a
     whole file or a request that is not a read), ``attempts`` the attempts made and
     ``cause`` the last failure as text (also the exception's ``__cause__`` where the
-    error was raised). Only the message crosses a worker process: in the main process the
-    error is re-raised as the same class with the worker's traceback in its message, and
-    the attributes are empty there.
+    error was raised). A file that differs from its metadata is an
+    :class:`IntegrityError` (a :class:`DataError`) instead. Only the message crosses a
+    worker process: in the main process the error is re-raised as the same class with
+    the worker's traceback in its message, and the attributes are empty there.
 
     Example::
 
@@ -231,36 +265,6 @@ class RangeIgnoredError(StorageError):
         except RangeIgnoredError as e:
             print(e)   # http://host/data/shard-00000.tar bytes [512, 1024): the server sent 30720 bytes ...
     """
-
-
-class IntegrityError(StorageError):
-    """A file's size, SHA-256 or ETag differs from the value its metadata records: the
-    file changed after the metadata was written, or the download is corrupted.
-
-    ``field`` is ``"size"``, ``"sha256"`` or ``"etag"``; ``expected`` is the metadata's
-    value and ``found`` the file's. Nothing of such a file is read. Example::
-
-        try:
-            batch = next(it)
-        except IntegrityError as e:
-            print(e.field, e.expected, e.found)   # size 1048576 1049088
-    """
-
-    def __init__(
-        self,
-        message: str,
-        url: str = "",
-        field: str = "",
-        expected: Any = None,
-        found: Any = None,
-    ) -> None:
-        super().__init__(message, url)
-        self.field = field
-        self.expected = expected
-        self.found = found
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.args[0], self.url, self.field, self.expected, self.found))
 
 
 class WorkerError(SavableLoaderError, RuntimeError):

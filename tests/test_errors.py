@@ -38,7 +38,7 @@ TREE = {
     DataError: SavableLoaderError,
     StorageError: SavableLoaderError,
     RangeIgnoredError: StorageError,
-    IntegrityError: StorageError,
+    IntegrityError: DataError,
     WorkerError: SavableLoaderError,
     WorkerDiedError: WorkerError,
     WorkerTimeoutError: WorkerError,
@@ -96,6 +96,7 @@ def test_builtin_bases() -> None:
     assert not issubclass(ConfigMismatchError, (ValueError, RuntimeError))
     # not an OSError: torch's worker-failure translation treats a bare OSError as a dead worker
     assert not issubclass(StorageError, (OSError, ValueError, RuntimeError))
+    assert issubclass(IntegrityError, ValueError) and not issubclass(IntegrityError, StorageError)
 
 
 def test_all_exports_and_top_level_names() -> None:
@@ -223,7 +224,7 @@ def test_storage_error_keeps_its_fields_through_pickling() -> None:
 
 
 @pytest.mark.parametrize("cls", [StorageError, RangeIgnoredError, IntegrityError], ids=lambda c: c.__name__)
-def test_storage_errors_survive_torch_worker_reraise(cls: type[StorageError]) -> None:
+def test_storage_errors_survive_torch_worker_reraise(cls: type[Exception]) -> None:
     """A worker's exception reaches the main process as ``exc_type(text)`` (torch's
     ExceptionWrapper): the class and the message must survive."""
     from torch._utils import ExceptionWrapper

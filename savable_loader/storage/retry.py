@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from savable_loader.errors import LoaderUsageError, StorageError
+from savable_loader.errors import LoaderUsageError, SavableLoaderError, StorageError
 
 __all__ = ["RetryPolicy", "ShortRead", "transient_reason"]
 
@@ -112,7 +112,7 @@ def _http_status(e: BaseException) -> int | None:
 
 def _verdict(e: BaseException) -> tuple[bool, str] | None:
     """``(transient, reason)`` if ``e`` alone decides, None to look further down the chain."""
-    if isinstance(e, StorageError):
+    if isinstance(e, SavableLoaderError):  # already named: a StorageError, an IntegrityError...
         return False, ""
     if isinstance(e, ShortRead):
         return True, "short read"
@@ -247,8 +247,8 @@ class RetryPolicy:
         """``fn(timeout)`` until it returns, retried on transient failures; a
         :class:`StorageError` naming ``url``, ``byte_range``, the attempts and the last
         cause when they run out or a failure is not transient. ``fn`` must give up after
-        ``timeout`` seconds (raising ``TimeoutError``). A ``StorageError`` raised by ``fn``
-        (a checksum, a server ignoring ``Range``) passes through, not retried.
+        ``timeout`` seconds (raising ``TimeoutError``). Our own errors raised by ``fn``
+        (a server ignoring ``Range``, a checksum) pass through, not retried.
 
         Example::
 
@@ -262,7 +262,7 @@ class RetryPolicy:
             left = self.deadline - (time.monotonic() - start)
             try:
                 return fn(max(min(self.timeout, left), 0.001))
-            except StorageError:
+            except SavableLoaderError:
                 raise
             except Exception as e:
                 reason = transient(e)
