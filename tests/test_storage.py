@@ -317,6 +317,25 @@ def test_checksums_are_checked(backends: Backends, backend: str, tmp_path: Path)
         storage.open(ref("sub/two-chunks.bin", etag="0123"))
 
 
+def test_a_file_without_metadata_is_asked_for_at_every_open(backends: Backends, tmp_path: Path) -> None:
+    """No size in the metadata: the store's size and ETag key the cached copy, so a file
+    rewritten in place (same size, other bytes) is downloaded again, never served stale."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (folder / "x.bin").write_bytes(b"a" * 1000)
+    with FileServer(folder) as server:
+        storage = Storage(server.url, cache_dir=tmp_path / "cache", retry=FAST)
+        for _ in range(2):
+            with storage.open("x.bin") as cached:
+                assert cached.path.read_bytes() == b"a" * 1000
+        assert storage.downloads == 1
+        assert [m for m, *_ in server.faults.log] == ["HEAD", "HEAD", "GET", "HEAD"]  # one HEAD per open
+        (folder / "x.bin").write_bytes(b"b" * 1000)
+        with storage.open("x.bin") as cached:
+            assert cached.path.read_bytes() == b"b" * 1000
+        assert storage.downloads == 2
+
+
 # -- prefetch -----------------------------------------------------------------------------
 
 

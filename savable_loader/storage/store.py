@@ -81,7 +81,9 @@ class FileRef:
     """A file inside a storage location, and what its metadata says about it: ``size``
     in bytes, ``sha256`` (hex), ``etag`` (as the store reports it, quotes optional). Each
     given value is checked when the file is downloaded (the size also when a local file
-    or a cached copy is opened).
+    or a cached copy is opened). Without a size, every ``open`` of a remote file first
+    asks the store for its size and ETag (one request), so that a file changed in place is
+    never served from the cache.
 
     Example::
 
@@ -262,9 +264,8 @@ class Storage:
         if self.remote.is_local:
             return self._open_local(ref)
         rt = self._rt()
-        key = self.key(ref)
-        held = rt.prefetcher.take(key) if rt.prefetcher is not None else None
-        return held if held is not None else self._fetch(ref, key)
+        held = rt.prefetcher.take(self.key(ref)) if rt.prefetcher is not None else None
+        return held if held is not None else self._fetch(ref)
 
     def key(self, file: FileRef | str) -> str:
         """The cache's name for ``file`` (see :func:`~savable_loader.storage.cache.cache_key`).
@@ -286,9 +287,15 @@ class Storage:
             raise _mismatch(str(path), "size", ref.size, size)
         return CachedFile(path, size)
 
-    def _fetch(self, ref: FileRef, key: str) -> CachedFile:
+    def _fetch(self, ref: FileRef) -> CachedFile:
         if self.cache is None:  # pragma: no cover - local folders return before
             raise StorageError(f"{self.url}: no cache for a local folder")
+        if ref.size is None:  # ask the store, so that a changed file is not served from the cache
+            info = self.remote.info(ref.path)
+            if ref.etag is not None and info["etag"] is not None and normalize_etag(ref.etag) != info["etag"]:
+                raise _mismatch(self.remote.url_of(ref.path), "etag", normalize_etag(ref.etag), info["etag"])
+            ref = FileRef(ref.path, info["size"], ref.sha256, ref.etag or info["etag"])
+        key = self.key(ref)
         cached = self.cache.lookup(key, ref.size)
         if cached is not None:
             return cached
@@ -404,7 +411,7 @@ class Storage:
                 self._open_local(ref)  # size check
             return self.remote.read_range(ref.path, start, end)
         key = self.key(ref)
-        cached = self.cache.lookup(key, ref.size) if self.cache is not None else None
+        cached = self.cache.lookup(key, ref.size) if self.cache is not None and ref.size is not None else None
         if cached is not None:
             with cached, open(cached.path, "rb") as f:
                 f.seek(start)
@@ -485,7 +492,7 @@ class _Prefetcher:
                     return
                 key, ref = self.wanted.pop(0)
             try:
-                cached = self.storage._fetch(ref, key)
+                cached = self.storage._fetch(ref)
             except Exception as e:  # noqa: BLE001 - the open that needs the file tries again
                 self.failures[key] = f"{type(e).__name__}: {e}"
                 log.debug("prefetch of %s failed: %s", ref.path, e)
