@@ -65,6 +65,7 @@ def test_local_reads(folder: Path) -> None:
         remote.read_range("a.bin", 1000, 1030)
     with pytest.raises(StorageError, match="nope.bin: FileNotFoundError"):
         remote.read("nope.bin")
+    assert remote.read("nope.bin", missing_ok=True) is None and remote.read("sub/b.bin", missing_ok=True) == b"hello"
     with pytest.raises(LoaderUsageError, match="0 <= start <= end"):
         remote.read_range("a.bin", 10, 5)
 
@@ -77,6 +78,7 @@ def test_memory_reads() -> None:
     assert remote.info("a.bin")["size"] == 10
     with pytest.raises(StorageError, match="not retried"):
         remote.read("missing.bin")
+    assert remote.read("missing.bin", missing_ok=True) is None
 
 
 def test_length_checks() -> None:
@@ -118,6 +120,10 @@ def test_http(folder: Path) -> None:
         with pytest.raises(StorageError, match="not retried"):
             remote.read_range("missing.bin", 0, 2)
         assert server.faults.gets("missing") == 1
+        assert remote.read("missing.bin", missing_ok=True) is None
+        server.faults.always = "503"  # missing_ok is for missing files only
+        with pytest.raises(StorageError, match="3 attempts"):
+            remote.read("sub/b.bin", missing_ok=True)
     with FileServer(folder, honour_range=False) as server:
         with pytest.raises(RangeIgnoredError, match=r"a.bin bytes \[1, 4\): the server sent 1024 bytes"):
             Remote(server.url, retry=FAST).read_range("a.bin", 1, 4)

@@ -205,8 +205,9 @@ class Remote:
         size = raw.get("size")
         return {"size": int(size) if size is not None else None, "etag": normalize_etag(etag)}
 
-    def read(self, path: str) -> bytes:
-        """The whole file (retried): for small files such as ``metadata.json``.
+    def read(self, path: str, missing_ok: bool = False) -> bytes | None:
+        """The whole file (retried): for small files such as ``metadata.json``. With
+        ``missing_ok``, None when the file does not exist (a ``StorageError`` otherwise).
 
         Example::
 
@@ -216,9 +217,18 @@ class Remote:
         if self.is_local:
             try:
                 return Path(url).read_bytes()
+            except (FileNotFoundError, NotADirectoryError) as e:
+                if missing_ok:
+                    return None
+                raise StorageError(f"{url}: {type(e).__name__}: {e.strerror or e}", url, None, 1, str(e)) from e
             except OSError as e:
                 raise StorageError(f"{url}: {type(e).__name__}: {e.strerror or e}", url, None, 1, str(e)) from e
-        return self.retry.call(lambda t: bytes(self._call("cat_file", url, t)), url=url)
+        try:
+            return self.retry.call(lambda t: bytes(self._call("cat_file", url, t)), url=url)
+        except StorageError as e:
+            if missing_ok and isinstance(e.__cause__, FileNotFoundError):
+                return None
+            raise
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a file, exactly ``end - start`` of them (retried;

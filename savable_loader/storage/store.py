@@ -238,14 +238,15 @@ class Storage:
 
     # -- whole files ------------------------------------------------------------------
 
-    def read(self, path: str) -> bytes:
-        """A small file, whole and uncached (``metadata.json``, an index), retried.
+    def read(self, path: str, missing_ok: bool = False) -> bytes | None:
+        """A small file, whole and uncached (``metadata.json``, an index), retried; with
+        ``missing_ok``, None if it does not exist.
 
         Example::
 
             meta = json.loads(storage.read("metadata.json"))
         """
-        return self.remote.read(path)
+        return self.remote.read(path, missing_ok)
 
     def open(self, file: FileRef | str) -> CachedFile:
         """The file as a local file, held until closed: the file itself for a local
@@ -321,7 +322,7 @@ class Storage:
         total = ref.size if ref.size is not None else size
         digest = hashlib.sha256() if ref.sha256 else None
         if total is None:  # the server does not say: one whole request
-            pieces: Any = [self.remote.read(ref.path)]
+            pieces: Any = [self.remote.read(ref.path) or b""]
         else:
             ranges = [(s, min(total, s + self.chunk_bytes)) for s in range(0, total, self.chunk_bytes)]
             pieces = self._ranges(ref.path, ranges)
