@@ -14,7 +14,8 @@ Example::
     ds = ShardedFileDataset("data", worker_config=wc)   # a savable pipeline source
 """
 
-from savable_loader.sources._shard_io import open_shard, read_metadata, write_shards
+from savable_loader.sources._metadata import read_metadata
+from savable_loader.sources._shard_io import open_shard, write_shards
 from savable_loader.sources.index import BatchKey, IndexedDataset, IndexPlan, IndexSampler
 from savable_loader.sources.iterable import IterableSource, ReplayWarning, StreamInfo
 from savable_loader.sources.sharded import ShardedFileDataset
