@@ -9,16 +9,20 @@ the samples; a sample is a ``uint32`` size per leaf, then the leaves' bytes.
 
 Leaves: ``int``, ``float``, ``bool``, ``str``, ``text``, ``bytes``, ``file[:ext]`` (bytes),
 ``numpy``, ``no_header_numpy:K``, ``tensor``, ``no_header_tensor:K`` (as LitData decodes
-them, tensors and arrays as fresh copies), ``pil`` and ``jpeg`` / ``image:*`` (as
+them, tensors and arrays as fresh copies), ``json`` (lists and dicts LitData stores as
+one leaf, in its tagged binary layout or as JSON text), ``pil`` and ``jpeg`` / ``image:*`` (as
 ``PIL.Image`` objects; needs Pillow; LitData itself decodes the latter to tensors with
-torchvision). Structures: dicts, lists, tuples, ``OrderedDict``. Refused with a named
-error: compressed or encrypted chunks, other item loaders (``TokensLoader``), chunks
-whose rows are stored in an Arrow footer, ``pickle`` and the other leaf kinds.
+torchvision). Structures: dicts, lists, tuples, ``OrderedDict``. Newer LitData writers
+store text and nested dict samples as a trailing Arrow IPC table instead (the chunk
+ends with ``LDARW01\\0``): those rows are read with pyarrow (the ``parquet`` extra).
+Refused with a named error: compressed or encrypted chunks, other item loaders
+(``TokensLoader``), ``pickle`` and the other leaf kinds.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import io
 import json
 import struct
@@ -42,6 +46,7 @@ _TORCH = {0: torch.float32, 1: torch.float32, 2: torch.float64, 3: torch.float64
           5: torch.complex64, 6: torch.complex128, 7: torch.complex128, 8: torch.float16, 9: torch.float16,
           10: torch.bfloat16, 11: torch.uint8, 12: torch.int8, 13: torch.int16, 14: torch.int16, 15: torch.int32,
           16: torch.int32, 17: torch.int64, 18: torch.int64, 19: torch.bool, 20: torch.uint16}
+_ARROW_MAGIC = b"LDARW01\0"  # a chunk whose rows follow as an Arrow IPC table ends with it
 _CONTAINERS = ("builtins.dict", "builtins.list", "builtins.tuple", "collections.OrderedDict")
 
 
@@ -124,6 +129,87 @@ def _tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(body, dtype=_TORCH[kind]).reshape(shape)
 
 
+_U32 = struct.Struct("<I")
+
+
+def _utf8(raw: bytes, at: int) -> tuple[str, int]:
+    n = _U32.unpack_from(raw, at)[0]
+    return raw[at + 4 : at + 4 + n].decode("utf-8"), at + 4 + n
+
+
+def _record_value(raw: bytes, at: int) -> tuple[Any, int]:
+    kind = raw[at]
+    at += 1
+    if kind == 0x10:
+        return None, at
+    if kind == 0x11:
+        return _utf8(raw, at)
+    if kind == 0x12:
+        return struct.unpack_from("<q", raw, at)[0], at + 8
+    if kind == 0x13:
+        return struct.unpack_from("<d", raw, at)[0], at + 8
+    if kind == 0x14:
+        return raw[at] != 0, at + 1
+    raise ValueError(f"unknown record value tag {kind}")
+
+
+def _nested(raw: bytes, at: int) -> tuple[Any, int]:
+    """One value of LitData's ``json`` leaf encoding: a tag byte, then the value."""
+    tag = raw[at]
+    if tag == 0:  # JSON text
+        n = _U32.unpack_from(raw, at + 1)[0]
+        return json.loads(raw[at + 5 : at + 5 + n]), at + 5 + n
+    if tag in (1, 2, 3, 4, 5, 6):  # lists of str / int64 / float64 / bool, a dict, records
+        n = _U32.unpack_from(raw, at + 1)[0]
+        at += 5
+        if tag == 1:
+            out = []
+            for _ in range(n):
+                text, at = _utf8(raw, at)
+                out.append(text)
+            return out, at
+        if tag in (2, 3):
+            return np.frombuffer(raw, "<i8" if tag == 2 else "<f8", n, at).tolist(), at + 8 * n
+        if tag == 4:
+            return [b != 0 for b in raw[at : at + n]], at + n
+        if tag == 5:
+            mapping = {}
+            for _ in range(n):
+                key, at = _utf8(raw, at)
+                mapping[key], at = _nested(raw, at)
+            return mapping, at
+        keys = []
+        count = _U32.unpack_from(raw, at)[0]
+        at += 4
+        for _ in range(count):
+            key, at = _utf8(raw, at)
+            keys.append(key)
+        rows = []
+        for _ in range(n):
+            row = {}
+            for key in keys:
+                row[key], at = _record_value(raw, at)
+            rows.append(row)
+        return rows, at
+    if tag == 7:
+        return _utf8(raw, at + 1)
+    if tag == 8:
+        return struct.unpack_from("<q", raw, at + 1)[0], at + 9
+    if tag == 9:
+        return struct.unpack_from("<d", raw, at + 1)[0], at + 9
+    if tag == 10:
+        return raw[at + 1] != 0, at + 2
+    if tag == 11:
+        return None, at + 1
+    raise ValueError(f"unknown nested value tag {tag}")
+
+
+def _json_leaf(data: bytes) -> Any:
+    if not data or data[0] > 0x20:  # plain JSON text (older writers)
+        return json.loads(data)
+    return _nested(data, 0)[0]
+
+
 def _leaf_decoder(leaf: str, where: str) -> Callable[[bytes], Any]:
     name, _, arg = leaf.partition(":")
     simple: dict[str, Callable[[bytes], Any]] = {
@@ -139,6 +225,7 @@ def _leaf_decoder(leaf: str, where: str) -> Callable[[bytes], Any]:
         "pil": _pil,
         "jpeg": _image,
         "image": _image,
+        "json": _json_leaf,
     }
     try:
         if name == "no_header_numpy":
@@ -213,9 +300,9 @@ class LitDataReader(ShardReader):
         if file.size < header:
             raise DataError(f"{where}: truncated: {n} samples need a header of {header} bytes, the file has {file.size}")
         offsets = np.frombuffer(self._get(4, 4 * (n + 1)), "<u4").astype(np.int64)
-        if n and int(offsets[-1]) == header and file.size > header:
-            raise DataError(f"{where}: the rows are stored in an Arrow footer (newer LitData writers do so for "
-                            "text and nested samples); not supported")
+        self.rows: list[Any] | None = None
+        if file.size >= header + 12 and self._get(file.size - 8, 8) == _ARROW_MAGIC:
+            self.rows = self._arrow_rows(n, header)
         if n and (bool(np.any(offsets[1:] < offsets[:-1])) or int(offsets[0]) < header):
             raise DataError(f"{where}: the sample offsets of the header do not grow; not a LitData chunk")
         if int(offsets[-1]) > file.size:
@@ -223,10 +310,34 @@ class LitDataReader(ShardReader):
         self.offsets = offsets.tolist()
         self.sizes = struct.Struct(f"<{len(self.leaves)}I")
 
+    def _arrow_rows(self, n: int, header: int) -> list[Any]:
+        """The rows of a chunk whose samples are stored in a trailing Arrow IPC table."""
+        from savable_loader.sources._parquet import require_pyarrow
+
+        require_pyarrow(self.file.name)
+        import pyarrow as pa  # type: ignore[import-untyped]
+
+        size = self.file.size
+        length = struct.unpack("<I", self._get(size - 12, 4))[0]
+        start = size - 12 - length
+        if length <= 0 or start < header:
+            raise DataError(f"{self.file.name}: malformed Arrow footer (length {length})")
+        blob = pa.py_buffer(self._get(start, length))
+        try:
+            reader = pa.ipc.open_file(blob) if blob.to_pybytes()[:6] == b"ARROW1" else pa.ipc.open_stream(blob)
+            rows = reader.read_all().to_pylist()
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors
+            raise DataError(f"{self.file.name}: cannot read the Arrow footer ({type(e).__name__}: {e})") from None
+        if len(rows) != n:
+            raise DataError(f"{self.file.name}: the Arrow footer holds {len(rows)} rows, the header says {n}")
+        return rows
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def read(self, i: int) -> Any:
+        if self.rows is not None:
+            return self.project(copy.deepcopy(self.rows[i]))
         start, stop = self.offsets[i], self.offsets[i + 1]
         data = self._get(start, stop - start)
         try:

@@ -41,8 +41,18 @@ from savable_loader.errors import DataError
 from savable_loader.sources._store import LocalShardStore, ShardStore
 
 __all__ = [
-    "FORMATS", "METADATA_NAME", "Metadata", "ShardEntry", "SUFFIX_FORMATS", "encode_metadata", "load_metadata",
-    "order_digest_input", "parse_metadata", "read_metadata", "units_of",
+    "FORMATS",
+    "METADATA_NAME",
+    "SUFFIX_FORMATS",
+    "Metadata",
+    "ShardEntry",
+    "encode_metadata",
+    "foreign_metadata",
+    "load_metadata",
+    "order_digest_input",
+    "parse_metadata",
+    "read_metadata",
+    "units_of",
 ]
 
 METADATA_NAME = "metadata.json"
@@ -196,7 +206,7 @@ def load_metadata(store: ShardStore, check_files: bool = True) -> Metadata:
     if raw is not None:
         meta = parse_metadata(raw, store.describe(METADATA_NAME))
     else:
-        meta = _foreign_metadata(store)
+        meta = foreign_metadata(store)
     if check_files:
         for i, shard in enumerate(meta.shards):
             if not store.exists(shard.path):
@@ -220,7 +230,8 @@ def read_metadata(folder: str | os.PathLike[str]) -> Metadata:
     return load_metadata(LocalShardStore(folder))
 
 
-def _foreign_metadata(store: ShardStore) -> Metadata:
+def foreign_metadata(store: ShardStore) -> Metadata:
+    """The manifest of a folder without ``metadata.json``: Energon's, MDS's or LitData's."""
     from savable_loader.sources import _litdata, _mds
 
     info = store.read_small(ENERGON_INFO)

@@ -32,7 +32,7 @@ _CACHED_GROUPS = 2
 def require_pyarrow(where: str) -> Any:
     """``pyarrow.parquet``, or a LoaderUsageError saying how to install it."""
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]
     except ImportError:
         raise LoaderUsageError(
             f"{where}: reading Parquet shards needs pyarrow: pip install 'savable-loader[parquet]'"

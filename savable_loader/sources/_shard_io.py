@@ -37,7 +37,12 @@ import torch
 
 from savable_loader.errors import DataError
 from savable_loader.sources._metadata import (
-    METADATA_NAME, SUFFIX_FORMATS, V1_SUFFIXES, Metadata, ShardEntry, encode_metadata,
+    METADATA_NAME,
+    SUFFIX_FORMATS,
+    V1_SUFFIXES,
+    Metadata,
+    ShardEntry,
+    encode_metadata,
 )
 from savable_loader.sources._store import LocalShardStore, ShardFile, ShardStore
 

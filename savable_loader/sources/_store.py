@@ -24,6 +24,7 @@ The contract, all of it:
       folders; a remote store may return True and let ``open_shard`` fail).
     * indexer only: ``list_files()`` (every file under the folder, relative POSIX paths,
       sorted), ``write_small(name, data)`` (atomic: a reader never sees a partial file),
+      ``append_small(name, data)`` (the indexer's journal), ``remove_small(name)``,
       ``stat(name)`` (``(size, stamp)``, the stamp changing whenever the file does).
 
 ``ShardFile``
@@ -102,6 +103,14 @@ class ShardStore(ABC):
 
     def write_small(self, name: str, data: bytes) -> None:
         """Write a small file atomically (metadata, tar indexes); for the indexer."""
+        raise DataError(f"{self.describe(name)}: this store is read-only")
+
+    def append_small(self, name: str, data: bytes) -> None:
+        """Append to a small file, creating it (the indexer's journal)."""
+        raise DataError(f"{self.describe(name)}: this store is read-only")
+
+    def remove_small(self, name: str) -> None:
+        """Remove a small file if it exists (the indexer's journal)."""
         raise DataError(f"{self.describe(name)}: this store is read-only")
 
 
@@ -198,6 +207,13 @@ class LocalShardStore(ShardStore):
     def stat(self, name: str) -> tuple[int, int]:
         st = self._path(name).stat()
         return st.st_size, st.st_mtime_ns
+
+    def append_small(self, name: str, data: bytes) -> None:
+        with open(self._path(name), "ab") as f:
+            f.write(data)
+
+    def remove_small(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
 
     def write_small(self, name: str, data: bytes) -> None:
         target = self._path(name)

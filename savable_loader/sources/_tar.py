@@ -196,12 +196,11 @@ def scan_tar(file: ShardFile) -> np.ndarray:
             if split[0] != last_key:
                 offsets.append(m.header)
                 last_key = split[0]
-        else:
-            if file.size - end < BLOCK or get(end, BLOCK) != _ZERO:
-                raise DataError(
-                    f"{where}: truncated: no end-of-archive block after the last member (it ends at byte {end}, "
-                    f"the file has {file.size} bytes)"
-                )
+        if file.size - end < BLOCK or get(end, BLOCK) != _ZERO:
+            raise DataError(
+                f"{where}: truncated: no end-of-archive block after the last member (it ends at byte {end}, "
+                f"the file has {file.size} bytes)"
+            )
         offsets.append(end)
         return np.array(offsets, dtype="<u8")
     finally:
@@ -270,7 +269,7 @@ def tar_sample(
             if fn is not None:
                 try:
                     value = fn(value)
-                except Exception as e:  # noqa: BLE001 - the user's or a default decoder
+                except Exception as e:
                     raise DataError(
                         f"{where}: cannot decode {ext!r} of sample {key!r} (at byte {m.header}): "
                         f"{type(e).__name__}: {e}"

@@ -67,7 +67,12 @@ from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import DataError, LoaderUsageError, RestoreKeyError
 from savable_loader.rng import derive_seed
-from savable_loader.sources._metadata import Metadata, load_metadata, order_digest_input, units_of
+from savable_loader.sources._metadata import (
+    Metadata,
+    load_metadata,
+    order_digest_input,
+    units_of,
+)
 from savable_loader.sources._shard_io import ReadOptions, ShardReader, open_reader
 from savable_loader.sources._store import LocalShardStore, ShardStore, store_for
 
@@ -223,7 +228,7 @@ class ShardedFileDataset(SavableDataset):
         out: list[int] = []
         p = start + self.position
         while p < end and len(out) < limit:
-            lap, q = divmod(p, self.total)
+            q = p % self.total
             j, offset = layout.locate(q)
             unit = int(layout.order[j])
             shard = int(self.unit_shard[unit])
