@@ -233,12 +233,21 @@ def check_index(raw: bytes, file_size: int, samples: int | None, where: str) -> 
     return offsets.tolist()
 
 
+def _is_header(get: Callable[[int, int], bytes], pos: int, size: int) -> bool:
+    if pos + BLOCK > size:
+        return False
+    header = get(pos, BLOCK)
+    return header != _ZERO and _checksum_ok(header)
+
+
 def tar_sample(
     get: Callable[[int, int], bytes], start: int, stop: int, size: int, where: str,
     columns: frozenset[str] | None = None, decoders: Mapping[str, Callable[[bytes], Any]] | None = None,
 ) -> dict[str, Any]:
     """The sample whose members start in ``[start, stop)``; ``columns`` keeps only those
     extensions, ``decoders`` maps an extension to its decoder."""
+    if not _is_header(get, start, size):
+        raise TarIndexError(f"{where}: the index says a sample starts at byte {start}, but no tar header starts there")
     sample: dict[str, Any] = {}
     key = None
     for m in iter_members(get, start, stop, size, where):
@@ -277,6 +286,12 @@ def tar_sample(
         sample[ext] = value
     if key is None:
         raise TarIndexError(f"{where}: the index says a sample starts at byte {start}, but no member does")
+    if stop + BLOCK <= size and get(stop, BLOCK) != _ZERO:  # the sample must end where the next one starts
+        if not _is_header(get, stop, size):
+            raise TarIndexError(f"{where}: the index says a sample ends at byte {stop}, but no tar header starts there")
+        after = next(iter_members(get, stop, stop + 1, size, where), None)
+        if after is not None and after.type in _REGULAR and (split_name(after.name) or ("",))[0] == key:
+            raise TarIndexError(f"{where}: sample {key!r} continues past byte {stop}, where the index says it ends")
     if columns is not None:
         missing = columns - sample.keys()
         if missing:
@@ -300,11 +315,12 @@ class TarReader(ShardReader):
                     f"write it with `python -m savable_loader index {store.describe()}`"
                 )
             raw = encode_index(scan_tar(file))
+        self.hint = f" (rebuild the index: delete it and run `python -m savable_loader index {store.describe()}`)"
+        expected = None if options.scan_missing_index else entry.samples
         try:
-            self.offsets = check_index(raw, file.size, None, store.describe(index_name))
+            self.offsets = check_index(raw, file.size, expected, store.describe(index_name))
         except TarIndexError as e:
-            raise TarIndexError(f"{e} (rebuild it: delete it and run `python -m savable_loader index "
-                                f"{store.describe()}`)") from None
+            raise TarIndexError(f"{e}{self.hint}") from None
         self.columns = frozenset(options.columns) if options.columns is not None else None
         self._get, self._mmap = byte_getter(file)
 
@@ -312,8 +328,11 @@ class TarReader(ShardReader):
         return len(self.offsets) - 1
 
     def read(self, i: int) -> dict[str, Any]:
-        return tar_sample(self._get, self.offsets[i], self.offsets[i + 1], self.file.size, self.where,
-                          self.columns, self.options.decoders)
+        try:
+            return tar_sample(self._get, self.offsets[i], self.offsets[i + 1], self.file.size, self.where,
+                              self.columns, self.options.decoders)
+        except TarIndexError as e:
+            raise TarIndexError(f"{e}{self.hint}") from None
 
     def close(self) -> None:
         if self._mmap is not None:
