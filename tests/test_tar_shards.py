@@ -206,7 +206,7 @@ def test_truncated_after_indexing(tmp_path):
     path = folder / "shard-001.tar"
     size = path.stat().st_size
     path.write_bytes(path.read_bytes()[:-2048])
-    assert f"shard-001.tar: metadata.json says the shard has {size} bytes, the file has {size - 2048}" in first_error(folder)
+    assert f"shard-001.tar: the file has {size - 2048} bytes, the folder's manifest says {size}" in first_error(folder)
     (folder / "metadata.json").unlink()  # an Energon-style folder without sizes: the index catches it
     info = folder / ".nv-meta" / ".info.json"
     info.parent.mkdir()
@@ -275,9 +275,10 @@ def test_bad_index(tmp_path, mutate, message):
 
 def test_missing_index(tmp_path):
     folder = indexed(tmp_path)
-    (folder / "shard-000.tar.idx").unlink()
-    assert "shard-000.tar.idx: the index of tar shard" in first_error(folder)
-    assert "does not exist: write it with `python -m savable_loader index" in first_error(folder)
+    (folder / "shard-001.tar.idx").unlink()
+    with pytest.raises(sl.DataError, match=r"shard-001.tar.idx: the index of tar shard .*shard-001.tar does not "
+                                           r"exist: write it with `python -m savable_loader index"):
+        ShardedFileDataset(folder, WC)
 
 
 def test_scan_reads_gnu_base256_sizes(tmp_path):

@@ -215,6 +215,11 @@ def load_metadata(store: ShardStore, check_files: bool = True) -> Metadata:
                 raise DataError(
                     f"{where}: `$.shards[{i}].path`: shard file {store.describe(shard.path)} does not exist"
                 )
+            if shard.format == "tar" and not store.exists(shard.tar_index):
+                raise DataError(
+                    f"{store.describe(shard.tar_index)}: the index of tar shard {store.describe(shard.path)} does "
+                    f"not exist: write it with `python -m savable_loader index {store.describe()}`"
+                )
     return meta
 
 

@@ -131,8 +131,8 @@ class LocalShardFile(ShardFile):
             found = self.size
             self.close()
             raise DataError(
-                f"{path}: metadata.json says the shard has {size} bytes, the file has {found} "
-                f"(it changed after it was indexed: index the folder again with `python -m savable_loader index`)"
+                f"{path}: the file has {found} bytes, the folder's manifest says {size} (the shard changed "
+                f"after it was indexed: index the folder again, e.g. `python -m savable_loader index`)"
             )
 
     @property
