@@ -114,6 +114,9 @@ class ParquetReader(ShardReader):
         for n in groups:
             self.starts.append(self.starts[-1] + n)
         self._groups: OrderedDict[int, list[list[Any]]] = OrderedDict()
+        self.any_nested = any(self.nested)
+        self._low = self._high = 0
+        self._columns: list[list[Any]] = []
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -136,14 +139,19 @@ class ParquetReader(ShardReader):
         return columns
 
     def read(self, i: int) -> dict[str, Any]:
-        g = bisect.bisect_right(self.starts, i) - 1
-        columns = self._group(g)
-        j = i - self.starts[g]
-        return {name: copy.deepcopy(column[j]) if nested else column[j]
-                for name, column, nested in zip(self.names, columns, self.nested)}
+        if not self._low <= i < self._high:  # another row group than the last read's
+            g = bisect.bisect_right(self.starts, i) - 1
+            self._columns = self._group(g)
+            self._low, self._high = self.starts[g], self.starts[g + 1]
+        j = i - self._low
+        if self.any_nested:
+            return {name: copy.deepcopy(column[j]) if nested else column[j]
+                    for name, column, nested in zip(self.names, self._columns, self.nested)}
+        return {name: column[j] for name, column in zip(self.names, self._columns)}
 
     def close(self) -> None:
         self._groups.clear()
+        self._columns = []
         self.parquet = None
         super().close()
 

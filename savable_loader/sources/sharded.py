@@ -325,10 +325,15 @@ class ShardedFileDataset(SavableDataset):
                 self._drop(previous)
             previous = shard
             order = layout.sample_order(unit, count)[offset : offset + min(count - offset, end - p)]
+            reader = None
             for index in (order + first).tolist():
                 self.position += 1
                 self.mark_sample([shard, index, lap])
-                yield self._read(shard, index)
+                if reader is None or self._readers.get(shard) is not reader:  # (restore_sample may close it)
+                    reader = self._reader(shard, True)
+                sample = reader.read(index)
+                self.samples_read += 1
+                yield sample
 
     # -- restore keys -----------------------------------------------------------------
 
