@@ -32,8 +32,8 @@ from savable_loader.sources.iterable import IterableSource, ReplayWarning, Strea
 from savable_loader.sources.sharded import ShardedFileDataset
 
 __all__ = [
-    "DEFAULT_DECODERS",
     "BatchKey",
+    "DEFAULT_DECODERS",
     "IndexPlan",
     "IndexSampler",
     "IndexedDataset",
