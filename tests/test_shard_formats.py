@@ -241,3 +241,16 @@ def test_values_of_each_format(folders):
     lit = reads["litdata"]
     assert lit["id"] == 7 and lit["text"] == "s7" and lit["ok"] is False and lit["f"] == 3.5 and lit["b"] == b"xy"
     assert lit["x"].dtype == np.float32 and lit["m"].shape == (2, 2) and torch.equal(lit["t"], torch.arange(3) * 7)
+
+
+@pytest.mark.parametrize("fmt", ["tar"])
+def test_spawned_workers_read_what_one_process_reads(folders, fmt):
+    """Readers (memory maps) are opened in each worker, never pickled."""
+    def epoch(workers: int, context: str | None) -> list[int]:
+        ds = ShardedFileDataset(folders[fmt], wconf(0, 1, workers), decode=True if fmt == "tar" else None)
+        kw = {"multiprocessing_context": context} if context else {}
+        return [sample_id(s) for s in sl.SavableDataLoader(ds, batch_size=None, worker_config=ds.worker_config, **kw)]
+
+    spawned = epoch(2, "spawn")
+    assert sorted(spawned) == list(range(20))
+    assert spawned == epoch(2, "fork")

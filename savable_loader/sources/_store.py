@@ -39,6 +39,9 @@ The contract, all of it:
 
 Stores and files are created in the process that uses them (a dataset drops its open
 files when it is pickled to a worker), so a store holds only picklable settings.
+``store_for(folder)`` is the one place that turns what a user passes
+(``ShardedFileDataset(folder)``, ``index_folder(folder)``) into a store: a URL scheme
+maps to a remote store there.
 """
 
 from __future__ import annotations
