@@ -27,6 +27,14 @@ def tar_members(j: int) -> dict[str, bytes]:
             "bin": bytes(range(j % 7)) * (j + 1)}
 
 
+def indexed_blob(items: Sequence[bytes], extra: bytes = b"") -> bytes:
+    """``uint32 n``, ``uint32 offsets[n + 1]`` (absolute), ``extra``, then the items: the
+    layout of an MDS shard (``extra`` = its JSON settings) and of a LitData chunk."""
+    start = 4 + 4 * (len(items) + 1) + len(extra)
+    offsets = np.cumsum([start] + [len(item) for item in items]).astype("<u4")
+    return struct.pack("<I", len(items)) + offsets.tobytes() + extra + b"".join(items)
+
+
 def write_tar(path: Path, samples: Sequence[tuple[str, dict[str, bytes]]], fmt: int = tarfile.PAX_FORMAT,
               extra: Sequence[tuple[str, bytes]] = ()) -> None:
     """A tar of ``(key, {ext: bytes})`` samples; ``extra`` members (name, data) come first."""
@@ -116,10 +124,7 @@ def write_mds_folder(folder: Path, sizes: Sequence[int] = SIZES, columns: dict[s
             parts = [_mds_encode(e, row[name]) for name, e in zip(names, encodings)]
             head = b"".join(struct.pack("<I", len(p)) for p, s in zip(parts, col_sizes) if s is None)
             samples.append(head + b"".join(parts))
-        config = json.dumps({"version": 2, "format": "mds"}, sort_keys=True).encode()
-        start = 4 + 4 * (n + 1) + len(config)
-        offsets = np.cumsum([start] + [len(s) for s in samples]).astype("<u4")
-        data = struct.pack("<I", n) + offsets.tobytes() + config + b"".join(samples)
+        data = indexed_blob(samples, json.dumps({"version": 2, "format": "mds"}, sort_keys=True).encode())
         name = f"shard.{i:05d}.mds"
         (folder / name).write_bytes(data)
         shards.append({"column_encodings": encodings, "column_names": names, "column_sizes": col_sizes,
@@ -177,9 +182,7 @@ def write_litdata_folder(folder: Path, sizes: Sequence[int] = SIZES) -> Path:
             row = litdata_row(k)
             leaves = [_litdata_leaf(fmt, row[key]) for fmt, key in zip(LITDATA_FORMAT, LITDATA_KEYS)]
             items.append(struct.pack(f"<{len(leaves)}I", *map(len, leaves)) + b"".join(leaves))
-        header = 4 + 4 * (n + 1)
-        offsets = np.cumsum([header] + [len(it) for it in items]).astype("<u4")
-        data = struct.pack("<I", n) + offsets.tobytes() + b"".join(items)
+        data = indexed_blob(items)
         name = f"chunk-0-{i}.bin"
         (folder / name).write_bytes(data)
         chunks.append({"chunk_bytes": len(data), "chunk_size": n, "dim": None, "filename": name})

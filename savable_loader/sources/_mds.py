@@ -148,29 +148,25 @@ def _encoded_image(data: bytes) -> Any:
     return _image_module().open(io.BytesIO(data))
 
 
-def _image_list(item: Callable[[bytes], Any]) -> Callable[[bytes], list[Any]]:
-    def decode(data: bytes) -> list[Any]:
-        n = _u32(data, 4)  # the first 4 bytes are reserved
-        at = 8 + 4 * n
-        out = []
-        for k in range(n):
-            size = _u32(data, 8 + 4 * k)
-            out.append(item(data[at : at + size]))
-            at += size
-        return out
+def _parts(data: bytes, at: int) -> list[bytes]:
+    """``uint32 n`` at ``at``, ``n`` uint32 sizes, then the ``n`` parts: the parts."""
+    n = _u32(data, at)
+    start = at + 4 + 4 * n
+    out = []
+    for k in range(n):
+        size = _u32(data, at + 4 + 4 * k)
+        out.append(data[start : start + size])
+        start += size
+    return out
 
-    return decode
+
+def _image_list(item: Callable[[bytes], Any]) -> Callable[[bytes], list[Any]]:
+    # 4 reserved bytes, then the parts
+    return lambda data: [item(part) for part in _parts(data, 4)]
 
 
 def _jpeg_array(data: bytes) -> list[Any]:
-    n = _u32(data, 0)
-    at = 4 + 4 * n
-    out = []
-    for k in range(n):
-        size = _u32(data, 4 + 4 * k)
-        out.append(_encoded_image(data[at : at + size]))
-        at += size
-    return out
+    return [_encoded_image(part) for part in _parts(data, 0)]
 
 
 def _decoder(encoding: str, column: str, where: str) -> Callable[[bytes], Any]:

@@ -127,14 +127,18 @@ def encode_metadata(meta: Metadata) -> bytes:
     return msgspec.json.format(msgspec.json.encode(doc)) + b"\n"
 
 
-def parse_metadata(raw: bytes, where: str) -> Metadata:
-    """Decode and check the text of a ``metadata.json`` (``where`` names it in errors)."""
+def _decode(raw: bytes, kind: type[Any], where: str) -> Any:
     try:
-        meta = msgspec.json.decode(raw, type=_MetadataFile)
+        return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as e:
         raise DataError(f"{where}: {e}") from None
     except msgspec.DecodeError as e:
         raise DataError(f"{where}: not valid JSON ({e})") from None
+
+
+def parse_metadata(raw: bytes, where: str) -> Metadata:
+    """Decode and check the text of a ``metadata.json`` (``where`` names it in errors)."""
+    meta = _decode(raw, _MetadataFile, where)
     if meta.format not in VERSIONS:
         raise DataError(
             f"{where}: `$.format` is {meta.format!r}, this version of savable_loader reads formats 1 and 2"
@@ -245,10 +249,7 @@ def foreign_metadata(store: ShardStore) -> Metadata:
     index = store.read_small(INDEX_JSON)
     if index is not None:
         where = store.describe(INDEX_JSON)
-        try:
-            doc = msgspec.json.decode(index)
-        except msgspec.DecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e})") from None
+        doc = _decode(index, Any, where)
         if isinstance(doc, dict) and "chunks" in doc and "config" in doc:
             return Metadata(format=2, shards=_litdata.entries_from_index(doc, where), source="litdata")
         if isinstance(doc, dict) and "shards" in doc:
@@ -272,12 +273,7 @@ class _EnergonInfo(msgspec.Struct):
 
 
 def _energon_metadata(raw: bytes, where: str) -> Metadata:
-    try:
-        info = msgspec.json.decode(raw, type=_EnergonInfo)
-    except msgspec.ValidationError as e:
-        raise DataError(f"{where}: {e}") from None
-    except msgspec.DecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e})") from None
+    info = _decode(raw, _EnergonInfo, where)
     entries = []
     for name, count in info.shard_counts.items():
         check_path(name, f"{where}: `$.shard_counts` key")
