@@ -131,11 +131,14 @@ def test_energon_prepared_dataset_is_read_unchanged(tmp_path):
     assert (folder / ".nv-meta" / ".info.json").is_file() and (folder / "shard-000.tar.idx").is_file()
     before = folder_snapshot(folder)
     ours = read_all(folder)
-    assert [s["__key__"] for s in ours] == [f"sample{j:05d}" for j in range(13)]
-    assert ours == webdataset_reading(sorted(folder.glob("*.tar")))
+    assert sorted(s["__key__"] for s in ours) == [f"sample{j:05d}" for j in range(13)]
+    split = ShardedFileDataset(folder, WC).metadata.shards  # the order of the train part of split.yaml
+    assert sorted(e.path for e in split) == ["shard-000.tar", "shard-001.tar", "shard-002.tar"]
+    assert ours == webdataset_reading([folder / e.path for e in split])
     shuffled = ShardedFileDataset(folder, sl.WorkerConfig(rank=1, world_size=2, num_workers=0, seed=3),
                                   strategy="undersampling")
-    assert shuffled.metadata.source == "energon" and shuffled.metadata.shards[1].index == "shard-001.tar.idx"
+    assert shuffled.metadata.source == "energon"
+    assert {e.index for e in shuffled.metadata.shards} == {f"shard-00{i}.tar.idx" for i in range(3)}
     with _ActiveWorker(0, 1):
         got = list(shuffled)
         assert shuffled.restore_sample(shuffled.sample_key) == got[-1]
@@ -294,3 +297,49 @@ def test_scan_reads_gnu_base256_sizes(tmp_path):
     assert scan_tar(file).tolist() == [0, 512 + 1024]
     file.close()
     assert open_shard(tmp_path / "x.tar").read(0)["bin"] == bytes(range(256)) * 3
+
+
+def test_energon_splits(tmp_path):
+    """A dataset prepared with train / val parts: one is chosen with split=, in the order
+    the split config lists its shards; without split= it is refused, never mixed."""
+    folder = write_tar_folder(tmp_path / "en", [2, 3, 4, 5])
+    pytest.importorskip("yaml", reason="PyYAML is not installed")
+    pytest.importorskip("megatron.energon", reason="megatron-energon (test extra) is not installed")
+    from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
+
+    tars = sorted(p.name for p in folder.glob("*.tar"))
+    WebdatasetPreparator.prepare_dataset(folder, tars, split_parts_ratio=[("train", 0.5), ("val", 0.5)], workers=1)
+    import yaml
+
+    parts = yaml.safe_load((folder / ".nv-meta" / "split.yaml").read_text())["split_parts"]
+    with pytest.raises(sl.DataError, match=r"split.yaml: the dataset is split into 'train' \(2 shards\), "
+                                           r"'val' \(2 shards\): pass split= to choose one"):
+        ShardedFileDataset(folder, WC)
+    for part in ("train", "val"):
+        got = read_all(folder, split=part)
+        assert got == webdataset_reading([folder / name for name in parts[part]])
+        assert ShardedFileDataset(folder, WC, split=part).config()["split"] == part
+    with pytest.raises(sl.DataError, match=r"no split 'test'"):
+        ShardedFileDataset(folder, WC, split="test")
+    with pytest.raises(sl.DataError, match="an Energon folder needs no indexing"):
+        index_folder(folder, progress=False)
+    (folder / ".nv-meta" / "split.yaml").write_text(
+        "split_parts:\n  train:\n  - shard-00{0..2}.tar\n  val:\n  - shard-003.tar\nexclude:\n  - shard-001.tar\n")
+    assert [s["__key__"] for s in read_all(folder, split="train")] == [f"sample{j:05d}" for j in (0, 1, 5, 6, 7, 8)]
+    (folder / ".nv-meta" / "split.yaml").write_text(
+        "split_parts:\n  train:\n  - shard-000.tar\nexclude:\n  - shard-000.tar/sample00001\n")
+    with pytest.raises(sl.DataError, match="sample-level excludes are not supported"):
+        ShardedFileDataset(folder, WC)
+    (folder / ".nv-meta" / "split.yaml").write_text("split_parts:\n  train:\n  - shard-000.tar\nexclude:\n  - shard-000.tar\n")
+    with pytest.raises(sl.DataError, match="split 'train' has no shards left"):
+        ShardedFileDataset(folder, WC)
+    (folder / ".nv-meta" / "split.yaml").write_text("split_parts:\n  train: shard-000.tar\n")
+    with pytest.raises(sl.DataError, match=r"split.yaml: Expected `array`, got `str` - at `\$.split_parts\[...\]`"):
+        ShardedFileDataset(folder, WC)
+    (folder / ".nv-meta" / "split.yaml").write_text("- shard-000.tar\n")
+    with pytest.raises(sl.DataError, match="expected a mapping with `split_parts`, got list"):
+        ShardedFileDataset(folder, WC)
+    write_tar_folder(tmp_path / "plain", [2])
+    index_folder(tmp_path / "plain", progress=False)
+    with pytest.raises(sl.LoaderUsageError, match="split='train' selects a part of an Energon dataset"):
+        ShardedFileDataset(tmp_path / "plain", WC, split="train")

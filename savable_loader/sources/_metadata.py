@@ -37,7 +37,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from savable_loader.errors import DataError
+from savable_loader.errors import DataError, LoaderUsageError
 from savable_loader.sources._store import LocalShardStore, ShardStore
 
 __all__ = [
@@ -64,6 +64,7 @@ SUFFIX_FORMATS = {".npy": "npy", ".pt": "pt", ".jsonl": "jsonl", ".tar": "tar", 
 V1_SUFFIXES = (".npy", ".pt", ".jsonl")
 ENERGON_INFO = ".nv-meta/.info.json"
 ENERGON_INFO_YAML = ".nv-meta/.info.yaml"
+ENERGON_SPLITS = (".nv-meta/split.yaml", ".nv-meta/split.json")
 INDEX_JSON = "index.json"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -197,9 +198,10 @@ def _check_entry(shard: ShardEntry, version: int, where: str, seen: set[str]) ->
         raise DataError(f"{where}.options` is missing: a {shard.format} shard needs its decoding settings")
 
 
-def load_metadata(store: ShardStore, check_files: bool = True) -> Metadata:
+def load_metadata(store: ShardStore, check_files: bool = True, split: str | None = None) -> Metadata:
     """The manifest of the folder behind ``store`` (see the module docstring for where it
-    is looked for); with ``check_files``, every shard file must exist.
+    is looked for); with ``check_files``, every shard file must exist. ``split`` names a
+    part of an Energon dataset's split config (``.nv-meta/split.yaml``).
 
     Example::
 
@@ -210,7 +212,12 @@ def load_metadata(store: ShardStore, check_files: bool = True) -> Metadata:
     if raw is not None:
         meta = parse_metadata(raw, store.describe(METADATA_NAME))
     else:
-        meta = foreign_metadata(store)
+        meta = foreign_metadata(store, split)
+    if split is not None and meta.source != "energon":
+        raise LoaderUsageError(
+            f"{store.describe()}: split={split!r} selects a part of an Energon dataset (.nv-meta/split.yaml), "
+            f"but the folder's manifest is {meta.source}"
+        )
     if check_files:
         for i, shard in enumerate(meta.shards):
             if not store.exists(shard.path):
@@ -239,13 +246,15 @@ def read_metadata(folder: str | os.PathLike[str]) -> Metadata:
     return load_metadata(LocalShardStore(folder))
 
 
-def foreign_metadata(store: ShardStore) -> Metadata:
+def foreign_metadata(store: ShardStore, split: str | None = None) -> Metadata:
     """The manifest of a folder without ``metadata.json``: Energon's, MDS's or LitData's."""
     from savable_loader.sources import _litdata, _mds
 
     info = store.read_small(ENERGON_INFO)
     if info is not None:
-        return _energon_metadata(info, store.describe(ENERGON_INFO))
+        meta = _energon_metadata(info, store.describe(ENERGON_INFO))
+        meta.shards = _energon_split(store, meta.shards, split)
+        return meta
     index = store.read_small(INDEX_JSON)
     if index is not None:
         where = store.describe(INDEX_JSON)
@@ -281,3 +290,92 @@ def _energon_metadata(raw: bytes, where: str) -> Metadata:
         index = str(PurePosixPath(name).with_suffix(".tar.idx"))
         entries.append(ShardEntry(path=name, samples=count, format="tar", index=index))
     return Metadata(format=2, shards=entries, source="energon")
+
+
+def _energon_split(store: ShardStore, shards: list[ShardEntry], split: str | None) -> list[ShardEntry]:
+    """The shards of one part of an Energon split config, in its order, without excluded
+    shards; all shards when the folder has no split config."""
+    raw, name = None, ""
+    for name in ENERGON_SPLITS:
+        raw = store.read_small(name)
+        if raw is not None:
+            break
+    where = store.describe(name)
+    if raw is None:
+        if split is not None:
+            raise DataError(f"{store.describe(ENERGON_SPLITS[0])}: no split config, but split={split!r} was asked for")
+        return shards
+    if name.endswith(".yaml"):
+        try:
+            import yaml
+        except ImportError:
+            raise DataError(f"{where}: reading it needs PyYAML (pip install pyyaml)") from None
+        try:
+            doc = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise DataError(f"{where}: not valid YAML ({e})") from None
+    else:
+        doc = _decode(raw, Any, where)
+    if not isinstance(doc, dict):
+        raise DataError(f"{where}: expected a mapping with `split_parts`, got {type(doc).__name__}")
+    try:
+        config = msgspec.convert(doc, _EnergonSplits)
+    except msgspec.ValidationError as e:
+        raise DataError(f"{where}: {e}") from None
+    parts = {k: [n for pattern in v for n in brace_expand(pattern, where)] for k, v in config.split_parts.items()}
+    if split is None:
+        filled = [k for k, v in parts.items() if v]
+        if len(filled) != 1:
+            described = ", ".join(f"{k!r} ({len(v)} shards)" for k, v in parts.items())
+            raise SplitRequired(f"{where}: the dataset is split into {described}: pass split= to choose one")
+        split = filled[0]
+    if split not in parts:
+        raise DataError(f"{where}: no split {split!r} (splits: {sorted(parts)})")
+    excluded = {n for pattern in config.exclude for n in brace_expand(pattern, where)}
+    by_name = {e.path: e for e in shards}
+    out = []
+    for shard in parts[split]:
+        if shard in excluded:
+            continue
+        samples_out = sorted(x for x in excluded if x.startswith(shard + "/"))
+        if samples_out:
+            raise DataError(f"{where}: excludes samples of {shard!r} ({samples_out[0]!r}, ...); sample-level "
+                            "excludes are not supported")
+        if shard not in by_name:
+            raise DataError(f"{where}: split {split!r} names {shard!r}, which {ENERGON_INFO} does not list")
+        out.append(by_name[shard])
+    if not out:
+        raise DataError(f"{where}: split {split!r} has no shards left (after `exclude`)")
+    return out
+
+
+class SplitRequired(DataError):
+    """An Energon dataset with several splits was opened without choosing one."""
+
+
+class _EnergonSplits(msgspec.Struct):
+    split_parts: dict[str, list[str]]
+    exclude: list[str] = []
+
+
+_BRACE = re.compile(r"\{([^{}]*)\}")
+
+
+def brace_expand(pattern: str, where: str) -> list[str]:
+    """Energon's shard patterns: ``{a,b}`` alternatives and ``{000..099}`` ranges."""
+    m = _BRACE.search(pattern)
+    if m is None:
+        if "{" in pattern or "}" in pattern:
+            raise DataError(f"{where}: cannot expand the pattern {pattern!r}")
+        return [pattern]
+    body = m.group(1)
+    numbers = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if numbers:
+        low, high = numbers.groups()
+        width = len(low) if low.startswith("0") else 0
+        step = 1 if int(high) >= int(low) else -1
+        options = [str(n).zfill(width) for n in range(int(low), int(high) + step, step)]
+    else:
+        options = body.split(",")
+    head, tail = pattern[: m.start()], pattern[m.end() :]
+    return [x for option in options for x in brace_expand(head + option + tail, where)]

@@ -46,6 +46,7 @@ from savable_loader.sources._metadata import (
     SUFFIX_FORMATS,
     Metadata,
     ShardEntry,
+    SplitRequired,
     encode_metadata,
     foreign_metadata,
     parse_metadata,
@@ -141,7 +142,11 @@ def _plan(store: ShardStore) -> tuple[list[ShardEntry], str, list[str]]:
         return [ShardEntry(path=e.path, samples=e.samples, format=e.format, index=e.index, options=e.options)
                 for e in meta.shards], METADATA_NAME, []
     if store.read_small(ENERGON_INFO) is not None or store.read_small(INDEX_JSON) is not None:
-        meta = foreign_metadata(store)
+        try:
+            meta = foreign_metadata(store)
+        except SplitRequired as e:
+            raise DataError(f"{e}; an Energon folder needs no indexing: read it as it is, with "
+                            "ShardedFileDataset(folder, wc, split=...) (a metadata.json would hide its splits)") from None
         return meta.shards, meta.source, []
     entries, ignored = [], []
     for name in store.list_files():

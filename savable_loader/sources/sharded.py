@@ -122,7 +122,8 @@ class ShardedFileDataset(SavableDataset):
     (WebDataset tars) or dicts of a row's values (Parquet, MDS, LitData). ``columns``
     keeps only those fields (Parquet reads only those columns); ``decode`` decodes tar
     members: ``True`` for :data:`~savable_loader.sources.decoders.DEFAULT_DECODERS`, or
-    a mapping from extension to decoder.
+    a mapping from extension to decoder. ``split`` chooses a part (``"train"``) of an
+    Energon dataset whose ``.nv-meta/split.yaml`` has several.
 
     Missing or malformed metadata raises :class:`~savable_loader.errors.DataError` here;
     a shard that is unreadable, truncated, of another size than the metadata says, or
@@ -137,6 +138,9 @@ class ShardedFileDataset(SavableDataset):
         wc = WorkerConfig(num_workers=4, seed=0)
         ds = ShardedFileDataset("data/train", wc, strategy="undersampling")
         loader = SavableDataLoader(BatchDataset(ds, 32), batch_size=None, worker_config=wc)
+
+        index_folder("data/wds")   # WebDataset tars, indexed where they are
+        ds = ShardedFileDataset("data/wds", wc, decode=True, columns=["jpg", "cls"])
     """
 
     _savable_fields = ("epoch", "position")
@@ -150,6 +154,7 @@ class ShardedFileDataset(SavableDataset):
         shuffle: bool = True,
         columns: Sequence[str] | None = None,
         decode: bool | Mapping[str, Callable[[bytes], Any]] | None = None,
+        split: str | None = None,
     ) -> None:
         super().__init__(worker_config)
         if strategy not in STRATEGIES:
@@ -163,7 +168,10 @@ class ShardedFileDataset(SavableDataset):
         self.columns = _check_columns(columns)
         self.decode = decode
         self.options = ReadOptions(self.columns, _decoders(decode))
-        self.metadata: Metadata = load_metadata(self.store)
+        if split is not None and not isinstance(split, str):
+            raise LoaderUsageError(f"ShardedFileDataset split must be a str, got {split!r}")
+        self.split = split
+        self.metadata: Metadata = load_metadata(self.store, split=split)
         self.counts = np.array([s.samples for s in self.metadata.shards], dtype=np.int64)
         self.total = int(self.counts.sum())
         self.digest = hashlib.blake2b(msgspec.json.encode(order_digest_input(self.metadata)), digest_size=12).hexdigest()
@@ -365,6 +373,8 @@ class ShardedFileDataset(SavableDataset):
         }
         if self.columns is not None:
             config["columns"] = list(self.columns)
+        if self.split is not None:
+            config["split"] = self.split
         if self.decode is not None and self.decode is not False:
             config["decode"] = self.decode
         return config
