@@ -2,8 +2,12 @@
 
 * ``IndexedDataset`` / ``IndexSampler`` / ``IndexPlan``: the index source of the drop-in
   path (built by the loader itself).
-* ``ShardedFileDataset``: a folder of ``.npy`` / ``.pt`` / ``.jsonl`` shards listed in a
-  ``metadata.json`` (``write_shards`` writes one, ``read_metadata`` checks one).
+* ``ShardedFileDataset``: a folder of shards listed in a ``metadata.json``: ``.npy`` /
+  ``.pt`` / ``.jsonl`` (``write_shards`` writes such a folder), WebDataset ``.tar`` and
+  Parquet (``index_folder`` indexes a folder where it is), or a folder prepared by
+  Megatron-Energon, MosaicML Streaming (MDS) or LitData, read unchanged
+  (``read_metadata`` reads and checks the manifest). ``decode_sample`` and
+  ``DEFAULT_DECODERS`` decode tar samples.
 * ``IterableSource``: a user generator function with an explicit position.
 
 Example::
@@ -14,13 +18,22 @@ Example::
     ds = ShardedFileDataset("data", worker_config=wc)   # a savable pipeline source
 """
 
-from savable_loader.sources._shard_io import open_shard, read_metadata, write_shards
-from savable_loader.sources.index import BatchKey, IndexedDataset, IndexPlan, IndexSampler
+from savable_loader.sources._metadata import read_metadata
+from savable_loader.sources._shard_io import open_shard, write_shards
+from savable_loader.sources.decoders import DEFAULT_DECODERS, decode_sample
+from savable_loader.sources.index import (
+    BatchKey,
+    IndexedDataset,
+    IndexPlan,
+    IndexSampler,
+)
+from savable_loader.sources.indexing import index_folder
 from savable_loader.sources.iterable import IterableSource, ReplayWarning, StreamInfo
 from savable_loader.sources.sharded import ShardedFileDataset
 
 __all__ = [
     "BatchKey",
+    "DEFAULT_DECODERS",
     "IndexPlan",
     "IndexSampler",
     "IndexedDataset",
@@ -28,6 +41,8 @@ __all__ = [
     "ReplayWarning",
     "ShardedFileDataset",
     "StreamInfo",
+    "decode_sample",
+    "index_folder",
     "open_shard",
     "read_metadata",
     "write_shards",
