@@ -16,7 +16,7 @@ Commands:
     under, sizes and an outline of each worker's dataset state. Exit code 2 if the file
     is not a readable state.
 
-``index DIR [--workers N] [--sha256] [--force] [--quiet] [--json]``
+``index DIR_OR_URL [--storage-options JSON] [--workers N] [--sha256] [--force] [--quiet] [--json]``
     Index a folder of shards where it is (WebDataset tars, Parquet, ``.npy`` / ``.pt`` /
     ``.jsonl``, or an Energon / MosaicML Streaming / LitData folder): write
     ``metadata.json`` and any missing ``.tar.idx``, in parallel, with a progress line;
@@ -42,7 +42,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = ["main"]
 
@@ -152,7 +152,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _add_index_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("folder", metavar="DIR", help="the folder of shards")
+    parser.add_argument("folder", metavar="DIR_OR_URL",
+                        help="the folder of shards: a path or an fsspec URL (s3://...)")
+    parser.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
+                        help='fsspec options for a URL, as a JSON object (e.g. \'{"anon": true}\')')
     parser.add_argument("--workers", type=_positive, default=8, metavar="N",
                         help="shards indexed at once (default: 8)")
     parser.add_argument("--sha256", action="store_true",
@@ -163,6 +166,18 @@ def _add_index_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON document")
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _run_index(args: argparse.Namespace) -> int:
     import json
     from collections import Counter
@@ -171,7 +186,8 @@ def _run_index(args: argparse.Namespace) -> int:
     from savable_loader.sources.indexing import index_folder
 
     try:
-        meta = index_folder(args.folder, workers=args.workers, sha256=args.sha256, force=args.force,
+        meta = index_folder(args.folder, storage_options=args.storage_options, workers=args.workers,
+                            sha256=args.sha256, force=args.force,
                             progress=not args.quiet)
     except SavableLoaderError as e:
         return _usage_error("index", " ".join(str(e).split()))

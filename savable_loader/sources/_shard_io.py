@@ -243,7 +243,7 @@ def open_reader(store: ShardStore, entry: ShardEntry, whole: bool, options: Read
     if entry.format is None:  # pragma: no cover - the metadata parser sets it
         raise DataError(f"{store.describe(entry.path)}: no format")
     cls = reader_class(entry.format)
-    file = store.open_shard(entry.path, entry.size, whole or cls.needs_local_file)
+    file = store.open_shard(entry.path, entry.size, whole or cls.needs_local_file, sha256=entry.sha256, etag=entry.etag)
     try:
         reader = cls(file, entry, store, options)
     except BaseException:

@@ -2,9 +2,11 @@
 
 Every shard reader (``_shard_io.py``, ``_tar.py``, ``_parquet.py``, ``_mds.py``,
 ``_litdata.py``) sees a shard only through a :class:`ShardFile`, and the dataset and the
-indexer see the folder only through a :class:`ShardStore`. Today the only store is
-:class:`LocalShardStore`, a folder on the local disk. A remote store (fsspec URLs, a
-whole-shard cache, prefetch) implements the same two classes; nothing else changes.
+indexer see the folder only through a :class:`ShardStore`. :class:`LocalShardStore` is
+a folder on the local disk; a remote store (fsspec URLs, a whole-shard cache, prefetch)
+implements the same two classes, and nothing else changes:
+:class:`~savable_loader.sources._remote_store.StorageShardStore` does, over a
+:class:`~savable_loader.storage.Storage`.
 
 The contract, all of it:
 
@@ -13,13 +15,17 @@ The contract, all of it:
     * ``read_small(name)``: the whole content of a small file of the folder
       (``metadata.json``, ``index.json``, ``.nv-meta/.info.json``, a ``.tar.idx``), or
       ``None`` if it does not exist. Called at construction and when a shard is opened.
-    * ``open_shard(name, size, whole)``: a :class:`ShardFile` for one shard. ``size`` is
-      the size ``metadata.json`` records (None if unknown); a store must refuse a shard of
-      another size with a :class:`~savable_loader.errors.DataError` naming both sizes.
+    * ``open_shard(name, size, whole, sha256=, etag=)``: a :class:`ShardFile` for one
+      shard. ``size`` is the size ``metadata.json`` records (None if unknown); a store
+      must refuse a shard of another size with a :class:`~savable_loader.errors.DataError`
+      naming both sizes (a remote store checks ``sha256`` and ``etag`` too, when given).
       ``whole=True`` is asked by iteration, which reads most of the shard: a remote store
       downloads the shard (into its cache) and returns a file with a ``local_path``.
       ``whole=False`` is asked by ``restore_sample`` and inspection, which read a few
       byte ranges: a remote store may serve them with ranged reads and no local copy.
+    * ``prefetch(entries)`` / ``prefetch_depth``: the dataset names the next
+      ``prefetch_depth`` shards each time it moves to a new shard; a remote store
+      downloads them in the background (a local one does nothing). ``close()`` stops it.
     * ``exists(name)``: whether a shard file exists (checked at construction for local
       folders; a remote store may return True and let ``open_shard`` fail).
     * indexer only: ``list_files()`` (every file under the folder, relative POSIX paths,
@@ -50,10 +56,15 @@ import mmap
 import os
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
 
-from savable_loader.errors import DataError
+from savable_loader.errors import DataError, LoaderUsageError
+
+if TYPE_CHECKING:
+    from savable_loader.sources._metadata import ShardEntry
+    from savable_loader.storage import Storage
 
 __all__ = ["LocalShardFile", "LocalShardStore", "ShardFile", "ShardStore", "byte_getter", "store_for"]
 
@@ -93,8 +104,22 @@ class ShardStore(ABC):
         """Whether the file ``name`` exists."""
 
     @abstractmethod
-    def open_shard(self, name: str, size: int | None, whole: bool) -> ShardFile:
-        """One shard; DataError if it is missing or its size is not ``size``."""
+    def open_shard(
+        self, name: str, size: int | None, whole: bool, *, sha256: str | None = None, etag: str | None = None
+    ) -> ShardFile:
+        """One shard; DataError if it is missing or its size is not ``size`` (a remote
+        store also checks ``sha256`` and ``etag`` when it downloads the shard)."""
+
+    @property
+    def prefetch_depth(self) -> int:
+        """How many upcoming shards :meth:`prefetch` wants named (0: it does nothing)."""
+        return 0
+
+    def prefetch(self, entries: Sequence[ShardEntry]) -> None:
+        """The shards this process reads next, in order (a remote store downloads them)."""
+
+    def close(self) -> None:
+        """Stop background work (prefetch) of this process."""
 
     def list_files(self) -> list[str]:
         """Every file under the folder (relative POSIX paths, sorted); for the indexer."""
@@ -194,8 +219,10 @@ class LocalShardStore(ShardStore):
     def exists(self, name: str) -> bool:
         return self._path(name).is_file()
 
-    def open_shard(self, name: str, size: int | None, whole: bool) -> LocalShardFile:
-        return LocalShardFile(self._path(name), size)
+    def open_shard(
+        self, name: str, size: int | None, whole: bool, *, sha256: str | None = None, etag: str | None = None
+    ) -> LocalShardFile:
+        return LocalShardFile(self._path(name), size)  # checksums: `index --sha256` and remote downloads
 
     def list_files(self) -> list[str]:
         if not self.folder.is_dir():
@@ -232,11 +259,21 @@ class LocalShardStore(ShardStore):
             raise
 
 
-def store_for(folder: str | os.PathLike[str] | ShardStore) -> ShardStore:
-    """The store of ``folder``: a store is used as is, a path becomes a LocalShardStore."""
+def store_for(folder: str | os.PathLike[str] | ShardStore | Storage,
+              storage_options: Mapping[str, Any] | None = None) -> ShardStore:
+    """The store of ``folder``: a store is used as is, a local path becomes a
+    LocalShardStore, a URL (``s3://...``) or a :class:`~savable_loader.storage.Storage`
+    a :class:`~savable_loader.sources._remote_store.StorageShardStore`."""
     if isinstance(folder, ShardStore):
+        if storage_options:
+            raise LoaderUsageError("storage_options are for URLs, not for a ShardStore")
         return folder
-    return LocalShardStore(folder)
+    from savable_loader.sources._remote_store import storage_store
+
+    store = storage_store(folder, storage_options)
+    if store is not None:
+        return store
+    return LocalShardStore(os.fspath(folder))  # type: ignore[arg-type]  # a Storage gives a store above
 
 
 def byte_getter(file: ShardFile) -> tuple[Callable[[int, int], bytes], mmap.mmap | None]:

@@ -31,10 +31,10 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import PurePosixPath
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
 
@@ -53,6 +53,9 @@ from savable_loader.sources._metadata import (
 )
 from savable_loader.sources._shard_io import ReadOptions, reader_class
 from savable_loader.sources._store import ShardFile, ShardStore, store_for
+
+if TYPE_CHECKING:
+    from savable_loader.storage import Storage
 
 __all__ = ["IndexProgress", "index_folder"]
 
@@ -240,8 +243,9 @@ def _journal(store: ShardStore) -> dict[str, _JournalLine]:
 
 
 def index_folder(
-    folder: str | os.PathLike[str] | ShardStore,
+    folder: str | os.PathLike[str] | ShardStore | Storage,
     *,
+    storage_options: Mapping[str, Any] | None = None,
     workers: int = 8,
     sha256: bool = False,
     force: bool = False,
@@ -250,7 +254,10 @@ def index_folder(
 ) -> Metadata:
     """Index ``folder`` (see the module docstring) and return the manifest it wrote.
 
-    ``workers``: shards indexed at once. ``sha256``: record each shard's SHA-256 (reads
+    ``folder`` may be a URL (``s3://bucket/wds``, with ``storage_options``) or a
+    :class:`~savable_loader.storage.Storage`: shards are downloaded through its cache,
+    ``metadata.json`` and tar indexes are written beside them, the journal of an
+    interrupted run is kept in the local cache folder. ``workers``: shards indexed at once. ``sha256``: record each shard's SHA-256 (reads
     every byte). ``force``: rebuild tar indexes and ignore the journal of an earlier run.
     ``progress``: a progress line on stderr (True), none (False), or an
     :class:`IndexProgress`. ``on_shard(entry)`` is called after each shard is journaled.
@@ -263,7 +270,7 @@ def index_folder(
     """
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise LoaderUsageError(f"index_folder workers must be an int >= 1, got {workers!r}")
-    store = store_for(folder)
+    store = store_for(folder, storage_options)
     entries, _, _ = _plan(store)
     done = {} if force else _journal(store)
     if force:

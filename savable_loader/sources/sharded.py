@@ -36,10 +36,12 @@ at most two open (the current one and, for ``restore_sample``, one more). Sample
 one unit come out together (shuffled inside the unit): put a ``ShuffleBufferDataset``
 after the source to mix units.
 
-Storage: the dataset reads the folder only through a ``ShardStore`` (``_store.py``):
-iteration opens a shard with ``whole=True`` (a remote store hands over a local copy),
-``restore_sample`` with ``whole=False`` (a few ranged reads). ``upcoming_shards`` says
-which shards a worker reads next, for a store that prefetches.
+Storage: the dataset reads the folder only through a ``ShardStore`` (``_store.py``; a
+URL or a ``Storage`` becomes a ``StorageShardStore``, ``_remote_store.py``): iteration
+opens a shard with ``whole=True`` (a remote store hands over a local copy),
+``restore_sample`` with ``whole=False`` (a few ranged reads). Each time iteration moves
+to another shard it names the next ``prefetch_depth`` shards of its reading order
+(``upcoming_shards``) to the store, which downloads them in the background.
 
 State: the epoch key and ``position``, the number of samples this worker has read in
 the epoch. The shard and the offset inside it follow from the position by a binary
@@ -58,7 +60,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -75,6 +77,9 @@ from savable_loader.sources._metadata import (
 )
 from savable_loader.sources._shard_io import ReadOptions, ShardReader, open_reader
 from savable_loader.sources._store import LocalShardStore, ShardStore, store_for
+
+if TYPE_CHECKING:
+    from savable_loader.storage import Storage
 
 __all__ = ["STRATEGIES", "ShardedFileDataset"]
 
@@ -111,9 +116,14 @@ class _Layout:
 class ShardedFileDataset(SavableDataset):
     """Samples of a shard folder, split over ranks and workers, reshuffled every epoch.
 
-    ``folder`` is a local folder (or a ``ShardStore``, see ``_store.py``) with a
-    ``metadata.json`` (``write_shards``, ``index_folder``), or a folder prepared by
-    Megatron-Energon, MosaicML Streaming (MDS) or LitData, read unchanged.
+    ``folder`` is a local folder or a URL (``s3://``, ``gs://``, ``az://``, ``hf://``,
+    ``http(s)://``, ``memory://``: any fsspec URL, reached with ``storage_options``), or
+    a :class:`~savable_loader.storage.Storage` (to set the cache folder and budget, the
+    prefetch depth, the retry policy), with a ``metadata.json`` (``write_shards``,
+    ``index_folder``), or a folder prepared by Megatron-Energon, MosaicML Streaming (MDS)
+    or LitData, read unchanged. A remote shard is downloaded whole into the node's cache
+    before it is read, and each worker downloads the next shards of its exact reading
+    order in the background (``docs/storage.md``); nothing of it enters a state.
 
     ``strategy`` says how ranks get equal sample counts (``"exact"``, ``"oversampling"``,
     ``"undersampling"``; see the module docstring for the layout). Samples are
@@ -141,13 +151,16 @@ class ShardedFileDataset(SavableDataset):
 
         index_folder("data/wds")   # WebDataset tars, indexed where they are
         ds = ShardedFileDataset("data/wds", wc, decode=True, columns=["jpg", "cls"])
+
+        ds = ShardedFileDataset("s3://bucket/wds", wc, storage_options={"profile": "training"})
+        ds = ShardedFileDataset(Storage("s3://bucket/wds", cache_dir="/local/cache", prefetch=4), wc)
     """
 
     _savable_fields = ("epoch", "position")
 
     def __init__(
         self,
-        folder: str | os.PathLike[str] | ShardStore,
+        folder: str | os.PathLike[str] | ShardStore | Storage,
         worker_config: WorkerConfig,
         *,
         strategy: str = "exact",
@@ -155,13 +168,14 @@ class ShardedFileDataset(SavableDataset):
         columns: Sequence[str] | None = None,
         decode: bool | Mapping[str, Callable[[bytes], Any]] | None = None,
         split: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(worker_config)
         if strategy not in STRATEGIES:
             raise LoaderUsageError(f"ShardedFileDataset strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not isinstance(shuffle, bool):
             raise LoaderUsageError(f"ShardedFileDataset shuffle must be a bool, got {shuffle!r}")
-        self.store: ShardStore = store_for(folder)
+        self.store: ShardStore = store_for(folder, storage_options)
         self.folder: Path | None = self.store.folder if isinstance(self.store, LocalShardStore) else None
         self.strategy = strategy
         self.shuffle = shuffle
@@ -298,9 +312,10 @@ class ShardedFileDataset(SavableDataset):
         return sample
 
     def close(self) -> None:
-        """Close the open shard files (they are reopened when needed)."""
+        """Close the open shard files (they are reopened when needed) and stop prefetching."""
         while self._readers:
             self._drop(next(iter(self._readers)))
+        self.store.close()
 
     def __getstate__(self) -> dict[str, Any]:
         # Open files and memory maps stay in the process that opened them.
@@ -331,6 +346,8 @@ class ShardedFileDataset(SavableDataset):
             shard, first, count = int(self.unit_shard[unit]), int(self.unit_first[unit]), int(self.unit_count[unit])
             if previous in self._readers and previous != shard:
                 self._drop(previous)
+            if shard != previous and self.store.prefetch_depth:
+                self._prefetch(shard)
             previous = shard
             order = layout.sample_order(unit, count)[offset : offset + min(count - offset, end - p)]
             reader = None
@@ -342,6 +359,12 @@ class ShardedFileDataset(SavableDataset):
                 sample = reader.read(index)
                 self.samples_read += 1
                 yield sample
+
+    def _prefetch(self, current: int) -> None:
+        """Name the shards read after ``current`` to the store (it downloads them ahead)."""
+        depth = self.store.prefetch_depth
+        ahead = [s for s in self.upcoming_shards(depth + 1) if s != current][:depth]
+        self.store.prefetch([self.metadata.shards[s] for s in ahead])
 
     # -- restore keys -----------------------------------------------------------------
 

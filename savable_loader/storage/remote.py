@@ -172,18 +172,18 @@ class Remote:
             fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option): ours decides
         return fs
 
-    def _call(self, method: str, url: str, timeout: float, **kwargs: Any) -> Any:
-        """``fs.<method>(path, **kwargs)``, given up after ``timeout`` seconds."""
+    def _call(self, method: str, url: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
+        """``fs.<method>(path, *args, **kwargs)``, given up after ``timeout`` seconds."""
         fs = self.filesystem()
         path = fs._strip_protocol(url)
         if getattr(fs, "async_impl", False):
             from fsspec.asyn import sync
 
-            return sync(fs.loop, getattr(fs, f"_{method}"), path, timeout=timeout, **kwargs)
+            return sync(fs.loop, getattr(fs, f"_{method}"), path, *args, timeout=timeout, **kwargs)
         call = getattr(fs, method)
         if self.protocol in _IN_PROCESS_PROTOCOLS:
-            return call(path, **kwargs)
-        return _in_thread(lambda: call(path, **kwargs), timeout)
+            return call(path, *args, **kwargs)
+        return _in_thread(lambda: call(path, *args, **kwargs), timeout)
 
     # -- reads ------------------------------------------------------------------------
 
@@ -204,6 +204,69 @@ class Remote:
         etag = next((raw[k] for k in ("ETag", "etag", "Etag") if raw.get(k)), None)
         size = raw.get("size")
         return {"size": int(size) if size is not None else None, "etag": normalize_etag(etag)}
+
+    def stat(self, path: str) -> tuple[int, int]:
+        """``(size, stamp)`` of a file (retried): the stamp is its modification time in
+        nanoseconds when the store reports one, else 0. For the indexer.
+
+        Example::
+
+            size, stamp = remote.stat("shard-00000.tar")
+        """
+        url = self.url_of(path)
+        if self.is_local:
+            st = os.stat(url)
+            return st.st_size, st.st_mtime_ns
+        try:
+            raw = self.retry.call(lambda t: self._call("info", url, t), url=url)
+        except StorageError as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                raise FileNotFoundError(url) from e
+            raise
+        stamp = 0
+        for k in ("LastModified", "last_modified", "mtime", "created", "Last-Modified"):
+            value = raw.get(k)
+            if hasattr(value, "timestamp"):
+                stamp = int(value.timestamp() * 1e9)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                stamp = int(value * 1e9)
+            if stamp:
+                break
+        return int(raw.get("size") or 0), stamp
+
+    def find(self) -> list[str]:
+        """Every file under the folder, as sorted relative POSIX paths (retried). For the
+        indexer.
+
+        Example::
+
+            Remote("memory://data").find()   # ['metadata.json', 'shard-0.tar', ...]
+        """
+        if self.is_local:
+            return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
+        url = self.url
+        found = self.retry.call(lambda t: self._call("find", url, t), url=url)
+        root = self.filesystem()._strip_protocol(url).rstrip("/")
+        out = []
+        for name in found:
+            name = str(name)
+            if name.startswith(root + "/"):
+                out.append(name[len(root) + 1 :])
+        return sorted(out)
+
+    def write(self, path: str, data: bytes) -> None:
+        """Write a whole small file (retried: a whole-object write is idempotent). For the
+        indexer (``metadata.json``, tar indexes); never used on a shard.
+
+        Example::
+
+            remote.write("metadata.json", encoded)
+        """
+        url = self.url_of(path)
+        if self.is_local:
+            Path(url).write_bytes(data)
+            return
+        self.retry.call(lambda t: self._call("pipe_file", url, t, bytes(data)), url=url)
 
     def read(self, path: str, missing_ok: bool = False) -> bytes | None:
         """The whole file (retried): for small files such as ``metadata.json``. With
