@@ -6,6 +6,8 @@
   same faults reach S3.
 * ``MotoServer``: moto's S3 in a subprocess, with ``bucket(name, files)`` to fill it and
   ``options()`` the ``storage_options`` that reach it (directly or through a proxy).
+* ``Replicas``: one folder copied to memory://, a moto bucket (behind a ``FaultProxy``)
+  and served over HTTP: ``location(backend, sub)`` is the URL and options of each copy.
 
 ``FileServer`` and ``FaultProxy`` share ``Faults``: ``plan = {k: fault}`` injects a fault
 on the k-th request (1-based, every request counted), ``always = fault`` on every
@@ -293,3 +295,66 @@ class MotoServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+BACKENDS = ("local", "memory", "s3", "http")
+
+
+class Replicas:
+    """The files of ``root/data`` in four places: the folder itself, ``memory://<memory>``,
+    the moto bucket ``bucket`` (keys ``data/...``; the server starts on first use and is
+    reached through a ``FaultProxy``) and an HTTP server of ``root``. S3 and HTTP both take
+    faults (``server(backend).faults``)."""
+
+    def __init__(self, root: Path, memory: str, bucket: str) -> None:
+        import fsspec
+
+        self.folder = root / "data"
+        self.files = {p.relative_to(self.folder).as_posix(): p.read_bytes()
+                      for p in sorted(self.folder.rglob("*")) if p.is_file()}
+        self.memory_root, self.bucket_name = memory, bucket
+        fs = fsspec.filesystem("memory")
+        for name, data in self.files.items():
+            fs.pipe(f"/{memory}/{name}", data)
+        self.http = FileServer(root)
+        self.moto: MotoServer | None = None
+        self.proxy: FaultProxy | None = None
+
+    def s3(self) -> FaultProxy:
+        if self.proxy is None:
+            import pytest
+
+            pytest.importorskip("s3fs")
+            pytest.importorskip("moto")
+            self.moto = MotoServer()
+            self.moto.bucket(self.bucket_name, {f"data/{k}": v for k, v in self.files.items()})
+            self.proxy = FaultProxy(self.moto.port)
+        return self.proxy
+
+    def server(self, backend: str) -> Any:
+        return self.s3() if backend == "s3" else self.http
+
+    def location(self, backend: str, sub: str = "") -> tuple[str, dict[str, Any] | None]:
+        """``(url, storage_options)`` of the copy of ``data/<sub>`` in ``backend``."""
+        tail = f"/{sub}" if sub else ""
+        if backend == "local":
+            return str(self.folder / sub) if sub else str(self.folder), None
+        if backend == "memory":
+            return f"memory://{self.memory_root}{tail}", None
+        if backend == "s3":
+            proxy = self.s3()
+            assert self.moto is not None
+            return f"s3://{self.bucket_name}/data{tail}", self.moto.options(proxy.port)
+        return f"{self.http.url}/data{tail}", None
+
+    def reset_faults(self) -> None:
+        for server in (self.http, self.proxy):
+            if server is not None:
+                server.faults.reset()
+
+    def close(self) -> None:
+        self.http.stop()
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.moto is not None:
+            self.moto.stop()

@@ -22,7 +22,7 @@ from savable_loader.sources import ShardedFileDataset, index_folder
 from savable_loader.sources._remote_store import StorageShardStore
 from savable_loader.storage import RetryPolicy, Storage
 from tests.common import assert_same, check_resume_everywhere
-from tests.storage_servers import FaultProxy, FileServer, MotoServer
+from tests.storage_servers import FileServer, Replicas
 from tests.test_shard_formats import make_folder, sample_id, wconf
 from tests.wrapper_common import make_loader, set_snapshot_policy
 
@@ -35,53 +35,22 @@ MEMORY = "sharded-remote"
 BUCKET = "sharded"
 
 
-class Remotes:
-    """One copy of each format's folder locally, in memory://, in a moto bucket (reached
-    through a fault proxy) and behind an HTTP server."""
+class Remotes(Replicas):
+    """One copy of each format's folder (``data/<fmt>``) locally, in memory://, in a moto
+    bucket (reached through a fault proxy) and behind an HTTP server."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root / "data"
-        self.folders = {fmt: make_folder(fmt, self.root / fmt) for fmt in FORMATS}
-        index_folder(self.root / "tar", progress=False, sha256=True)  # checksums checked on download
-        self.files = {p.relative_to(self.root).as_posix(): p.read_bytes() for p in self.root.rglob("*") if p.is_file()}
-        memory = fsspec.filesystem("memory")
-        for name, data in self.files.items():
-            memory.pipe(f"/{MEMORY}/{name}", data)
-        self.http = FileServer(root)
-        self.moto: MotoServer | None = None
-        self.proxy: FaultProxy | None = None
+        self.folders = {fmt: make_folder(fmt, root / "data" / fmt) for fmt in FORMATS}
+        index_folder(root / "data" / "tar", progress=False, sha256=True)  # checksums checked on download
+        super().__init__(root, MEMORY, BUCKET)
 
-    def s3(self) -> FaultProxy:
-        if self.proxy is None:
-            pytest.importorskip("s3fs")
-            pytest.importorskip("moto")
-            self.moto = MotoServer()
-            self.moto.bucket(BUCKET, self.files)
-            self.proxy = FaultProxy(self.moto.port)
-        return self.proxy
-
-    def server(self, backend: str) -> Any:
-        return self.s3() if backend == "s3" else self.http
-
-    def location(self, backend: str, fmt: str, cache: Path, **kw: Any) -> Any:
+    def location(self, backend: str, fmt: str, cache: Path, **kw: Any) -> Any:  # type: ignore[override]
         """What ShardedFileDataset is given: a path, or a Storage for a URL."""
+        url, options = super().location(backend, fmt)
         if backend == "local":
             return self.folders[fmt]
         kw.setdefault("retry", FAST)
-        if backend == "memory":
-            return Storage(f"memory://{MEMORY}/{fmt}", cache_dir=cache, **kw)
-        if backend == "s3":
-            proxy = self.s3()
-            assert self.moto is not None
-            return Storage(f"s3://{BUCKET}/{fmt}", storage_options=self.moto.options(proxy.port), cache_dir=cache, **kw)
-        return Storage(f"{self.http.url}/data/{fmt}", cache_dir=cache, **kw)
-
-    def close(self) -> None:
-        self.http.stop()
-        if self.proxy is not None:
-            self.proxy.stop()
-        if self.moto is not None:
-            self.moto.stop()
+        return Storage(url, storage_options=options, cache_dir=cache, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +62,9 @@ def remotes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Remotes]:
 
 @pytest.fixture(autouse=True)
 def no_faults(remotes: Remotes) -> Iterator[None]:
-    for server in (remotes.http, remotes.proxy):
-        if server is not None:
-            server.faults.reset()
+    remotes.reset_faults()
     yield
-    for server in (remotes.http, remotes.proxy):
-        if server is not None:
-            server.faults.reset()
+    remotes.reset_faults()
 
 
 def epoch(location: Any, workers: int = 0, context: str = "fork", rank: int = 0, world: int = 1,
@@ -140,7 +105,7 @@ def test_a_url_string_with_storage_options(remotes: Remotes, tmp_path: Path, mon
     monkeypatch.setenv("SAVABLE_LOADER_CACHE", str(tmp_path / "default-cache"))
     remotes.s3()
     assert remotes.moto is not None
-    ds = ShardedFileDataset(f"s3://{BUCKET}/parquet", wconf(), storage_options=remotes.moto.options())
+    ds = ShardedFileDataset(f"s3://{BUCKET}/data/parquet", wconf(), storage_options=remotes.moto.options())
     assert isinstance(ds.store, StorageShardStore) and ds.store.storage.cache is not None
     assert ds.store.storage.cache.folder == tmp_path / "default-cache"
     assert_same(list(make_loader(ds)), epoch(remotes.folders["parquet"]))

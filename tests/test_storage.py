@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
-import fsspec
 import numpy as np
 import pytest
 import torch
@@ -24,7 +23,7 @@ import torch
 import savable_loader as sl
 from savable_loader.errors import IntegrityError, LoaderUsageError, RangeIgnoredError, StorageError
 from savable_loader.storage import FileRef, RetryPolicy, Storage
-from tests.storage_servers import FaultProxy, FileServer, MotoServer
+from tests.storage_servers import FileServer, Replicas
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,54 +48,23 @@ def ref(name: str, **kw: Any) -> FileRef:
     return FileRef(name, size=len(FILES[name]), **kw)
 
 
-class Backends:
+class Backends(Replicas):
     """One copy of FILES in a folder, memory://, a moto bucket and behind an HTTP server;
     S3 is reached through a fault proxy, so that both remote backends take faults."""
 
     def __init__(self, root: Path) -> None:
-        self.folder = root / "data"
         for name, data in FILES.items():
-            (self.folder / name).parent.mkdir(parents=True, exist_ok=True)
-            (self.folder / name).write_bytes(data)
-        memory = fsspec.filesystem("memory")
-        for name, data in FILES.items():
-            memory.pipe(f"/{MEMORY_ROOT}/{name}", data)
-        self.http = FileServer(root)
-        self.moto: MotoServer | None = None
-        self.proxy: FaultProxy | None = None
-
-    def s3(self) -> FaultProxy:
-        if self.proxy is None:
-            pytest.importorskip("s3fs")
-            pytest.importorskip("moto")
-            self.moto = MotoServer()
-            self.moto.bucket("storage-test", {f"data/{k}": v for k, v in FILES.items()})
-            self.proxy = FaultProxy(self.moto.port)
-        return self.proxy
-
-    def server(self, name: str) -> Any:
-        return {"s3": self.s3, "http": lambda: self.http}[name]()
+            (root / "data" / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / "data" / name).write_bytes(data)
+        super().__init__(root, MEMORY_ROOT, "storage-test")
 
     def storage(self, name: str, cache_dir: Path, **kw: Any) -> Storage:
         kw.setdefault("retry", FAST)
         kw.setdefault("chunk_bytes", CHUNK)
+        url, options = self.location(name)
         if name == "local":
-            return Storage(self.folder, **kw)
-        if name == "memory":
-            return Storage(f"memory://{MEMORY_ROOT}", cache_dir=cache_dir, **kw)
-        if name == "s3":
-            proxy = self.s3()
-            assert self.moto is not None
-            return Storage("s3://storage-test/data", storage_options=self.moto.options(proxy.port), cache_dir=cache_dir,
-                           **kw)
-        return Storage(f"{self.http.url}/data", cache_dir=cache_dir, **kw)
-
-    def close(self) -> None:
-        self.http.stop()
-        if self.proxy is not None:
-            self.proxy.stop()
-        if self.moto is not None:
-            self.moto.stop()
+            return Storage(url, **kw)
+        return Storage(url, storage_options=options, cache_dir=cache_dir, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -108,13 +76,9 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backends]:
 
 @pytest.fixture(autouse=True)
 def no_faults(backends: Backends) -> Iterator[None]:
-    for server in (backends.http, backends.proxy):
-        if server is not None:
-            server.faults.reset()
+    backends.reset_faults()
     yield
-    for server in (backends.http, backends.proxy):
-        if server is not None:
-            server.faults.reset()
+    backends.reset_faults()
 
 
 def read_all(storage: Storage) -> dict[str, Any]:
