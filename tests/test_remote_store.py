@@ -162,9 +162,13 @@ def test_resume_at_every_step_with_2_workers(remotes: Remotes, backend: str, fmt
     assert check_resume_everywhere(factory, 2) == 2 * 10 + 3
 
 
-def test_a_restore_downloads_nothing_it_consumed(remotes: Remotes, tmp_path: Path) -> None:
+def test_a_restore_downloads_nothing_it_consumed(remotes: Remotes, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Unshuffled, one worker: after a save in the third shard, a restore with a cold cache
-    GETs only the third shard, those after it, and small files (metadata, tar indexes)."""
+    GETs only the third shard, those after it, and small files (metadata, tar indexes).
+    (With a snapshot at every item: a state is the newest snapshot plus items to replay,
+    and the replay reads the snapshot's shard.)"""
+    set_snapshot_policy(monkeypatch, "every")
     def location(cache: str) -> Any:
         return remotes.location("http", "tar", tmp_path / cache, prefetch=0)
 
