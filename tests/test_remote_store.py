@@ -341,3 +341,23 @@ def test_the_index_command_takes_a_url(remotes: Remotes, tmp_path: Path, monkeyp
     assert memory.exists(f"/{MEMORY}-cli/tar/shard-000.tar.idx")
     with pytest.raises(SystemExit):
         main(["index", f"memory://{MEMORY}-cli/tar", "--storage-options", "[1]"])
+
+
+def test_an_energon_folder_in_a_bucket_is_read_unchanged(tmp_path: Path) -> None:
+    """Energon's .nv-meta/.info.json and .tar.idx files are read over the URL, as from disk."""
+    pytest.importorskip("megatron.energon", reason="megatron-energon (test extra) is not installed")
+    from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
+
+    from tests.shard_writers import write_tar_folder
+
+    folder = write_tar_folder(tmp_path / "en", [4, 6, 3])
+    WebdatasetPreparator.prepare_dataset(folder, sorted(p.name for p in folder.glob("*.tar")),
+                                         split_parts_ratio=[("train", 1.0)], workers=1)
+    memory = fsspec.filesystem("memory")
+    for p in folder.rglob("*"):
+        if p.is_file():
+            memory.pipe(f"/{MEMORY}-energon/{p.relative_to(folder).as_posix()}", p.read_bytes())
+    remote = ShardedFileDataset(Storage(f"memory://{MEMORY}-energon", cache_dir=tmp_path / "c", retry=FAST), wconf())
+    assert remote.metadata.source == "energon"
+    assert_same(list(make_loader(remote)), epoch(folder))
+    assert remote.config() == ShardedFileDataset(folder, wconf()).config()
