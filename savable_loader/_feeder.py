@@ -87,8 +87,14 @@ class WorkerInit:
     def __call__(self, worker_id: int) -> None:
         install_feeder_hook()
         info = get_worker_info()
-        user_dataset = getattr(info.dataset, "user_dataset", None) if info is not None else None
+        engine_dataset = info.dataset if info is not None else None
+        user_dataset = getattr(engine_dataset, "user_dataset", None)
         if user_dataset is not None:
             replace_worker_info(dataset=user_dataset)
+        # A plain IterableDataset's path shows the worker's logical id (_iterable_mode.py):
+        # the id the user's function gets, and get_worker_info().id.
+        started = getattr(engine_dataset, "worker_started", None)
+        if callable(started):
+            worker_id = started(worker_id)
         if self.user_fn is not None:
             self.user_fn(worker_id)

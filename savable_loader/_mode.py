@@ -69,6 +69,11 @@ class Iteration(ABC):
         """The iteration is over: ``finished`` (StopIteration) or abandoned/failed.
         ``keep_workers``: persistent workers stay for the next iteration."""
 
+    def workers_reusable(self) -> bool:
+        """Whether persistent workers may run the next iteration once this one is over
+        (False: they are restarted)."""
+        return True
+
     def logical(self, physical: int) -> int:
         """The logical worker physical worker ``physical`` plays (pipelines rotate)."""
         return physical

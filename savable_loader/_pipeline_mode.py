@@ -208,6 +208,11 @@ class PipelineMode(Mode):
     position_type = PipelinePosition
     path_name = "pipeline"
     fixed_world_size = "a savable pipeline's state is split per rank and worker: restore it on the same world size"
+    #: The classes of the engine's dataset and collate function and of the iterations
+    #: (a plain IterableDataset's path subclasses them: ``_iterable_mode.py``).
+    worker_dataset_type: type[PipelineWorkerDataset] = PipelineWorkerDataset
+    collate_type: type[_TaggedCollate] = _TaggedCollate
+    iteration_type: type[PipelineIteration] = PipelineIteration
 
     def __init__(
         self, dataset: SavableDataset, worker_config: WorkerConfig, prefetch_factor: int,
@@ -217,8 +222,8 @@ class PipelineMode(Mode):
         self.workers = worker_config.workers_per_rank
         self.seed_formula = SEED_FORMULA
         in_flight = prefetch_factor * worker_config.num_workers + 2 if worker_config.num_workers else 1
-        self.torch_dataset = PipelineWorkerDataset(dataset, in_flight)
-        self.collate = _TaggedCollate(collate_fn)
+        self.torch_dataset = self.worker_dataset_type(dataset, in_flight)
+        self.collate = self.collate_type(collate_fn)
         self.dataset_config = dataset.config_tree()
         self.fingerprint = config_fingerprint(self.dataset_config)
         #: the channels of the running worker pool (persistent workers keep theirs)
@@ -277,7 +282,7 @@ class PipelineMode(Mode):
                 self.channels = WorkerChannels(context, self.worker_config.num_workers)
                 pipes = self.channels.worker_ends()
             self.torch_dataset.set_plan(epoch, rotation, starts, pipes)
-        return PipelineIteration(self, epoch, rotation, starts, self.channels, resumed=resume is not None)
+        return self.iteration_type(self, epoch, rotation, starts, self.channels, resumed=resume is not None)
 
     def check(
         self, saved: LoaderConfig, position: PipelinePosition, num_workers: int, elastic: bool = False

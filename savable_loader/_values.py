@@ -109,7 +109,8 @@ def to_plain(value: Any) -> Any:
         a = np.ascontiguousarray(value)
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
-        return ArrayValue(library="numpy", dtype=a.dtype.name, shape=a.shape, data=a.tobytes())
+        # shape of `value`: ascontiguousarray turns a 0-d array into shape (1,)
+        return ArrayValue(library="numpy", dtype=a.dtype.name, shape=value.shape, data=a.tobytes())
     raise StateError(f"a state cannot hold a {type(value).__qualname__}")
 
 

@@ -8,6 +8,10 @@ sample ``i`` it re-seeds the global RNGs from ``(seed, rank, worker, epoch, i)``
 below ``2**63``, see ``savable_loader.rng.item_seed``), so the RNG state at any sample
 is implied by its index and never needs saving.
 
+An exception the pipeline raises ends the iteration, except on a plain IterableDataset's
+path (``errors_go_on``), where it is sent in the item's place (:class:`ItemError`) and
+counts as that item, as torch's workers go on after a failed batch.
+
 A daemon **command thread** answers ``checkpoint`` requests from the main process: given
 the number of samples the main process has yielded from this worker, it returns the
 newest snapshot at or before that point and the **skip offset** (samples to replay after
@@ -31,16 +35,18 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import cloudpickle
 import msgspec
+from torch._utils import ExceptionWrapper
 from torch.utils.data import IterableDataset, get_worker_info
 
+from savable_loader._torch_internals import torch_worker_id
 from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset
-from savable_loader.errors import StateError
+from savable_loader.errors import DataError, StateError
 from savable_loader.rng import (
     SEED_FORMULA,
     counter_seed,
@@ -52,7 +58,7 @@ from savable_loader.rng import (
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
-__all__ = ["END", "SNAPSHOT_BUDGET", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime"]
+__all__ = ["END", "SNAPSHOT_BUDGET", "ItemError", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime"]
 
 #: Fraction of sample-production time that snapshots may cost.
 SNAPSHOT_BUDGET = 0.02
@@ -62,6 +68,48 @@ END = -1
 
 #: Seconds between liveness checks while a worker waits for the release of its end.
 RELEASE_POLL_SECONDS = 0.1
+
+
+class ItemError:
+    """An exception a pipeline raised for one item, sent in the item's place by a runtime
+    whose pipeline goes on after it (``errors_go_on``: a plain IterableDataset's path,
+    see ``_iterable_mode.py``). The main process books the item as consumed and raises
+    the exception, as torch does: the original exception in the main process, torch's
+    ``ExceptionWrapper`` ("Caught ... in DataLoader worker process N") from a worker,
+    ``N`` the logical worker (what ``get_worker_info().id`` says on that path, so that a
+    resumed run names the worker the uninterrupted one named).
+
+    Example::
+
+        try:
+            sample = next(iterator)
+        except Exception as e:
+            sample = ItemError.capture(e, in_process=False, worker=3)   # picklable
+        ...
+        sample.reraise()                                       # in the main process
+    """
+
+    __slots__ = ("error", "wrapper")
+
+    def __init__(self, error: BaseException | None, wrapper: ExceptionWrapper | None) -> None:
+        self.error = error
+        self.wrapper = wrapper
+
+    @classmethod
+    def capture(cls, error: BaseException, in_process: bool, worker: int) -> ItemError:
+        """``error`` as an item: itself in the main process, torch's picklable wrapper
+        naming logical ``worker`` in a worker process."""
+        if in_process:
+            return cls(error, None)
+        where = f"in DataLoader worker process {worker}"
+        return cls(None, ExceptionWrapper((type(error), error, error.__traceback__), where=where))
+
+    def reraise(self) -> NoReturn:
+        if self.wrapper is not None:
+            self.wrapper.reraise()
+        if self.error is None:  # pragma: no cover - capture() sets one of them
+            raise RuntimeError("an ItemError without its exception")
+        raise self.error
 
 
 class SnapshotRing:
@@ -133,6 +181,9 @@ class WorkerRuntime:
         self.snapshot_seconds = 0.0
         #: Encode each snapshot into ``outbox`` for the main process (worker processes).
         self.attach = False
+        #: An exception the pipeline raises for an item is sent as an :class:`ItemError`
+        #: in the item's place and the iteration goes on (False: it ends the iteration).
+        self.errors_go_on = False
         self.outbox: tuple[int, bytes] | None = None
         self._thread: threading.Thread | None = None
         self._parent_pid = -1
@@ -171,7 +222,16 @@ class WorkerRuntime:
                 try:
                     sample = next(iterator)
                 except StopIteration:
+                    if skip:  # the restored worker had yielded more than this: not the same data
+                        raise DataError(
+                            f"worker {worker_id}'s pipeline ended after {index} samples while replaying to the "
+                            f"saved position of {index + skip} samples: the data changed since the state was saved"
+                        ) from None
                     break
+                except Exception as e:  # the item's exception, raised in the main process
+                    if not self.errors_go_on:
+                        raise
+                    sample = ItemError.capture(e, self.in_process, worker_id)  # counts as an item
                 work += time.perf_counter() - t0
                 index += 1
                 # The state after `index` samples, taken before the sample leaves: attached
@@ -310,6 +370,8 @@ class PipelineWorkerDataset(IterableDataset):
         self.attach = True
         #: The per-item seed formula (``savable_loader.rng.item_seed``).
         self.seed_formula = SEED_FORMULA
+        #: ``WorkerRuntime.errors_go_on``.
+        self.errors_go_on = False
         self._iterations = 0
         self._runtime: WorkerRuntime | None = None
 
@@ -342,7 +404,7 @@ class PipelineWorkerDataset(IterableDataset):
     def __iter__(self) -> Iterator[tuple[int, int, Any, Any]]:
         info = get_worker_info()
         workers = self.worker_config.workers_per_rank
-        physical = 0 if info is None else info.id
+        physical = torch_worker_id() or 0  # info.id may be a logical id; 0 in the main process
         count = self._iterations
         self._iterations += 1
         if count == 0:
@@ -360,6 +422,7 @@ class PipelineWorkerDataset(IterableDataset):
                 self._runtime.serve(cmd, res)
         runtime = self._runtime
         runtime.seed_formula = self.seed_formula
+        runtime.errors_go_on = self.errors_go_on
         items = runtime.run(epoch, logical, starts[logical])
         if info is None:
             return items

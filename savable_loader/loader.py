@@ -10,7 +10,9 @@ dataset and sampler of the chosen path (a :class:`~savable_loader._mode.Mode`):
 * a map-style dataset with ``sampler=``, ``batch_sampler=`` or ``generator=`` and
   ``shuffle=True``: the user's sampler, made resumable (``_sampler_mode.SamplerMode``);
 * a :class:`~savable_loader.SavableDataset` pipeline with ``batch_size=None``: per-worker
-  pipeline states captured from snapshots (``_pipeline_mode.PipelineMode``).
+  pipeline states captured from snapshots (``_pipeline_mode.PipelineMode``);
+* a plain ``torch.utils.data.IterableDataset``: the same protocol over the user's
+  dataset, with torch's iterable semantics (``_iterable_mode.IterableMode``).
 
 Iterations, their fates and what a save describes: ``_iterator.py``.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import io
 import threading
-import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -37,6 +39,7 @@ from savable_loader._elastic import elastic_position
 from savable_loader._failures import terminate_worker, translate_worker_error
 from savable_loader._feeder import WorkerInit
 from savable_loader._index_mode import OrderMode
+from savable_loader._iterable_mode import IterableMode
 from savable_loader._iterator import RUNNING, Fate, Record, SavableIterator
 from savable_loader._mode import SKIP, Mode
 from savable_loader._pipeline_mode import PipelineMode
@@ -74,6 +77,15 @@ T_co = TypeVar("T_co", covariant=True)
 _DEFAULT_SAVE_TIMEOUT = 60.0
 
 
+class _Engine(DataLoader[Any]):
+    """The private DataLoader that runs the workers. torch's worker-count warning is the
+    public loader's, given where torch gives it (construction and ``iter()``), not at an
+    iteration's first ``next()``, where the engine's iterator is made."""
+
+    def check_worker_number_rationality(self) -> None:
+        return None
+
+
 class SavableDataLoader(DataLoader[T_co]):
     """A ``torch.utils.data.DataLoader`` whose position can be saved and restored exactly.
 
@@ -95,6 +107,13 @@ class SavableDataLoader(DataLoader[T_co]):
 
         wc = WorkerConfig(rank=0, world_size=1, num_workers=2, seed=3)
         loader = SavableDataLoader(BatchDataset(MySource(worker_config=wc), 32), batch_size=None)
+
+    A plain ``torch.utils.data.IterableDataset`` runs as in torch (each worker iterates
+    its own copy; ``batch_size`` batches per worker) and resumes from its
+    ``state_dict()`` when it has one, by a counted replay otherwise (see
+    ``sources/torch_iterable.py``)::
+
+        loader = SavableDataLoader(my_iterable_dataset, batch_size=32, num_workers=4)
 
     **Order.** Without a sampler the loader draws each epoch's order from ``(seed,
     epoch)`` and splits it across data-parallel ranks. ``seed=None`` takes a seed from
@@ -205,12 +224,18 @@ class SavableDataLoader(DataLoader[T_co]):
             if dataset.worker_config != wc:
                 raise LoaderUsageError(f"the pipeline's worker_config {dataset.worker_config} differs from the loader's {wc}")
             return {"batch_size": None}, lambda: PipelineMode(dataset, wc, prefetch, self.collate_fn)
-        if isinstance(dataset, IterableDataset):
-            raise LoaderUsageError(
-                f"{type(dataset).__qualname__} is an IterableDataset whose position cannot be saved: subclass "
-                "savable_loader.SavableDataset, wrap a generator function in savable_loader.sources.IterableSource, "
-                "or use a map-style dataset"
-            )
+        if isinstance(dataset, IterableDataset):  # a plain torch IterableDataset: _iterable_mode.py
+            owner = weakref.ref(self)
+
+            def iterable() -> Mode:
+                return IterableMode(
+                    self.dataset,  # type: ignore[arg-type]
+                    wc, prefetch, self.collate_fn, batch_size=self.batch_size, drop_last=self.drop_last,
+                    seed_explicit=seed_explicit,
+                    reported_length=lambda: getattr(owner(), "_IterableDataset_len_called", None),
+                )
+
+            return {"batch_size": batch_size, "shuffle": shuffle}, iterable  # torch shuffles an IterDataPipe
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise LoaderUsageError(
                 f"dataset must be map-style (__getitem__ and __len__) or a SavableDataset, got {type(dataset).__qualname__}"
@@ -246,17 +271,15 @@ class SavableDataLoader(DataLoader[T_co]):
     ) -> DataLoader[Any]:
         """The private torch DataLoader that runs the workers over the mode's dataset."""
         workers = self.num_workers
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the worker-count warning: ours already gave it
-            return DataLoader(
-                num_workers=workers, pin_memory=pin_memory, timeout=timeout,
-                # in workers: an unpicklable sample becomes an error, not a hang (_feeder.py),
-                # and get_worker_info().dataset is the user's dataset
-                worker_init_fn=WorkerInit(worker_init_fn) if workers > 0 else None,
-                multiprocessing_context=self.multiprocessing_context, generator=torch.Generator(),
-                prefetch_factor=prefetch_factor, persistent_workers=self.persistent_workers,
-                pin_memory_device=pin_memory_device, **self._mode.engine_kwargs(),
-            )
+        return _Engine(  # no worker-count warning: the public loader gives it
+            num_workers=workers, pin_memory=pin_memory, timeout=timeout,
+            # in workers: an unpicklable sample becomes an error, not a hang (_feeder.py),
+            # and get_worker_info().dataset is the user's dataset
+            worker_init_fn=WorkerInit(worker_init_fn) if workers > 0 else None,
+            multiprocessing_context=self.multiprocessing_context, generator=torch.Generator(),
+            prefetch_factor=prefetch_factor, persistent_workers=self.persistent_workers,
+            pin_memory_device=pin_memory_device, **self._mode.engine_kwargs(),
+        )
 
     @property
     def _iterator(self) -> Any:
@@ -280,6 +303,8 @@ class SavableDataLoader(DataLoader[T_co]):
         """An iterator over the next epoch (or the rest of a restored one). The iteration
         begins at its first ``next()``: an iterator never advanced consumes nothing, as a
         torch iterator over a random sampler draws nothing before its first batch."""
+        if self.num_workers > 0 and not (self._persistent and self._engine._iterator is not None):
+            self.check_worker_number_rationality()  # torch's warning, when torch's iter() gives it
         return SavableIterator(self)
 
     def _begin(self) -> Record:
@@ -373,8 +398,10 @@ class SavableDataLoader(DataLoader[T_co]):
                 except Exception as e:  # noqa: BLE001 - raised by a later save
                     record.error = e
             record.fate = fate
+            # persistent workers stay for the next iteration, unless this one says they cannot
+            keep = self._persistent and fate is not Fate.FAILED and iteration.workers_reusable()
             try:
-                iteration.end(finished=fate is Fate.FINISHED, keep_workers=self._persistent and fate is not Fate.FAILED)
+                iteration.end(finished=fate is Fate.FINISHED, keep_workers=keep)
             except Exception as e:  # noqa: BLE001 - after the workers are stopped
                 failure = e
             if (
@@ -386,7 +413,7 @@ class SavableDataLoader(DataLoader[T_co]):
                 self._next_epoch = iteration.epoch
                 self._records.remove(record)
         RUNNING.pop(id(record), None)
-        if fate is Fate.FAILED or (fate is Fate.ABANDONED and not self._persistent):
+        if fate is Fate.FAILED or (fate is Fate.ABANDONED and not self._persistent) or (self._persistent and not keep):
             self._shutdown(record.torch_iter)
         # An iteration abandoned inside a garbage cycle may find its pipes finalised
         # first: nothing to report then, its workers are stopped all the same.

@@ -122,3 +122,32 @@ def test_a_pipeline_takes_its_worker_config():
         sl.SavableDataLoader(RangeSource(4, wc))
     with pytest.raises(LoaderUsageError, match="expected unspecified shuffle"):
         sl.SavableDataLoader(RangeSource(4, wc), batch_size=None, shuffle=True)
+
+
+@pytest.mark.parametrize("dataset", [RandomMapDataset(8), Stream()], ids=["map", "iterable"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_count_warning_where_torch_gives_it(dataset, persistent):
+    """torch warns about too many workers at construction and at ``iter()`` (a new pool
+    only), never inside ``next()``: a loop that checks ``next()`` for warnings passes."""
+    import os
+    import warnings
+
+    workers = len(os.sched_getaffinity(0)) + 1
+
+    def counted(action: typing.Callable[[], typing.Any]) -> tuple[typing.Any, int]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = action()
+        return result, sum("worker processes in total" in str(w.message) for w in caught)
+
+    for cls in (DataLoader, sl.SavableDataLoader):
+        kw = {"num_workers": workers, "persistent_workers": persistent, "multiprocessing_context": "fork"}
+        loader, at_init = counted(lambda: cls(dataset, batch_size=2, **kw))
+        counts = [at_init]
+        for _ in range(2):
+            it, at_iter = counted(lambda: iter(loader))
+            _, at_next = counted(lambda: next(it))
+            rest, at_rest = counted(lambda: list(it))
+            counts += [at_iter, at_next + at_rest]
+        del it, loader
+        assert counts == [1, 1, 0, 0 if persistent else 1, 0], (cls.__name__, counts)

@@ -123,8 +123,8 @@ def test_rejected_datasets_and_values():
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.raises(LoaderUsageError, match="IterableDataset.*IterableSource"):
-        sl.SavableDataLoader(Stream(), batch_size=2)
+    with pytest.raises(LoaderUsageError, match="IterableDataset: expected unspecified shuffle"):
+        sl.SavableDataLoader(Stream(), batch_size=2, shuffle=True)  # accepted without shuffle
     with pytest.raises(LoaderUsageError, match="map-style"):
         sl.SavableDataLoader(object(), batch_size=2)
     with pytest.raises(LoaderUsageError, match="batch_size should be a positive integer value"):

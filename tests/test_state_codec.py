@@ -240,6 +240,13 @@ def test_scalar_and_empty_tensors_round_trip() -> None:
     assert np.array_equal(from_plain(npz), np.zeros((1, 2)))
 
 
+def test_zero_dimensional_numpy_array_keeps_its_shape() -> None:
+    value = to_plain(np.asarray(np.float32(1.5)))
+    assert value.shape == ()
+    back = from_plain(decode_part(encode_part(DatasetState(type="t", fields={"a": value})), DatasetState).fields["a"])
+    assert back.shape == () and back.dtype == np.float32 and back[()] == np.float32(1.5)
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16])
 def test_size_one_tensor_with_odd_stride_round_trips(dtype: torch.dtype) -> None:
     # x[:1, 2] of a (2, 4) tensor: one element with stride 4, which contiguous() keeps

@@ -9,6 +9,8 @@
   (``read_metadata`` reads and checks the manifest). ``decode_sample`` and
   ``DEFAULT_DECODERS`` decode tar samples.
 * ``IterableSource``: a user generator function with an explicit position.
+* ``TorchIterableSource``: a plain ``torch.utils.data.IterableDataset`` (the loader builds
+  it for one; resumed from its ``state_dict()`` when it has one, by replay otherwise).
 
 Example::
 
@@ -30,6 +32,7 @@ from savable_loader.sources.index import (
 from savable_loader.sources.indexing import index_folder
 from savable_loader.sources.iterable import IterableSource, ReplayWarning, StreamInfo
 from savable_loader.sources.sharded import ShardedFileDataset
+from savable_loader.sources.torch_iterable import TorchIterableSource
 
 __all__ = [
     "BatchKey",
@@ -41,6 +44,7 @@ __all__ = [
     "ReplayWarning",
     "ShardedFileDataset",
     "StreamInfo",
+    "TorchIterableSource",
     "decode_sample",
     "index_folder",
     "open_shard",
