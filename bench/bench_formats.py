@@ -237,10 +237,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         only = f"{r['reader_only']:>9,.0f} /s {r['reader_only_ratio']:>4.2f}" if "reader_only" in r else " " * 18
         print(f"{r['format']:<8} {r['mode']:<7} {r['ours']:>13,.0f} /s {r['theirs']:>10,.0f} /s  {r['ratio']:>6.2f}  "
               f"{only}  {r['baseline']}{verdict}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
     return results
+
+
+def save_json(path: str | None, results: dict[str, Any]) -> None:
+    """Write ``results`` as JSON to ``path`` (nothing when it is None)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

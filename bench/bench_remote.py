@@ -20,7 +20,7 @@ and measures samples per second of
 * ``pre-filled cache``: every shard already in the cache (no download);
 * ``local folder``: the files read in place.
 
-The figure is the median over interleaved repeats; the target is ``prefetch, cold`` /
+The figure is the median over interleaved repeats (after one warm-up run each); the target is ``prefetch, cold`` /
 ``pre-filled cache`` >= 0.8. Then a restore: a state saved in the middle of the epoch is
 restored into a loader with a cold cache, and the GET requests per shard are counted:
 consumed shards must get none. ``main(argv)`` returns the results as a dict.
@@ -29,12 +29,9 @@ consumed shards must get none. ``main(argv)`` returns the results as a dict.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,7 +41,7 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 import savable_loader as sl  # noqa: E402
-from bench.bench_formats import write_tars  # noqa: E402
+from bench.bench_formats import interleaved, save_json, write_tars  # noqa: E402
 from savable_loader.config import _ActiveWorker  # noqa: E402
 from savable_loader.sources import ShardedFileDataset, index_folder  # noqa: E402
 from savable_loader.storage import Storage  # noqa: E402
@@ -60,19 +57,6 @@ def read_epoch(location: Any) -> int:
         n = sum(1 for _ in ds)
     ds.close()
     return n
-
-
-def interleaved(pairs: dict[str, Callable[[], int]], expected: int, repeats: int) -> dict[str, float]:
-    names = list(pairs)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
-            count = pairs[name]()
-            times[name].append(time.perf_counter() - t0)
-            if count != expected:
-                raise SystemExit(f"{name}: read {count} samples, expected {expected}")
-    return {n: expected / statistics.median(t) for n, t in times.items()}
 
 
 def restore_gets(storage_of: Callable[[Path], Storage], log: Any, root: Path, shards: list[str]) -> dict[str, Any]:
@@ -162,9 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{r['backend']:<8} {r['prefetch, cold']:>11,.0f} /s {r['no prefetch, cold']:>9,.0f} /s "
               f"{r['pre-filled cache']:>8,.0f} /s {r['local folder']:>6,.0f} /s  {r['ratio']:.2f} "
               f"(target >= {TARGET}: {verdict})  {r['restore']['gets_for_consumed_shards']}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
     return results
 
 
