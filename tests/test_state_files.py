@@ -131,7 +131,7 @@ def test_no_temp_file_left_after_success(tmp_path: Path) -> None:
     assert load_file(path) == rank_state(consumed=2)
 
 
-@pytest.mark.parametrize("bad", [object(), None, [rank_state(), "x"], {"kind": "rank"}], ids=repr)
+@pytest.mark.parametrize("bad", [object(), None, [rank_state(), "x"], {"kind": "rank"}], ids=["object", "None", "list", "dict"])
 def test_failing_encode_leaves_old_file_and_no_temp(tmp_path: Path, bad: object) -> None:
     path = tmp_path / "loader.state"
     save_file(path, rank_state(consumed=7))
