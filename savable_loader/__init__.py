@@ -34,8 +34,10 @@ __all__ = [
     "ConfigMismatchError",
     "DataError",
     "DatasetContractError",
+    "IntegrityError",
     "InternalError",
     "LoaderUsageError",
+    "RangeIgnoredError",
     "RestoreKey",
     "RestoreKeyError",
     "ResumeMismatchError",
@@ -45,6 +47,7 @@ __all__ = [
     "StateError",
     "StateFileError",
     "StateVersionError",
+    "StorageError",
     "UnsavedRngWarning",
     "UsageTypeError",
     "WorkerConfig",
@@ -56,6 +59,7 @@ __all__ = [
     "rng",
     "sources",
     "state",
+    "storage",
     "testing",
     "wrappers",
 ]
@@ -64,8 +68,10 @@ _LAZY = {
     "ConfigMismatchError": "savable_loader.errors",
     "DataError": "savable_loader.errors",
     "DatasetContractError": "savable_loader.errors",
+    "IntegrityError": "savable_loader.errors",
     "InternalError": "savable_loader.errors",
     "LoaderUsageError": "savable_loader.errors",
+    "RangeIgnoredError": "savable_loader.errors",
     "RestoreKey": "savable_loader.state.schema",
     "RestoreKeyError": "savable_loader.errors",
     "ResumeMismatchError": "savable_loader.errors",
@@ -76,13 +82,14 @@ _LAZY = {
     "StateFileError": "savable_loader.errors",
     "StateVersionError": "savable_loader.errors",
     "UnsavedRngWarning": "savable_loader.errors",
+    "StorageError": "savable_loader.errors",
     "UsageTypeError": "savable_loader.errors",
     "WorkerConfig": "savable_loader.config",
     "WorkerDiedError": "savable_loader.errors",
     "WorkerError": "savable_loader.errors",
     "WorkerTimeoutError": "savable_loader.errors",
 }
-_SUBMODULES = {"errors", "rng", "sources", "state", "testing", "wrappers"}
+_SUBMODULES = {"errors", "rng", "sources", "state", "storage", "testing", "wrappers"}
 
 
 def __getattr__(name: str) -> Any:
@@ -105,21 +112,24 @@ if "torch" in sys.modules:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from savable_loader import errors, rng, sources, state, testing, wrappers
+    from savable_loader import errors, rng, sources, state, storage, testing, wrappers
     from savable_loader.config import WorkerConfig
     from savable_loader.dataset import SavableDataset
     from savable_loader.errors import (
         ConfigMismatchError,
         DataError,
         DatasetContractError,
+        IntegrityError,
         InternalError,
         LoaderUsageError,
+        RangeIgnoredError,
         RestoreKeyError,
         ResumeMismatchError,
         SavableLoaderError,
         StateError,
         StateFileError,
         StateVersionError,
+        StorageError,
         UnsavedRngWarning,
         UsageTypeError,
         WorkerDiedError,

@@ -13,8 +13,11 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
     │   └── DatasetContractError    a SavableDataset breaks its contract (say, an unlisted child)
     ├── RestoreKeyError             a restore key cannot be rebuilt (foreign, malformed, unsupported)
     ├── DataError                   data on disk is malformed (shard metadata, shard files)
+    │   └── IntegrityError          a file's size or checksum differs from what its metadata says
     ├── ResumeMismatchError         savable_loader.testing.check_resume found a resumed run that differs
     ├── InternalError               an invariant of savable_loader itself broke: a bug, please report it
+    ├── StorageError                a remote read failed (names the URL, byte range, attempts, last cause)
+    │   └── RangeIgnoredError       the server answered a ranged read with other bytes (it ignores Range)
     └── WorkerError                 a worker process failed (names the worker)
         ├── WorkerDiedError         the worker process exited
         └── WorkerTimeoutError      the worker did not answer in time
@@ -37,14 +40,17 @@ __all__ = [
     "ConfigMismatchError",
     "DataError",
     "DatasetContractError",
+    "IntegrityError",
     "InternalError",
     "LoaderUsageError",
+    "RangeIgnoredError",
     "RestoreKeyError",
     "ResumeMismatchError",
     "SavableLoaderError",
     "StateError",
     "StateFileError",
     "StateVersionError",
+    "StorageError",
     "UnsavedRngWarning",
     "UsageTypeError",
     "WorkerDiedError",
@@ -242,6 +248,93 @@ class InternalError(SavableLoaderError, RuntimeError):
     Also a ``RuntimeError``. Example::
 
         raise InternalError("worker 2 sent sample 7 after its end marker")
+    """
+
+
+class IntegrityError(DataError):
+    """A file's size, SHA-256 or ETag differs from the value its metadata records: the
+    file changed after the metadata was written, or the download is corrupted. Nothing of
+    such a file is read.
+
+    ``url`` is the file; ``field`` is ``"size"``, ``"sha256"`` or ``"etag"``; ``expected``
+    is the metadata's value and ``found`` the file's. Also a ``DataError`` (and a
+    ``ValueError``). Example::
+
+        try:
+            batch = next(it)
+        except IntegrityError as e:
+            print(e.field, e.expected, e.found)   # size 1048576 1049088
+    """
+
+    def __init__(
+        self,
+        message: str,
+        url: str = "",
+        field: str = "",
+        expected: Any = None,
+        found: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.url = url
+        self.field = field
+        self.expected = expected
+        self.found = found
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.url, self.field, self.expected, self.found))
+
+
+class StorageError(SavableLoaderError):
+    """Reading from storage (a bucket, a web server, a cache) failed: every attempt of the
+    retry policy failed, or the failure cannot be retried (a missing file, a refused
+    permission).
+
+    ``url`` is the file, ``byte_range`` the ``(start, end)`` bytes asked for (None for a
+    whole file or a request that is not a read), ``attempts`` the attempts made and
+    ``cause`` the last failure as text (also the exception's ``__cause__`` where the
+    error was raised). A file that differs from its metadata is an
+    :class:`IntegrityError` (a :class:`DataError`) instead. Only the message crosses a
+    worker process: in the main process the error is re-raised as the same class with
+    the worker's traceback in its message, and the attributes are empty there.
+
+    Example::
+
+        try:
+            batch = next(it)
+        except StorageError as e:
+            print(e)   # s3://bucket/train/shard-00007.tar bytes [0, 16777216): 8 attempts in 41.3 s ...
+    """
+
+    def __init__(
+        self,
+        message: str,
+        url: str = "",
+        byte_range: tuple[int, int] | None = None,
+        attempts: int = 0,
+        cause: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.url = url
+        self.byte_range = byte_range
+        self.attempts = attempts
+        self.cause = cause
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.url, self.byte_range, self.attempts, self.cause))
+
+
+class RangeIgnoredError(StorageError):
+    """A ranged read came back with more bytes than asked for: the server ignores the
+    ``Range`` header (Python's ``http.server`` does) and sent the whole file.
+
+    Not retried: the server will do it again. Serve the files from a server that honours
+    ``Range`` (nginx, a bucket), or let whole files be downloaded (the shard cache asks for
+    ranges of at most ``chunk_bytes``). Example::
+
+        try:
+            storage.read_range("shard-00000.tar", 512, 1024)
+        except RangeIgnoredError as e:
+            print(e)   # http://host/data/shard-00000.tar bytes [512, 1024): the server sent 30720 bytes ...
     """
 
 

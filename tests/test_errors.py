@@ -14,14 +14,17 @@ from savable_loader.errors import (
     ConfigMismatchError,
     DataError,
     DatasetContractError,
+    IntegrityError,
     InternalError,
     LoaderUsageError,
+    RangeIgnoredError,
     RestoreKeyError,
     ResumeMismatchError,
     SavableLoaderError,
     StateError,
     StateFileError,
     StateVersionError,
+    StorageError,
     WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
@@ -40,6 +43,9 @@ TREE = {
     DataError: SavableLoaderError,
     ResumeMismatchError: SavableLoaderError,
     InternalError: SavableLoaderError,
+    StorageError: SavableLoaderError,
+    RangeIgnoredError: StorageError,
+    IntegrityError: DataError,
     WorkerError: SavableLoaderError,
     WorkerDiedError: WorkerError,
     WorkerTimeoutError: WorkerError,
@@ -98,6 +104,9 @@ def test_builtin_bases() -> None:
     assert not issubclass(StateError, ValueError)
     assert issubclass(StateFileError, OSError) and not issubclass(StateError, OSError)
     assert not issubclass(ConfigMismatchError, (ValueError, RuntimeError))
+    # not an OSError: torch's worker-failure translation treats a bare OSError as a dead worker
+    assert not issubclass(StorageError, (OSError, ValueError, RuntimeError))
+    assert issubclass(IntegrityError, ValueError) and not issubclass(IntegrityError, StorageError)
 
 
 def test_all_exports_and_top_level_names() -> None:
@@ -111,6 +120,7 @@ def test_base_catches_everything() -> None:
     raised = [
         StateError("s"), StateVersionError("v"), ConfigMismatchError("f", 1, 2), LoaderUsageError("u"),
         WorkerError("w", 1), WorkerDiedError("d", 2), WorkerTimeoutError("t", 3),
+        StorageError("s"), RangeIgnoredError("r"), IntegrityError("i"),
     ]
     for exc in raised:
         with pytest.raises(SavableLoaderError):
@@ -202,3 +212,38 @@ def test_worker_error_default_worker_id() -> None:
     exc = WorkerTimeoutError("no answer within 30 s")
     assert exc.worker_id is None
     assert pickle.loads(pickle.dumps(exc)).worker_id is None
+
+
+# -- storage errors -----------------------------------------------------------------------
+
+
+def test_storage_error_keeps_its_fields_through_pickling() -> None:
+    exc = StorageError("s3://b/x bytes [0, 10): 3 attempts ...", "s3://b/x", (0, 10), 3, "HTTP 503 (...)")
+    for candidate in [exc, *_round_trips(exc)]:
+        assert type(candidate) is StorageError
+        assert (candidate.url, candidate.byte_range, candidate.attempts, candidate.cause) == (
+            "s3://b/x", (0, 10), 3, "HTTP 503 (...)")
+        assert str(candidate) == "s3://b/x bytes [0, 10): 3 attempts ..."
+    ranged = RangeIgnoredError("http://h/x bytes [5, 10): ...", "http://h/x", (5, 10), 1, "30 bytes")
+    back = pickle.loads(pickle.dumps(ranged))
+    assert type(back) is RangeIgnoredError and back.byte_range == (5, 10)
+    integrity = IntegrityError("s3://b/x: the metadata says 10 bytes, the file has 12", "s3://b/x", "size", 10, 12)
+    for candidate in [integrity, *_round_trips(integrity)]:
+        assert type(candidate) is IntegrityError
+        assert (candidate.url, candidate.field, candidate.expected, candidate.found) == ("s3://b/x", "size", 10, 12)
+
+
+@pytest.mark.parametrize("cls", [StorageError, RangeIgnoredError, IntegrityError], ids=lambda c: c.__name__)
+def test_storage_errors_survive_torch_worker_reraise(cls: type[Exception]) -> None:
+    """A worker's exception reaches the main process as ``exc_type(text)`` (torch's
+    ExceptionWrapper): the class and the message must survive."""
+    from torch._utils import ExceptionWrapper
+
+    try:
+        raise cls("s3://bucket/train/shard-00007.tar bytes [0, 16): 8 attempts in 41.3 s failed")
+    except cls:
+        wrapper = ExceptionWrapper(where="in DataLoader worker process 1")
+    with pytest.raises(cls) as info:
+        wrapper.reraise()
+    assert "s3://bucket/train/shard-00007.tar bytes [0, 16): 8 attempts" in str(info.value)
+    assert "worker process 1" in str(info.value)

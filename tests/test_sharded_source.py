@@ -263,13 +263,13 @@ def test_restore_through_the_loader_reads_one_sample(folders, monkeypatch):
 
 def test_only_needed_shards_are_opened_one_or_two_at_a_time(folders, monkeypatch):
     opened: list[str] = []
-    real = sharded_module.open_shard
+    real = sharded_module.open_reader
 
-    def spy(path, expected=None):
-        opened.append(Path(path).name)
-        return real(path, expected)
+    def spy(store, entry, whole, options):
+        opened.append(entry.path)
+        return real(store, entry, whole, options)
 
-    monkeypatch.setattr(sharded_module, "open_shard", spy)
+    monkeypatch.setattr(sharded_module, "open_reader", spy)
     ds = ShardedFileDataset(folders[".npy"], wconf(1, 2, 2))
     open_counts = []
     with _ActiveWorker(1, 0):
@@ -332,7 +332,7 @@ def shard(path: str, samples: Any = 4) -> dict[str, Any]:
         ("{not json", "metadata.json: not valid JSON"),
         ([1, 2], r"metadata.json: Expected `object`, got `array`"),
         ({"shards": []}, "metadata.json: Object missing required field `format`"),
-        ({"format": 2, "shards": []}, r"metadata.json: `\$.format` is 2, this version of savable_loader reads format 1"),
+        ({"format": 3, "shards": []}, r"metadata.json: `\$.format` is 3, this version of savable_loader reads formats 1 and 2"),
         ({"format": 1}, "missing required field `shards`"),
         ({"format": 1, "shards": [shard("shard-00000.npy", "4")]}, r"Expected `int`, got `str` - at `\$.shards\[0\].samples`"),
         ({"format": 1, "shards": [shard("shard-00000.npy", -1)]}, r"Expected `int` >= 0 - at `\$.shards\[0\].samples`"),

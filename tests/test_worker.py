@@ -381,6 +381,7 @@ def test_a_restored_run_takes_no_snapshot_while_it_replays(at, monkeypatch):
     # save after `at` samples of a run whose only snapshot is its first (zero budget):
     # the restore starts from that snapshot and replays `at - 1` samples
     monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", 0.0)
+    monkeypatch.setattr(worker_module, "REPLAY_FLOOR_SECONDS", 3600.0)  # nor the replay bound, under load
     ref = reference()
     rt = runtime(stateful_pipeline(), max_in_flight=10**6)
     run = rt.run(0, 0, None)
@@ -391,19 +392,19 @@ def test_a_restored_run_takes_no_snapshot_while_it_replays(at, monkeypatch):
     # a huge budget would snapshot before every sample if the restored snapshot's cost
     # counted as 0 (as a fresh run's first does): a restored run waits for the replay bound
     monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", 1e12)
-    monkeypatch.setattr(worker_module, "REPLAY_FLOOR_SECONDS", 3600.0)  # not reached, even under load
     restored = runtime(stateful_pipeline(), max_in_flight=10**6)
     items = list(restored.run(0, 0, start))
     assert_streams(ref[at:], items, f"restored after {at}")
     assert restored.snapshots_taken == 0
     # once the replay bound is reached, snapshots resume (and the stream stays exact)
     monkeypatch.setattr(worker_module, "REPLAY_FLOOR_SECONDS", 0.0)
+    monkeypatch.setattr(worker_module, "REPLAY_FRACTION", 0.0)  # reached at once, however slow the machine
     again = runtime(stateful_pipeline(), max_in_flight=10**6)
     items = list(again.run(0, 0, start))
     assert_streams(ref[at:], items, f"restored after {at}, snapshots on")
     snaps = [i for i in range(N + 1) if again.ring.find(i) is not None and again.ring.find(i)[0] == i]
     # the restored snapshot, then none while replaying (samples 2..at), then every sample
-    # once the replay reached 0.3 x the cold start (timing decides which sample that is)
+    # once the replay bound is reached (at once here: both bounds are 0)
     assert snaps[0] == 1 and all(i > at for i in snaps[1:]), snaps
     assert at == N or (again.snapshots_taken >= 1 and snaps[-1] == N), snaps
 

@@ -1,7 +1,11 @@
 """Sources: where samples come from.
 
-* ``ShardedFileDataset``: a folder of ``.npy`` / ``.pt`` / ``.jsonl`` shards listed in a
-  ``metadata.json`` (``write_shards`` writes one, ``read_metadata`` checks one).
+* ``ShardedFileDataset``: a folder of shards listed in a ``metadata.json``: ``.npy`` /
+  ``.pt`` / ``.jsonl`` (``write_shards`` writes such a folder), WebDataset ``.tar`` and
+  Parquet (``index_folder`` indexes a folder where it is), or a folder prepared by
+  Megatron-Energon, MosaicML Streaming (MDS) or LitData, read unchanged
+  (``read_metadata`` reads and checks the manifest). ``decode_sample`` and
+  ``DEFAULT_DECODERS`` decode tar samples.
 * ``IterableSource``: a user generator function with an explicit position.
 * ``TorchIterableSource``: a plain ``torch.utils.data.IterableDataset`` (the loader builds
   it for one; resumed from its ``state_dict()`` when it has one, by replay otherwise).
@@ -17,17 +21,23 @@ Example::
     ds = ShardedFileDataset("data", worker_config=wc)   # a savable pipeline source
 """
 
-from savable_loader.sources._shard_io import open_shard, read_metadata, write_shards
+from savable_loader.sources._metadata import read_metadata
+from savable_loader.sources._shard_io import open_shard, write_shards
+from savable_loader.sources.decoders import DEFAULT_DECODERS, decode_sample
+from savable_loader.sources.indexing import index_folder
 from savable_loader.sources.iterable import IterableSource, ReplayWarning, StreamInfo
 from savable_loader.sources.sharded import ShardedFileDataset
 from savable_loader.sources.torch_iterable import TorchIterableSource
 
 __all__ = [
+    "DEFAULT_DECODERS",
     "IterableSource",
     "ReplayWarning",
     "ShardedFileDataset",
     "StreamInfo",
     "TorchIterableSource",
+    "decode_sample",
+    "index_folder",
     "open_shard",
     "read_metadata",
     "write_shards",

@@ -1,104 +1,79 @@
-"""Shard folders on disk: the ``metadata.json`` format, per-format shard readers, a writer.
+"""Shard readers: one class per format behind one interface, and ``write_shards``.
 
-A shard folder holds shard files and a ``metadata.json`` that lists them in order with
-their sample counts (version 1 of the format)::
+A reader gives random access to the samples of one shard: ``len(reader)`` and
+``reader.read(i)``. It sees the shard only through a
+:class:`~savable_loader.sources._store.ShardFile` (the storage seam, see ``_store.py``),
+and is built by :func:`open_reader` from the shard's manifest entry (``_metadata.py``).
 
-    {"format": 1,
-     "shards": [{"path": "shard-00000.npy", "samples": 100},
-                {"path": "sub/shard-00001.pt", "samples": 80}]}
-
-``path`` is relative to the folder (no absolute paths, no ``..``); its suffix selects
-the reader:
-
-* ``.npy``: a NumPy array (not an object array), memory-mapped; sample ``i`` is row
+* ``npy``: a NumPy array (not an object array), memory-mapped; sample ``i`` is row
   ``i`` (``array[i]``) copied into a ``torch.Tensor``.
-* ``.pt``: a file written by ``torch.save`` holding a tensor or a dict of tensors with
+* ``pt``: a file written by ``torch.save`` holding a tensor or a dict of tensors with
   a common first dimension, loaded with ``weights_only=True`` and ``mmap=True``; sample
   ``i`` is ``tensor[i]`` (or ``{name: tensor[i]}``), cloned.
-* ``.jsonl``: one JSON value per line (UTF-8, ``\\n`` separated, a final newline
+* ``jsonl``: one JSON value per line (UTF-8, ``\\n`` separated, a final newline
   optional), each decoded with msgspec when it is read.
+* ``tar`` (``_tar.py``), ``parquet`` (``_parquet.py``), ``mds`` (``_mds.py``),
+  ``litdata`` (``_litdata.py``): dicts, see those modules.
 
-Every problem with the data is a :class:`~savable_loader.errors.DataError` naming the
-file (and the field or line). ``write_shards`` writes such a folder.
+``columns`` keeps only some fields of dict samples (tar extensions, Parquet columns,
+MDS / LitData fields, the tensors of a ``.pt`` dict, the keys of JSON objects);
+``decoders`` decodes tar members by extension (``decoders.py``). Every problem with the
+data is a :class:`~savable_loader.errors.DataError` naming the file (and the field, line
+or byte offset). ``write_shards`` writes a folder of ``npy`` / ``pt`` / ``jsonl`` shards.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-import tempfile
-from collections.abc import Sequence
-from pathlib import Path, PurePosixPath
-from typing import Annotated, Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
 import torch
 
 from savable_loader.errors import DataError
+from savable_loader.sources._metadata import (
+    METADATA_NAME,
+    SUFFIX_FORMATS,
+    V1_SUFFIXES,
+    Metadata,
+    ShardEntry,
+    encode_metadata,
+)
+from savable_loader.sources._store import LocalShardStore, ShardFile, ShardStore
 
-__all__ = ["FORMATS", "METADATA_NAME", "Metadata", "ShardEntry", "ShardReader", "open_shard", "read_metadata",
-           "write_shards"]
+__all__ = ["ReadOptions", "ShardReader", "open_reader", "open_shard", "write_shards"]
 
-METADATA_NAME = "metadata.json"
 METADATA_VERSION = 1
-FORMATS = (".npy", ".pt", ".jsonl")
+FORMATS = V1_SUFFIXES  # what write_shards writes
 
 
-class ShardEntry(msgspec.Struct, forbid_unknown_fields=True):
-    """One shard of ``metadata.json``: its path in the folder and its number of samples."""
+@dataclass(frozen=True)
+class ReadOptions:
+    """What a dataset asks of its readers: a projection and tar decoders."""
 
-    path: str
-    samples: Annotated[int, msgspec.Meta(ge=0)]
-
-
-class Metadata(msgspec.Struct, forbid_unknown_fields=True):
-    """The whole ``metadata.json`` (``format`` is the version of this layout, 1)."""
-
-    format: int
-    shards: list[ShardEntry]
-
-
-def read_metadata(folder: str | os.PathLike[str]) -> Metadata:
-    """Parse and check ``folder/metadata.json``; every shard file must exist.
-
-    Example::
-
-        meta = read_metadata("data/train")
-        sum(s.samples for s in meta.shards)
-    """
-    path = Path(folder) / METADATA_NAME
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise DataError(f"{path}: cannot read the shard metadata ({e.strerror or e})") from None
-    try:
-        meta = msgspec.json.decode(raw, type=Metadata)
-    except msgspec.ValidationError as e:
-        raise DataError(f"{path}: {e}") from None
-    except msgspec.DecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    if meta.format != METADATA_VERSION:
-        raise DataError(f"{path}: `$.format` is {meta.format!r}, this version of savable_loader reads format 1")
-    seen: set[str] = set()
-    for i, shard in enumerate(meta.shards):
-        where = f"{path}: `$.shards[{i}].path`"
-        p = PurePosixPath(shard.path)
-        if not shard.path or p.is_absolute() or ".." in p.parts:
-            raise DataError(f"{where} is {shard.path!r}; expected a path relative to the folder, without '..'")
-        if p.suffix not in FORMATS:
-            raise DataError(f"{where} is {shard.path!r}; expected a file ending in one of {', '.join(FORMATS)}")
-        if shard.path in seen:
-            raise DataError(f"{where} is {shard.path!r}, which is listed twice")
-        seen.add(shard.path)
-        if not (Path(folder) / p).is_file():
-            raise DataError(f"{where}: shard file {Path(folder) / p} does not exist")
-    return meta
+    columns: tuple[str, ...] | None = None
+    decoders: Mapping[str, Callable[[bytes], Any]] | None = None
+    #: a tar without its index file is scanned (``open_shard``) instead of refused
+    scan_missing_index: bool = False
 
 
 class ShardReader:
-    """Random access to the samples of one open shard file (see ``open_shard``)."""
+    """Random access to the samples of one open shard (see ``open_reader``)."""
 
-    path: Path
+    #: True if the reader needs the whole shard as a local file (``ShardFile.local_path``).
+    needs_local_file: ClassVar[bool] = False
+    path: Path | str
+
+    def __init__(self, file: ShardFile, entry: ShardEntry, store: ShardStore, options: ReadOptions) -> None:
+        self.file = file
+        self.path = file.local_path or file.name
+        self.entry = entry
+        self.options = options
 
     def __len__(self) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -109,11 +84,37 @@ class ShardReader:
 
     def close(self) -> None:
         """Release the file (memory maps are released when the last view goes)."""
+        self.file.close()
+
+    def _local(self) -> Path:
+        path = self.file.local_path
+        if path is None:
+            raise DataError(f"{self.file.name}: a {self.entry.format} shard is read from a local file, "
+                            "but the store gave none")
+        return path
+
+    def project(self, sample: Any) -> Any:
+        """``sample`` restricted to ``options.columns`` (dict samples only)."""
+        columns = self.options.columns
+        if columns is None:
+            return sample
+        if not isinstance(sample, dict):
+            raise DataError(f"{self.path}: columns={list(columns)} needs dict samples, "
+                            f"this shard holds {type(sample).__name__} samples")
+        missing = [c for c in columns if c not in sample]
+        if missing:
+            raise DataError(f"{self.path}: no field {missing[0]!r} (fields: {sorted(sample)})")
+        return {c: sample[c] for c in columns}
 
 
 class _NpyReader(ShardReader):
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    needs_local_file = True
+
+    def __init__(self, file: ShardFile, entry: ShardEntry, store: ShardStore, options: ReadOptions) -> None:
+        super().__init__(file, entry, store, options)
+        path = self.path = self._local()
+        if options.columns is not None:
+            raise DataError(f"{path}: columns= selects fields of dict samples; an .npy shard holds rows")
         try:
             self.array = np.load(path, mmap_mode="r", allow_pickle=False)
         except Exception as e:  # noqa: BLE001 - any failure means an unreadable file
@@ -132,12 +133,16 @@ class _NpyReader(ShardReader):
         return torch.from_numpy(np.array(self.array[i]))
 
     def close(self) -> None:
-        del self.array
+        self.__dict__.pop("array", None)
+        super().close()
 
 
 class _PtReader(ShardReader):
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    needs_local_file = True
+
+    def __init__(self, file: ShardFile, entry: ShardEntry, store: ShardStore, options: ReadOptions) -> None:
+        super().__init__(file, entry, store, options)
+        path = self.path = self._local()
         try:
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001
@@ -156,6 +161,13 @@ class _PtReader(ShardReader):
         if len(lengths) != 1:
             sizes = {k: int(v.shape[0]) for k, v in tensors.items()}
             raise DataError(f"{path}: the tensors of a .pt shard must have a common first dimension, got {sizes}")
+        if options.columns is not None:
+            if isinstance(data, torch.Tensor):
+                raise DataError(f"{path}: columns= selects fields of dict samples; this .pt shard holds one tensor")
+            missing = [c for c in options.columns if c not in tensors]
+            if missing:
+                raise DataError(f"{path}: no field {missing[0]!r} (fields: {sorted(tensors)})")
+            tensors = {c: tensors[c] for c in options.columns}
         self.tensors = tensors
         self.single = isinstance(data, torch.Tensor)
         self.length = int(lengths.pop())
@@ -169,12 +181,16 @@ class _PtReader(ShardReader):
         return {k: v[i].clone() for k, v in self.tensors.items()}
 
     def close(self) -> None:
-        del self.tensors
+        self.__dict__.pop("tensors", None)
+        super().close()
 
 
 class _JsonlReader(ShardReader):
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    needs_local_file = True
+
+    def __init__(self, file: ShardFile, entry: ShardEntry, store: ShardStore, options: ReadOptions) -> None:
+        super().__init__(file, entry, store, options)
+        path = self.path = self._local()
         try:
             data = path.read_bytes()
         except OSError as e:
@@ -190,19 +206,63 @@ class _JsonlReader(ShardReader):
 
     def read(self, i: int) -> Any:
         try:
-            return self.decoder.decode(self.lines[i])
+            value = self.decoder.decode(self.lines[i])
         except msgspec.DecodeError as e:
             raise DataError(f"{self.path}: line {i + 1} is not valid JSON ({e})") from None
+        return self.project(value)
 
     def close(self) -> None:
-        del self.lines
+        self.__dict__.pop("lines", None)
+        super().close()
 
 
-_READERS = {".npy": _NpyReader, ".pt": _PtReader, ".jsonl": _JsonlReader}
+_READERS: dict[str, type[ShardReader] | str] = {
+    "npy": _NpyReader, "pt": _PtReader, "jsonl": _JsonlReader,
+    "tar": "savable_loader.sources._tar:TarReader",
+    "parquet": "savable_loader.sources._parquet:ParquetReader",
+    "mds": "savable_loader.sources._mds:MdsReader",
+    "litdata": "savable_loader.sources._litdata:LitDataReader",
+}
 
 
-def open_shard(path: str | os.PathLike[str], expected: int | None = None) -> ShardReader:
-    """Open one shard file; with ``expected``, its length must agree with the metadata.
+def reader_class(fmt: str) -> type[ShardReader]:
+    """The reader class of a format (the optional formats are imported when first used)."""
+    cls = _READERS[fmt]
+    if isinstance(cls, str):
+        module, name = cls.split(":")
+        cls = _READERS[fmt] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def open_reader(store: ShardStore, entry: ShardEntry, whole: bool, options: ReadOptions = ReadOptions()) -> ShardReader:
+    """Open the shard ``entry`` of ``store``; its length must agree with the metadata.
+
+    ``whole``: the caller will read most of the shard (iteration); False for a few samples
+    (``restore_sample``). See ``_store.py``.
+    """
+    if entry.format is None:  # pragma: no cover - the metadata parser sets it
+        raise DataError(f"{store.describe(entry.path)}: no format")
+    cls = reader_class(entry.format)
+    file = store.open_shard(entry.path, entry.size, whole or cls.needs_local_file, sha256=entry.sha256, etag=entry.etag)
+    try:
+        reader = cls(file, entry, store, options)
+    except BaseException:
+        file.close()
+        raise
+    if len(reader) != entry.samples:
+        found = len(reader)
+        reader.close()
+        raise DataError(f"{reader.path}: the metadata says {entry.samples} samples, the shard holds {found}")
+    return reader
+
+
+def open_shard(
+    path: str | os.PathLike[str], expected: int | None = None, *, columns: Sequence[str] | None = None,
+    decode: Mapping[str, Callable[[bytes], Any]] | None = None,
+) -> ShardReader:
+    """Open one shard file by its suffix (``.npy``, ``.pt``, ``.jsonl``, ``.tar``,
+    ``.parquet``); with ``expected``, its length must agree with it. A tar uses the index
+    ``<path>.idx`` if there is one, else scans the tar.
 
     Example::
 
@@ -210,12 +270,23 @@ def open_shard(path: str | os.PathLike[str], expected: int | None = None) -> Sha
         first = reader.read(0)
     """
     path = Path(path)
-    cls = _READERS.get(path.suffix)
-    if cls is None:
-        raise DataError(f"{path}: unknown shard format {path.suffix!r}; expected one of {', '.join(FORMATS)}")
+    fmt = SUFFIX_FORMATS.get(path.suffix)
+    if fmt is None:
+        raise DataError(
+            f"{path}: unknown shard format {path.suffix!r}; expected one of {', '.join(SUFFIX_FORMATS)}"
+        )
     if not path.is_file():
         raise DataError(f"{path}: shard file does not exist")
-    reader = cls(path)
+    store = LocalShardStore(path.parent)
+    entry = ShardEntry(path=path.name, samples=0, format=fmt)
+    cls = reader_class(fmt)
+    file = store.open_shard(entry.path, None, True)
+    try:
+        options = ReadOptions(tuple(columns) if columns is not None else None, decode, scan_missing_index=True)
+        reader = cls(file, entry, store, options)
+    except BaseException:
+        file.close()
+        raise
     if expected is not None and len(reader) != expected:
         found = len(reader)
         reader.close()
@@ -269,16 +340,6 @@ def write_shards(
                     f.write(encoder.encode(value))
                     f.write(b"\n")
         entries.append(ShardEntry(path=name, samples=_shard_length(shard, fmt)))
-    meta = msgspec.json.format(msgspec.json.encode(Metadata(format=METADATA_VERSION, shards=entries)))
     target = folder / METADATA_NAME
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".metadata-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(meta)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    LocalShardStore(folder).write_small(METADATA_NAME, encode_metadata(Metadata(format=METADATA_VERSION, shards=entries)))
     return target

@@ -1,16 +1,20 @@
 """ShardedFileDataset: samples from a folder of shard files, split over ranks and workers.
 
-The folder format (``metadata.json`` plus ``.npy`` / ``.pt`` / ``.jsonl`` shards) is
-described in ``savable_loader/sources/_shard_io.py``; ``write_shards`` writes one.
+The folder's manifest (``metadata.json``, or the manifest of Energon, MosaicML Streaming
+or LitData) is described in ``_metadata.py``; the formats (``npy``, ``pt``, ``jsonl``,
+WebDataset ``tar``, ``parquet``, ``mds``, ``litdata``) in ``_shard_io.py`` and the
+modules it names. ``write_shards`` writes a folder, ``index_folder`` indexes one.
 
 How an epoch is laid out (the same computation on every rank and worker):
 
 1. The epoch key is ``(epoch, *repetitions)``: the loader epoch and, inside a
    ``RepeatDataset``, the pass numbers, so every pass is shuffled anew.
-2. With ``shuffle`` the shard order is a permutation drawn from ``(seed, epoch key)``,
-   and the samples inside shard ``s`` are a permutation drawn from
-   ``(seed, epoch key, s)``; without it both are the metadata order.
-3. The shards, in that order, form the epoch's global sequence of ``N`` samples. Rank
+2. The folder is cut into units: each row group of a Parquet file is one unit, every
+   other shard is one unit (unit ``u`` is shard ``u`` in a folder without Parquet files).
+   With ``shuffle`` the unit order is a permutation drawn from ``(seed, epoch key)``,
+   and the samples inside unit ``u`` are a permutation drawn from
+   ``(seed, epoch key, u)``; without it both are the metadata order.
+3. The units, in that order, form the epoch's global sequence of ``N`` samples. Rank
    ``r`` of ``W`` takes the contiguous range ``[r * L, (r + 1) * L)`` of it, where ``L``
    (the same on every rank, so collective training cannot deadlock) depends on the
    strategy:
@@ -29,8 +33,15 @@ How an epoch is laid out (the same computation on every rank and worker):
 
 A worker therefore opens only the shards its piece touches, one after another; it keeps
 at most two open (the current one and, for ``restore_sample``, one more). Samples from
-one shard come out together (shuffled inside the shard): put a ``ShuffleBufferDataset``
-after the source to mix shards.
+one unit come out together (shuffled inside the unit): put a ``ShuffleBufferDataset``
+after the source to mix units.
+
+Storage: the dataset reads the folder only through a ``ShardStore`` (``_store.py``; a
+URL or a ``Storage`` becomes a ``StorageShardStore``, ``_remote_store.py``): iteration
+opens a shard with ``whole=True`` (a remote store hands over a local copy),
+``restore_sample`` with ``whole=False`` (a few ranged reads). Each time iteration moves
+to another shard it names the next ``prefetch_depth`` shards of its reading order
+(``upcoming_shards``) to the store, which downloads them in the background.
 
 State: the epoch key and ``position``, the number of samples this worker has read in
 the epoch. The shard and the offset inside it follow from the position by a binary
@@ -47,9 +58,9 @@ import hashlib
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -58,7 +69,17 @@ from savable_loader._seeds import shard_order_seed, shard_samples_seed
 from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import DataError, LoaderUsageError, RestoreKeyError
-from savable_loader.sources._shard_io import Metadata, ShardReader, open_shard, read_metadata
+from savable_loader.sources._metadata import (
+    Metadata,
+    load_metadata,
+    order_digest_input,
+    units_of,
+)
+from savable_loader.sources._shard_io import ReadOptions, ShardReader, open_reader
+from savable_loader.sources._store import LocalShardStore, ShardStore, store_for
+
+if TYPE_CHECKING:
+    from savable_loader.storage import Storage
 
 __all__ = ["STRATEGIES", "ShardedFileDataset"]
 
@@ -67,7 +88,7 @@ _MAX_OPEN = 2
 
 
 class _Layout:
-    """One epoch's shard order and where each shard starts in the global sequence."""
+    """One epoch's unit order and where each unit starts in the global sequence."""
 
     def __init__(self, counts: np.ndarray, seed: int, key: tuple[int, ...], shuffle: bool) -> None:
         self.seed, self.key, self.shuffle = seed, key, shuffle
@@ -80,27 +101,43 @@ class _Layout:
         self.total = int(self.starts[-1])
 
     def locate(self, q: int) -> tuple[int, int]:
-        """``(position in the shard order, offset in that shard)`` of global position ``q``."""
+        """``(position in the unit order, offset in that unit)`` of global position ``q``."""
         j = int(np.searchsorted(self.starts, q, side="right")) - 1
         return j, q - int(self.starts[j])
 
-    def sample_order(self, shard: int, count: int) -> np.ndarray:
-        """The order in which the rows of ``shard`` are read in this epoch."""
+    def sample_order(self, unit: int, count: int) -> np.ndarray:
+        """The order in which the rows of ``unit`` are read in this epoch."""
         if not self.shuffle:
             return np.arange(count)
-        rng = np.random.Generator(np.random.PCG64(shard_samples_seed(self.seed, tuple(self.key), shard)))
+        rng = np.random.Generator(np.random.PCG64(shard_samples_seed(self.seed, tuple(self.key), unit)))
         return rng.permutation(count)
 
 
 class ShardedFileDataset(SavableDataset):
     """Samples of a shard folder, split over ranks and workers, reshuffled every epoch.
 
+    ``folder`` is a local folder or a URL (``s3://``, ``gs://``, ``az://``, ``hf://``,
+    ``http(s)://``, ``memory://``: any fsspec URL, reached with ``storage_options``), or
+    a :class:`~savable_loader.storage.Storage` (to set the cache folder and budget, the
+    prefetch depth, the retry policy), with a ``metadata.json`` (``write_shards``,
+    ``index_folder``), or a folder prepared by Megatron-Energon, MosaicML Streaming (MDS)
+    or LitData, read unchanged. A remote shard is downloaded whole into the node's cache
+    before it is read, and each worker downloads the next shards of its exact reading
+    order in the background (``docs/storage.md``); nothing of it enters a state.
+
     ``strategy`` says how ranks get equal sample counts (``"exact"``, ``"oversampling"``,
     ``"undersampling"``; see the module docstring for the layout). Samples are
     ``torch.Tensor`` rows (``.npy``, ``.pt``), dicts of tensor rows (``.pt`` holding a
-    dict) or decoded JSON values (``.jsonl``). Missing or malformed metadata raises
-    :class:`~savable_loader.errors.DataError` here; a shard that is unreadable or whose
-    length disagrees with the metadata raises it when the shard is first opened.
+    dict), decoded JSON values (``.jsonl``), ``{"__key__": ..., "<ext>": bytes}`` dicts
+    (WebDataset tars) or dicts of a row's values (Parquet, MDS, LitData). ``columns``
+    keeps only those fields (Parquet reads only those columns); ``decode`` decodes tar
+    members: ``True`` for :data:`~savable_loader.sources.decoders.DEFAULT_DECODERS`, or
+    a mapping from extension to decoder. ``split`` chooses a part (``"train"``) of an
+    Energon dataset whose ``.nv-meta/split.yaml`` has several.
+
+    Missing or malformed metadata raises :class:`~savable_loader.errors.DataError` here;
+    a shard that is unreadable, truncated, of another size than the metadata says, or
+    whose length disagrees with it raises it when the shard is first opened.
 
     ``samples_read`` and ``shards_opened`` count reads and opens in this process (for
     monitoring; they are not state).
@@ -111,34 +148,67 @@ class ShardedFileDataset(SavableDataset):
         wc = WorkerConfig(num_workers=4, seed=0)
         ds = ShardedFileDataset("data/train", wc, strategy="undersampling")
         loader = SavableDataLoader(BatchDataset(ds, 32), batch_size=None, worker_config=wc)
+
+        index_folder("data/wds")   # WebDataset tars, indexed where they are
+        ds = ShardedFileDataset("data/wds", wc, decode=True, columns=["jpg", "cls"])
+
+        ds = ShardedFileDataset("s3://bucket/wds", wc, storage_options={"profile": "training"})
+        ds = ShardedFileDataset(Storage("s3://bucket/wds", cache_dir="/local/cache", prefetch=4), wc)
     """
 
     _savable_fields = ("epoch", "position")
 
     def __init__(
         self,
-        folder: str | os.PathLike[str],
+        folder: str | os.PathLike[str] | ShardStore | Storage,
         worker_config: WorkerConfig,
         *,
         strategy: str = "exact",
         shuffle: bool = True,
+        columns: Sequence[str] | None = None,
+        decode: bool | Mapping[str, Callable[[bytes], Any]] | None = None,
+        split: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(worker_config)
         if strategy not in STRATEGIES:
             raise LoaderUsageError(f"ShardedFileDataset strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not isinstance(shuffle, bool):
             raise LoaderUsageError(f"ShardedFileDataset shuffle must be a bool, got {shuffle!r}")
-        self.folder = Path(folder)
+        self.store: ShardStore = store_for(folder, storage_options)
+        self.folder: Path | None = self.store.folder if isinstance(self.store, LocalShardStore) else None
         self.strategy = strategy
         self.shuffle = shuffle
-        self.metadata: Metadata = read_metadata(self.folder)
+        self.columns = _check_columns(columns)
+        self.decode = decode
+        self.options = ReadOptions(self.columns, _decoders(decode))
+        if split is not None and not isinstance(split, str):
+            raise LoaderUsageError(f"ShardedFileDataset split must be a str, got {split!r}")
+        self.split = split
+        self.metadata: Metadata = load_metadata(self.store, split=split)
         self.counts = np.array([s.samples for s in self.metadata.shards], dtype=np.int64)
         self.total = int(self.counts.sum())
-        self.digest = hashlib.blake2b(msgspec.json.encode(self.metadata.shards), digest_size=12).hexdigest()
+        self.digest = hashlib.blake2b(msgspec.json.encode(order_digest_input(self.metadata)), digest_size=12).hexdigest()
+        unit_shard, unit_first, unit_count = [], [], []
+        for i, entry in enumerate(self.metadata.shards):
+            first = 0
+            for n in units_of(entry):
+                unit_shard.append(i)
+                unit_first.append(first)
+                unit_count.append(n)
+                first += n
+        self.unit_shard = np.array(unit_shard, dtype=np.int64)
+        self.unit_first = np.array(unit_first, dtype=np.int64)
+        self.unit_count = np.array(unit_count, dtype=np.int64)
+        if any(e.format == "parquet" for e in self.metadata.shards):
+            from savable_loader.sources._parquet import require_pyarrow
+
+            require_pyarrow(self.store.describe())
         world = worker_config.world_size
         if strategy == "exact" and self.total % world:
             raise DataError(self._uneven_message())
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
+        self._whole: set[int] = set()
         self._layout: _Layout | None = None
         self.samples_read = 0
         self.shards_opened = 0
@@ -166,27 +236,48 @@ class ShardedFileDataset(SavableDataset):
 
     def _get_layout(self, key: tuple[int, ...]) -> _Layout:
         if self._layout is None or self._layout.key != key:
-            self._layout = _Layout(self.counts, self.worker_config.seed, key, self.shuffle)
+            self._layout = _Layout(self.unit_count, self.worker_config.seed, key, self.shuffle)
         return self._layout
+
+    def upcoming_shards(self, limit: int, worker: int | None = None) -> list[int]:
+        """The next ``limit`` distinct shards (metadata indices, in reading order) the
+        calling worker (or ``worker``) reads from its current position in this epoch:
+        what a store that prefetches downloads next. Call it in the worker."""
+        start, end = self.worker_range(worker)
+        if start >= end or self.total == 0 or limit <= 0:
+            return []
+        layout = self._get_layout(tuple(self.epoch))
+        out: list[int] = []
+        p = start + self.position
+        while p < end and len(out) < limit:
+            q = p % self.total
+            j, offset = layout.locate(q)
+            unit = int(layout.order[j])
+            shard = int(self.unit_shard[unit])
+            if shard not in out:
+                out.append(shard)
+            p += int(self.unit_count[unit]) - offset
+        return out
 
     def _uneven_message(self) -> str:
         world, total = self.worker_config.world_size, self.total
-        layout = _Layout(self.counts, self.worker_config.seed, (0,), self.shuffle)
+        layout = _Layout(self.unit_count, self.worker_config.seed, (0,), self.shuffle)
         base, extra = divmod(total, world)
         parts, start = [], 0
         for r in range(min(world, 8)):
             n = base + (1 if r < extra else 0)
             j0, _ = layout.locate(start) if n else (0, 0)
             j1, _ = layout.locate(start + n - 1) if n else (-1, 0)
-            files = [self.metadata.shards[int(layout.order[j])].path for j in range(j0, j1 + 1)
-                     if self.counts[layout.order[j]]]
+            files = list(dict.fromkeys(
+                self.metadata.shards[int(self.unit_shard[layout.order[j]])].path for j in range(j0, j1 + 1)
+                if self.unit_count[layout.order[j]]))
             shown = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
             parts.append(f"rank {r} would read {n} samples (from {shown or 'no file'})")
             start += n
         if world > 8:
             parts.append(f"... ({world - 8} more ranks)")
         return (
-            f"ShardedFileDataset({str(self.folder)!r}): {total} samples in {len(self.counts)} shards do not split "
+            f"ShardedFileDataset({self.store.describe()!r}): {total} samples in {len(self.counts)} shards do not split "
             f"evenly over world_size={world} ranks with strategy='exact' (epoch 0): {'; '.join(parts)}. Use "
             f"strategy='oversampling' (repeat {world - extra} samples: {base + 1} per rank) or 'undersampling' "
             f"(skip {extra} samples per epoch: {base} per rank), or make the total a multiple of {world}"
@@ -194,34 +285,43 @@ class ShardedFileDataset(SavableDataset):
 
     # -- shards -----------------------------------------------------------------------
 
-    def _reader(self, shard: int) -> ShardReader:
+    def _reader(self, shard: int, whole: bool) -> ShardReader:
+        """An open reader of ``shard``; ``whole``: for iteration (see ``_store.py``)."""
         reader = self._readers.get(shard)
-        if reader is not None:
+        if reader is not None and (shard in self._whole or not whole):
             self._readers.move_to_end(shard)
             return reader
-        entry = self.metadata.shards[shard]
-        reader = open_shard(self.folder / entry.path, expected=entry.samples)
+        if reader is not None:
+            self._drop(shard)
+        reader = open_reader(self.store, self.metadata.shards[shard], whole, self.options)
         self.shards_opened += 1
         self._readers[shard] = reader
+        if whole:
+            self._whole.add(shard)
         while len(self._readers) > _MAX_OPEN:
-            _, old = self._readers.popitem(last=False)
-            old.close()
+            self._drop(next(iter(self._readers)))
         return reader
 
-    def _read(self, shard: int, index: int) -> Any:
-        sample = self._reader(shard).read(index)
+    def _drop(self, shard: int) -> None:
+        self._whole.discard(shard)
+        self._readers.pop(shard).close()
+
+    def _read(self, shard: int, index: int, whole: bool = True) -> Any:
+        sample = self._reader(shard, whole).read(index)
         self.samples_read += 1
         return sample
 
     def close(self) -> None:
-        """Close the open shard files (they are reopened when needed)."""
+        """Close the open shard files (they are reopened when needed) and stop prefetching."""
         while self._readers:
-            self._readers.popitem()[1].close()
+            self._drop(next(iter(self._readers)))
+        self.store.close()
 
     def __getstate__(self) -> dict[str, Any]:
         # Open files and memory maps stay in the process that opened them.
         state = dict(self.__dict__)
         state["_readers"] = OrderedDict()
+        state["_whole"] = set()
         state["_layout"] = None
         return state
 
@@ -238,20 +338,33 @@ class ShardedFileDataset(SavableDataset):
         layout = self._get_layout(tuple(self.epoch))
         previous = -1
         while start + self.position < end:
-            # Seek: the shard and the offset in it follow from the position.
+            # Seek: the unit and the offset in it follow from the position.
             p = start + self.position
             lap, q = divmod(p, self.total)
             j, offset = layout.locate(q)
-            shard = int(layout.order[j])
-            count = int(self.counts[shard])
+            unit = int(layout.order[j])
+            shard, first, count = int(self.unit_shard[unit]), int(self.unit_first[unit]), int(self.unit_count[unit])
             if previous in self._readers and previous != shard:
-                self._readers.pop(previous).close()
+                self._drop(previous)
+            if shard != previous and self.store.prefetch_depth:
+                self._prefetch(shard)
             previous = shard
-            rows = layout.sample_order(shard, count)[offset : offset + min(count - offset, end - p)].tolist()
-            for index in rows:
+            order = layout.sample_order(unit, count)[offset : offset + min(count - offset, end - p)]
+            reader = None
+            for index in (order + first).tolist():
                 self.position += 1
                 self.mark_sample([shard, index, lap])
-                yield self._read(shard, index)
+                if reader is None or self._readers.get(shard) is not reader:  # (restore_sample may close it)
+                    reader = self._reader(shard, True)
+                sample = reader.read(index)
+                self.samples_read += 1
+                yield sample
+
+    def _prefetch(self, current: int) -> None:
+        """Name the shards read after ``current`` to the store (it downloads them ahead)."""
+        depth = self.store.prefetch_depth
+        ahead = [s for s in self.upcoming_shards(depth + 1) if s != current][:depth]
+        self.store.prefetch([self.metadata.shards[s] for s in ahead])
 
     # -- restore keys -----------------------------------------------------------------
 
@@ -271,13 +384,44 @@ class ShardedFileDataset(SavableDataset):
                 f"(shard {self.metadata.shards[shard].path})"
             )
         self.mark_sample([shard, index, lap])
-        return self._read(shard, index)
+        return self._read(shard, index, whole=False)
 
     def config(self) -> dict[str, Any]:
-        return {
+        config: dict[str, Any] = {
             "metadata": self.digest,
             "shards": len(self.counts),
             "samples": self.total,
             "strategy": self.strategy,
             "shuffle": self.shuffle,
         }
+        if self.columns is not None:
+            config["columns"] = list(self.columns)
+        if self.split is not None:
+            config["split"] = self.split
+        if self.decode is not None and self.decode is not False:
+            config["decode"] = self.decode
+        return config
+
+
+def _check_columns(columns: Sequence[str] | None) -> tuple[str, ...] | None:
+    if columns is None:
+        return None
+    if isinstance(columns, str) or not all(isinstance(c, str) for c in columns) or not columns:
+        raise LoaderUsageError(f"ShardedFileDataset columns must be a non-empty list of names, got {columns!r}")
+    if len(set(columns)) != len(columns):
+        raise LoaderUsageError(f"ShardedFileDataset columns lists a name twice: {list(columns)!r}")
+    return tuple(columns)
+
+
+def _decoders(decode: bool | Mapping[str, Callable[[bytes], Any]] | None) -> Mapping[str, Callable[[bytes], Any]] | None:
+    if decode is None or decode is False:
+        return None
+    if decode is True:
+        from savable_loader.sources.decoders import DEFAULT_DECODERS
+
+        return DEFAULT_DECODERS
+    if isinstance(decode, Mapping) and all(isinstance(k, str) and callable(v) for k, v in decode.items()):
+        return dict(decode)
+    raise LoaderUsageError(
+        f"ShardedFileDataset decode must be None, True or a mapping from extension to decoder, got {decode!r}"
+    )
