@@ -25,7 +25,7 @@ from savable_loader._index_mode import check_dataset_config, check_key_int, chec
 from savable_loader._mode import SKIP, Iteration, Mode
 from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._values import plain_dataset_state
-from savable_loader._worker import END, PipelineWorkerDataset, walk
+from savable_loader._worker import End, Item, PipelineWorkerDataset, walk
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
@@ -46,11 +46,10 @@ class _TaggedCollate:
     def __init__(self, collate: Callable[[Any], Any]) -> None:
         self.collate = collate
 
-    def __call__(self, item: tuple[Any, ...]) -> tuple[Any, ...]:
-        # (worker_id, index, key, payload) or, from worker processes, (..., snapshot)
-        if item[1] == END:
+    def __call__(self, item: Item | End) -> Item | End:
+        if isinstance(item, End):
             return item
-        return (item[0], item[1], item[2], self.collate(item[3]), *item[4:])
+        return item._replace(payload=self.collate(item.payload))
 
 
 class PipelineIteration(Iteration):
@@ -92,21 +91,20 @@ class PipelineIteration(Iteration):
     def logical(self, physical: int) -> int:
         return (physical + self.rotation) % self.workers
 
-    def on_item(self, item: Any) -> Any:
-        # (worker_id, index, key, payload) in process; worker processes add a snapshot
-        worker_id, index, key, payload, *snapshot = item
+    def on_item(self, item: Item | End) -> Any:
+        worker_id = item.worker
         with self._lock:
             self.next_worker = (worker_id + 1) % self.workers
-            if snapshot and snapshot[0] is not None:
+            if item.snapshot is not None:  # (worker processes attach them)
                 self.previous[worker_id] = self.held[worker_id]
-                self.held[worker_id] = [*snapshot[0], None]
-            if index != END:
-                self.consumed[worker_id] = index + 1
+                self.held[worker_id] = [*item.snapshot, None]
+            if isinstance(item, Item):
+                self.consumed[worker_id] = item.item_index + 1
                 self.last_worker = worker_id
-                self.mode.last_item = (self.epoch, worker_id, index, key)
-                return payload
+                self.mode.last_item = (self.epoch, worker_id, item.item_index, item.key)
+                return item.payload
             self.exhausted[worker_id] = True
-            self.ended[worker_id] = self._end_state(worker_id, payload)
+            self.ended[worker_id] = self._end_state(worker_id, item.produced)
         return SKIP
 
     def _end_state(self, w: int, produced: int) -> DatasetState | None:

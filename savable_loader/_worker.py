@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import cloudpickle
 from torch.utils.data import IterableDataset, get_worker_info
@@ -49,8 +49,8 @@ from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
 __all__ = [
-    "END", "SNAPSHOT_BUDGET", "ItemError", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime", "snapshot_due",
-    "walk",
+    "SNAPSHOT_BUDGET", "End", "Item", "ItemError", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime",
+    "snapshot_due", "walk",
 ]
 
 #: Fraction of sample-production time that snapshots may cost.
@@ -94,8 +94,40 @@ def snapshot_due(work: float, cost: float | None, cold: float, first: bool = Fal
     floor = 0.0 if first or cost is None else REPLAY_FLOOR_SNAPSHOTS * cost
     return work >= max(REPLAY_FRACTION * cold, floor, REPLAY_FLOOR_SECONDS)
 
-#: Index of the item a worker sends after its last sample (its payload: samples produced).
-END = -1
+#: A snapshot as it travels with an item: ``(snapshot index, encoded DatasetState)``.
+Snapshot = tuple[int, bytes]
+
+
+class Item(NamedTuple):
+    """One item of a pipeline worker's epoch, as it travels to the main process.
+
+    ``worker``: the logical worker; ``item_index``: the item's index in the worker's epoch;
+    ``key``: the pipeline's restore key for it; ``payload``: what the loader yields
+    (after the collate function); ``snapshot``: the snapshot the worker took since the
+    item before, if any (worker processes only, see ``WorkerRuntime._snapshot``).
+
+    >>> Item(worker=1, item_index=0, key=None, payload="a")
+    Item(worker=1, item_index=0, key=None, payload='a', snapshot=None)
+    """
+
+    worker: int
+    item_index: int
+    key: Any
+    payload: Any
+    snapshot: Snapshot | None = None
+
+
+class End(NamedTuple):
+    """What a worker sends after its epoch's last item: ``produced`` items in all, and
+    its final snapshot when the pipeline carries state across epochs.
+
+    >>> End(worker=1, produced=6)
+    End(worker=1, produced=6, snapshot=None)
+    """
+
+    worker: int
+    produced: int
+    snapshot: Snapshot | None = None
 
 
 class ItemError:
@@ -216,7 +248,7 @@ class WorkerRuntime:
         #: An exception the pipeline raises for an item is sent as an :class:`ItemError`
         #: in the item's place and the iteration goes on (False: it ends the iteration).
         self.errors_go_on = False
-        self.outbox: tuple[int, bytes] | None = None
+        self.outbox: Snapshot | None = None
         #: The pipeline has a dataset whose position crosses epochs: snapshot each epoch's end.
         self.carries = any(type(ds).carries_across_epochs for ds in walk(dataset))
         #: The previous epoch's end state this epoch started from (``WorkerState.carried``).
@@ -226,9 +258,9 @@ class WorkerRuntime:
 
     def run(
         self, epoch: int, worker_id: int, start: WorkerState | None, started: float | None = None
-    ) -> Iterator[tuple[int, int, Any, Any]]:
-        """Yield ``(worker_id, index, restore key, sample)`` for the epoch, from ``start``
-        on, then the end marker ``(worker_id, END, None, samples produced)``.
+    ) -> Iterator[Item | End]:
+        """Yield an :class:`Item` per sample of the epoch, from ``start`` on, then the
+        :class:`End` marker (snapshots not attached yet: see ``PipelineWorkerDataset``).
 
         ``started``: ``time.monotonic()`` when the main process planned the iteration, so
         that this worker's cold start counts its process start too (see ``snapshot_due``).
@@ -302,7 +334,7 @@ class WorkerRuntime:
             if skip:
                 skip -= 1
                 continue
-            yield worker_id, index - 1, self.dataset.sample_key, sample
+            yield Item(worker_id, index - 1, self.dataset.sample_key, sample)
         if self.carries and self.ring.newest_index() != index:
             # the state at the epoch's end rides with the end marker: the next epoch's
             # (fresh) worker goes on from it (WorkerState.carried)
@@ -311,7 +343,7 @@ class WorkerRuntime:
         # Tell the main process this worker is done (its final snapshot, if any, rides
         # with the marker): torch may retire the worker as soon as it has sent it, and
         # every item before it already carried what a save needs.
-        yield worker_id, END, None, index
+        yield End(worker_id, index)
 
     def _snapshot(self, index: int) -> float:
         """Snapshot the pipeline after ``index`` samples; returns the seconds it took.
@@ -425,7 +457,7 @@ class PipelineWorkerDataset(IterableDataset):
         self.dataset = cloudpickle.loads(state["dataset"])
         self.worker_config = self.dataset.worker_config
 
-    def __iter__(self) -> Iterator[tuple[int, int, Any, Any]]:
+    def __iter__(self) -> Iterator[Item | End]:
         info = get_worker_info()
         workers = self.worker_config.workers_per_rank
         physical = torch_worker_id() or 0  # info.id may be a logical id; 0 in the main process
@@ -450,10 +482,10 @@ class PipelineWorkerDataset(IterableDataset):
         return _with_snapshots(runtime, items)
 
 
-def _with_snapshots(runtime: WorkerRuntime, items: Iterator[tuple[int, int, Any, Any]]) -> Iterator[tuple[Any, ...]]:
-    """Items as ``(worker_id, index, key, sample, snapshot)``: ``snapshot`` is None or the
-    ``(index, encoded DatasetState)`` taken since the previous item (see ``_snapshot``)."""
-    for worker_id, index, key, sample in items:
+def _with_snapshots(runtime: WorkerRuntime, items: Iterator[Item | End]) -> Iterator[Item | End]:
+    """Each item (and the end marker) with the snapshot taken since the previous one, if
+    any (see ``WorkerRuntime._snapshot``)."""
+    for item in items:
         outbox = runtime.outbox
         runtime.outbox = None
-        yield worker_id, index, key, sample, outbox
+        yield item if outbox is None else item._replace(snapshot=outbox)

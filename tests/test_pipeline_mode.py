@@ -15,7 +15,7 @@ import torch
 
 import savable_loader as sl
 from savable_loader._pipeline_mode import SKIP, PipelineMode
-from savable_loader._worker import END
+from savable_loader._worker import End, Item
 from savable_loader.errors import ConfigMismatchError, StateError
 from savable_loader.state.codec import decode_part, encode_part
 from savable_loader.state.schema import DatasetState, PipelinePosition, WorkerState
@@ -98,7 +98,7 @@ def test_end_marker_marks_the_worker_exhausted():
     payloads = [d.next_payload() for _ in range(N)]
     assert len(payloads) == N
     end_item = next(d.it)
-    assert end_item == (0, END, None, N)
+    assert end_item == End(0, N)
     assert d.iteration.on_item(end_item) is SKIP
     assert d.iteration.position() == PipelinePosition(
         epoch=0, next_worker=0, workers=[WorkerState(worker_id=0, index=N, snapshot_index=N, exhausted=True)]
@@ -135,7 +135,7 @@ def test_save_restore_continues_exactly(k):
 def test_save_before_the_in_process_runtime_started_is_an_error():
     m = make()
     it = m.begin(0, None, reuse_workers=False)
-    it.on_item((0, 0, None, "x"))  # an item the runtime never produced
+    it.on_item(Item(0, 0, None, "x"))  # an item the runtime never produced
     with pytest.raises(StateError, match="in-process pipeline has not started"):
         it.position()
 
@@ -161,15 +161,15 @@ def test_next_worker_follows_the_rotation():
         # physical p plays logical (p + 1) % 3
         assert [it.logical(p) for p in (0, 1, 2)] == [1, 2, 0]
         assert [it.physical(w) for w in (0, 1, 2)] == [2, 0, 1]
-        assert it.on_item((1, 0, None, "a")) == "a"
+        assert it.on_item(Item(1, 0, None, "a")) == "a"
         assert it.next_worker == 2 and it.consumed == [3, 1, 0]
-        assert it.on_item((2, 0, None, "b")) == "b"
+        assert it.on_item(Item(2, 0, None, "b")) == "b"
         assert it.next_worker == 0 and it.consumed == [3, 1, 1]
         # logical 1 ends (it is physical 0)
-        assert it.on_item((1, END, None, 1)) is SKIP
+        assert it.on_item(End(1, 1)) is SKIP
         assert it.next_worker == 2
         # logical 2 ends (physical 1)
-        assert it.on_item((2, END, None, 1)) is SKIP
+        assert it.on_item(End(2, 1)) is SKIP
         # worker 0 has yielded nothing since its start, 1 and 2 are done: no worker is asked
         position = it.position()
         assert position == PipelinePosition(
@@ -181,7 +181,7 @@ def test_next_worker_follows_the_rotation():
             ],
         )
         # logical 0 ends (physical 2)
-        assert it.on_item((0, END, None, 3)) is SKIP
+        assert it.on_item(End(0, 3)) is SKIP
         assert it.position().workers[0] == WorkerState(worker_id=0, index=3, snapshot_index=3, exhausted=True)
         assert it.position().next_worker == 1
     finally:
@@ -273,10 +273,10 @@ def test_attached_snapshots_answer_a_save_without_the_workers():
     it = m.begin(0, None, reuse_workers=False)
     snap = DatasetState(type="x", fields={"pos": 5})
     try:
-        assert it.on_item((0, 0, None, "a", None)) == "a"
-        assert it.on_item((1, 0, None, "b", (1, encode_part(snap)))) == "b"
-        assert it.on_item((0, 1, None, "c", (2, encode_part(snap)))) == "c"
-        assert it.on_item((1, 1, None, "d", None)) == "d"
+        assert it.on_item(Item(0, 0, None, "a")) == "a"
+        assert it.on_item(Item(1, 0, None, "b", (1, encode_part(snap)))) == "b"
+        assert it.on_item(Item(0, 1, None, "c", (2, encode_part(snap)))) == "c"
+        assert it.on_item(Item(1, 1, None, "d")) == "d"
         position = it.position()  # no worker process exists: the main process answers alone
         assert position.workers == [
             WorkerState(worker_id=0, index=2, snapshot_index=2, dataset=snap),
@@ -288,13 +288,13 @@ def test_attached_snapshots_answer_a_save_without_the_workers():
         # the item yielded last carried the newest snapshot: a save that leaves it out
         # takes the one before it
         newer = DatasetState(type="x", fields={"pos": 7})
-        assert it.on_item((0, 2, None, "e", (3, encode_part(newer)))) == "e"
+        assert it.on_item(Item(0, 2, None, "e", (3, encode_part(newer)))) == "e"
         assert it.position().workers[0] == WorkerState(worker_id=0, index=3, snapshot_index=3, dataset=newer)
         assert it.position(held=1).workers[0] == WorkerState(worker_id=0, index=2, snapshot_index=2, dataset=snap)
         # (worker 1: the snapshot its first item carried)
-        assert it.on_item((1, 2, None, "f", None)) == "f"
-        assert it.on_item((0, 3, None, "g", None)) == "g"
-        assert it.on_item((1, 3, None, "h", (4, encode_part(newer)))) == "h"
+        assert it.on_item(Item(1, 2, None, "f")) == "f"
+        assert it.on_item(Item(0, 3, None, "g")) == "g"
+        assert it.on_item(Item(1, 3, None, "h", (4, encode_part(newer)))) == "h"
         assert it.position(held=1).workers[1] == WorkerState(worker_id=1, index=3, snapshot_index=1, dataset=snap)
     finally:
         it.end(finished=False, keep_workers=False)
@@ -305,14 +305,14 @@ def test_attached_snapshot_before_any_yield_uses_the_start_state():
     start = WorkerState(worker_id=0, index=4, snapshot_index=2, dataset=None)
     it = m.begin(0, PipelinePosition(epoch=0, next_worker=0, workers=[start, fresh(1)]), reuse_workers=False)
     try:
-        it.on_item((0, 4, None, "a", None))
+        it.on_item(Item(0, 4, None, "a"))
         ws = it.position().workers[0]
         assert ws == WorkerState(worker_id=0, index=5, snapshot_index=2, dataset=None)
         assert ws.skip == 3
         # the worker's first snapshot rides on the item yielded last: a save that leaves
         # that item out goes back to the start state
         snap = DatasetState(type="x", fields={"pos": 6})
-        it.on_item((0, 5, None, "b", (6, encode_part(snap))))
+        it.on_item(Item(0, 5, None, "b", (6, encode_part(snap))))
         assert it.position(held=1).workers[0] == ws
     finally:
         it.end(finished=False, keep_workers=False)
