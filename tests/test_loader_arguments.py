@@ -30,7 +30,7 @@ def test_signature_is_torchs_plus_keyword_only_extras():
         (p.name, p.kind, p.default) for p in theirs
     ]
     extras = ours[len(theirs):]
-    assert [p.name for p in extras] == ["seed", "worker_config", "snapshot_every_n_steps", "save_timeout"]
+    assert [p.name for p in extras] == ["seed", "worker_config", "snapshot_every_n_steps", "save_timeout", "reseed"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extras)
 
 
