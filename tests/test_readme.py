@@ -25,7 +25,9 @@ def test_ci_runs_the_readme_test_command():
         ["bash", "-c", "grep -m1 -E '^python -m pip install .*&& python -m pytest' README.md"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout.strip()
-    assert out.endswith("python -m pytest")
+    # the suite runs in one process per core (pytest-xdist, installed by the test extra)
+    assert out.endswith("python -m pytest -n auto")
+    assert "pytest-xdist" in (ROOT / "pyproject.toml").read_text()
     assert "grep -m1 -E '^python -m pip install .*&& python -m pytest' README.md" in (ROOT / ".ci/run").read_text()
     assert "python -m savable_loader demo" in README
 
