@@ -100,7 +100,7 @@ def check_torch_arguments(
 def check_our_arguments(
     *, num_workers: int, in_order: bool, prefetch_factor: int | None, save_timeout: float | None,
     snapshot_every_n_steps: Any,
-    reseed: Any = "sample", pipeline: bool = False,
+    reseed: Any = "sample", pipeline: bool = False, stacklevel: int = 3,
 ) -> None:
     """What torch accepts but a resumable loader cannot honour, and our own arguments."""
     if reseed not in ("sample", "batch"):
@@ -122,7 +122,7 @@ def check_our_arguments(
         warnings.warn(
             "save_timeout has no effect and is deprecated: a save never waits on a worker (pipeline workers "
             "attach their snapshots to the items they send); drop the argument",
-            DeprecationWarning, stacklevel=3,
+            DeprecationWarning, stacklevel=stacklevel,
         )
     if snapshot_every_n_steps is not None and (
         not isinstance(snapshot_every_n_steps, int) or isinstance(snapshot_every_n_steps, bool)

@@ -168,26 +168,14 @@ class SavableDataLoader(DataLoader[T_co]):
         save_timeout: float | None = None,
         reseed: str = "sample",
     ) -> None:
-        if num_workers < 0:  # before the WorkerConfig check, with torch's message
-            raise refused("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
-        wc = resolve_worker_config(dataset, worker_config, num_workers, seed)
-        workers = wc.num_workers if wc is not None else num_workers
-        check_torch_arguments(
-            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
-            num_workers=workers, drop_last=drop_last, timeout=timeout, prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
+        # the steps: check the arguments and resolve rank, workers and seed; choose the
+        # path; torch's constructor (the public attributes); the mode and the engine
+        wc, seed_explicit = self._resolve_configuration(
+            dataset, worker_config, num_workers, seed, generator, batch_size=batch_size, shuffle=shuffle,
+            sampler=sampler, batch_sampler=batch_sampler, drop_last=drop_last, timeout=timeout,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, in_order=in_order,
+            save_timeout=save_timeout, snapshot_every_n_steps=snapshot_every_n_steps, reseed=reseed,
         )
-        check_our_arguments(
-            num_workers=workers, in_order=in_order, prefetch_factor=prefetch_factor, save_timeout=save_timeout,
-            snapshot_every_n_steps=snapshot_every_n_steps, reseed=reseed, pipeline=isinstance(dataset, SavableDataset),
-        )
-        if wc is None:
-            probe = WorkerConfig(num_workers=workers)  # rank and world size (torch.distributed)
-            value, seed_explicit = resolve_seed(seed, generator, probe.world_size or 1)
-            wc = WorkerConfig(rank=probe.rank, world_size=probe.world_size, num_workers=workers, seed=value,
-                              data_parallel_group=probe.data_parallel_group)
-        else:
-            seed_explicit = True
         public, make_mode = self._choose_path(
             dataset, wc, seed_explicit=seed_explicit, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, drop_last=drop_last, generator=generator, prefetch_factor=prefetch_factor,
@@ -195,9 +183,10 @@ class SavableDataLoader(DataLoader[T_co]):
         )
         try:
             super().__init__(
-                dataset, num_workers=workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last,
-                timeout=timeout, worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-                generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                dataset, num_workers=wc.num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
+                drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
+                multiprocessing_context=multiprocessing_context, generator=generator,
+                prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                 pin_memory_device=pin_memory_device, in_order=in_order, **public,
             )
         except ValueError as e:  # BatchSampler, RandomSampler, multiprocessing_context
@@ -212,6 +201,38 @@ class SavableDataLoader(DataLoader[T_co]):
         self.save_timeout = save_timeout
         self._mode: Mode = make_mode()
         self._engine = self._make_engine(worker_init_fn, pin_memory, timeout, prefetch_factor, pin_memory_device)
+        self._start_bookkeeping()
+
+    # -- construction -------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_configuration(
+        dataset: Any, worker_config: WorkerConfig | None, num_workers: int, seed: int | None, generator: Any,
+        **arguments: Any,
+    ) -> tuple[WorkerConfig, bool]:
+        """torch's checks and ours on the arguments (``arguments``: the rest of the
+        constructor's, by name); the loader's worker configuration and whether its seed
+        was given (else drawn: a restore adopts the state's)."""
+        if num_workers < 0:  # before the WorkerConfig check, with torch's message
+            raise refused("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
+        wc = resolve_worker_config(dataset, worker_config, num_workers, seed)
+        workers = wc.num_workers if wc is not None else num_workers
+        ours = {name: arguments.pop(name) for name in ("in_order", "save_timeout", "snapshot_every_n_steps", "reseed")}
+        check_torch_arguments(dataset, num_workers=workers, **arguments)
+        check_our_arguments(
+            num_workers=workers, prefetch_factor=arguments["prefetch_factor"], pipeline=isinstance(dataset, SavableDataset),
+            stacklevel=4, **ours,  # a warning points at the caller of SavableDataLoader(...)
+        )
+        if wc is not None:
+            return wc, True
+        probe = WorkerConfig(num_workers=workers)  # rank and world size (torch.distributed)
+        value, seed_explicit = resolve_seed(seed, generator, probe.world_size or 1)
+        wc = WorkerConfig(rank=probe.rank, world_size=probe.world_size, num_workers=workers, seed=value,
+                          data_parallel_group=probe.data_parallel_group)
+        return wc, seed_explicit
+
+    def _start_bookkeeping(self) -> None:
+        """No iteration yet, nothing restored."""
         # Held by a save for its whole duration and by the iterating thread while it books
         # an item, so that a save from another thread sees one consistent position.
         self._state_lock = threading.RLock()
@@ -219,8 +240,6 @@ class SavableDataLoader(DataLoader[T_co]):
         self._started = 0  # iter() calls
         self._next_epoch = 0
         self._pending: Any = None  # a restored position the next iter() continues
-
-    # -- construction -------------------------------------------------------------------
 
     def _choose_path(
         self, dataset: Any, wc: WorkerConfig, *, seed_explicit: bool, batch_size: int | None, shuffle: Any,
