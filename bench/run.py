@@ -189,7 +189,6 @@ def snapshot_share(w: Workload, num_workers: int) -> dict[str, Any]:
 
     ds = savable_pipeline(w, num_workers)
     rt = WorkerRuntime(ds, ds.worker_config, max_in_flight=2 * num_workers + 2, in_process=False)
-    rt.attach = True
     items = 0
     t0 = time.perf_counter()
     for _ in rt.run(0, 0, None):

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -97,8 +98,9 @@ def check_torch_arguments(
 
 
 def check_our_arguments(
-    *, num_workers: int, in_order: bool, prefetch_factor: int | None, save_timeout: float, snapshot_every_n_steps: Any,
-    reseed: Any = "sample", pipeline: bool = False,
+    *, num_workers: int, in_order: bool, prefetch_factor: int | None, save_timeout: float | None,
+    snapshot_every_n_steps: Any,
+    reseed: Any = "sample", pipeline: bool = False, stacklevel: int = 3,
 ) -> None:
     """What torch accepts but a resumable loader cannot honour, and our own arguments."""
     if reseed not in ("sample", "batch"):
@@ -114,8 +116,14 @@ def check_our_arguments(
         )
     if prefetch_factor == 0 and num_workers > 0:
         raise LoaderUsageError("prefetch_factor must be > 0 with num_workers > 0 (torch's iterator asserts it), got 0")
-    if not save_timeout > 0:
-        raise LoaderUsageError(f"save_timeout must be > 0, got {save_timeout}")
+    if save_timeout is not None:
+        if not save_timeout > 0:
+            raise LoaderUsageError(f"save_timeout must be > 0, got {save_timeout}")
+        warnings.warn(
+            "save_timeout has no effect and is deprecated: a save never waits on a worker (pipeline workers "
+            "attach their snapshots to the items they send); drop the argument",
+            DeprecationWarning, stacklevel=stacklevel,
+        )
     if snapshot_every_n_steps is not None and (
         not isinstance(snapshot_every_n_steps, int) or isinstance(snapshot_every_n_steps, bool)
         or snapshot_every_n_steps < 1

@@ -271,7 +271,7 @@ class OrderIteration(IndexIteration):
         self.plan = plan
         self.stages = stages
 
-    def position(self, timeout: float = 0.0, held: int = 0) -> IndexPosition:
+    def position(self, held: int = 0) -> IndexPosition:
         consumed = self.consumed - sum(len(k.positions) for k in self.held_keys(held))
         return IndexPosition(
             epoch=self.epoch, consumed=consumed, dataset_len=self.plan.dataset_len, stages=list(self.stages)
@@ -319,7 +319,7 @@ class OrderMode(IndexMode):
             raise InternalError("IndexMode has no plan: refresh() sets one in __init__")
         return self.plan
 
-    def begin(self, epoch: int, resume: Any, context: Any = None, reuse_workers: bool = False) -> IndexIteration:
+    def begin(self, epoch: int, resume: Any, reuse_workers: bool = False) -> IndexIteration:
         if resume is None:
             self.refresh()
             start, stages = 0, ()

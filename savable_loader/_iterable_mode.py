@@ -47,7 +47,7 @@ from savable_loader._pipeline_mode import (
     _TaggedCollate,
 )
 from savable_loader._torch_internals import replace_worker_info
-from savable_loader._worker import END, ItemError, PipelineWorkerDataset
+from savable_loader._worker import End, Item, ItemError, PipelineWorkerDataset
 from savable_loader.config import WorkerConfig
 from savable_loader.sources.torch_iterable import (
     TorchIterableSource,
@@ -88,13 +88,13 @@ class _IterableCollate(_TaggedCollate):
     """The loader's ``collate_fn`` per batch; an exception it raises is sent in the
     batch's place (the batch counts as consumed, as the dataset's own exceptions do)."""
 
-    def __call__(self, item: tuple[Any, ...]) -> tuple[Any, ...]:
-        if item[1] == END or isinstance(item[3], ItemError):
+    def __call__(self, item: Item | End) -> Item | End:
+        if isinstance(item, End) or isinstance(item.payload, ItemError):
             return item
         try:
             return super().__call__(item)
         except Exception as e:  # noqa: BLE001 - raised in the main process by IterableIteration
-            return (*item[:3], ItemError.capture(e, get_worker_info() is None, worker=item[0]), *item[4:])
+            return item._replace(payload=ItemError.capture(e, get_worker_info() is None, worker=item.worker))
 
 
 class IterableIteration(PipelineIteration):

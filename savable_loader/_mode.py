@@ -10,7 +10,7 @@ one a save describes (see ``_iterator.py``).
 
 Example (what the loader does for one ``iter()``)::
 
-    iteration = mode.begin(epoch, resume=None, context=ctx, reuse_workers=False)
+    iteration = mode.begin(epoch, resume=None, reuse_workers=False)
     for item in torch_iterator:
         payload = iteration.on_item(item)        # SKIP for protocol items
     iteration.end(finished=True, keep_workers=False)
@@ -56,16 +56,12 @@ class Iteration(ABC):
         cannot go on and its position is lost."""
 
     @abstractmethod
-    def position(self, timeout: float, held: int = 0) -> Position:
+    def position(self, held: int = 0) -> Position:
         """Where the iteration is: everything yielded so far counts as consumed, except
         the last ``held`` items, which the caller fetched ahead and still holds (a
-        framework's prefetch: see ``_frameworks.batches_held_by_caller``).
-
-        ``timeout``: seconds a pipeline may wait for a worker's answer. Raises
-        ``StateError`` if the position before the ``held`` items is not known."""
-
-    def workers_started(self, torch_iter: Any) -> None:
-        """torch's iterator (and its worker processes, if any) exists."""
+        framework's prefetch: see ``_frameworks.batches_held_by_caller``). Never waits
+        on a worker. Raises ``StateError`` if the position before the ``held`` items is
+        not known."""
 
     @abstractmethod
     def end(self, finished: bool, keep_workers: bool) -> None:
@@ -111,7 +107,7 @@ class Mode(ABC):
         ``torch.utils.data.DataLoader`` that runs the workers."""
 
     @abstractmethod
-    def begin(self, epoch: int, resume: Any, context: Any, reuse_workers: bool) -> Iteration:
+    def begin(self, epoch: int, resume: Any, reuse_workers: bool) -> Iteration:
         """Start an iteration of ``epoch``, from ``resume`` (a checked position) or from
         the epoch's start. ``reuse_workers``: persistent workers already run."""
 

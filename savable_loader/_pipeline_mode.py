@@ -1,9 +1,11 @@
 """Bookkeeping of the savable-pipeline path in the main process.
 
 Per iteration (:class:`PipelineIteration`) it records, for every logical worker, how
-many samples were yielded from it, and which worker yields next. A save asks each worker that yielded something for
-its checkpoint at that count (see ``_worker.py``); workers that yielded nothing are
-still at their start state, which the main process already knows. On restore the
+many samples were yielded from it, the newest snapshots its items carried (see
+``_worker.py``), and which worker yields next. A save is answered here, from those
+snapshots (in-process: from the runtime's ring), without a message to any worker;
+workers that yielded nothing are still at their start state, which the main process
+already knows. On restore the
 logical worker that yields next is played by physical worker 0 (torch always starts its
 round robin there): physical ``p`` plays logical ``(p + rotation) % num_workers``.
 """
@@ -17,18 +19,16 @@ from typing import Any
 import msgspec
 from torch.utils.data import default_convert
 
-from savable_loader._channels import WorkerChannels
 from savable_loader._elastic import batch_rescale_factor
 from savable_loader._guards import release
 from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting
 from savable_loader._mode import SKIP, Iteration, Mode
 from savable_loader._seeds import pipeline_base, pipeline_item
-from savable_loader._torch_internals import worker_processes
 from savable_loader._values import plain_dataset_state
-from savable_loader._worker import END, PipelineWorkerDataset, walk
+from savable_loader._worker import End, Item, PipelineWorkerDataset, walk
 from savable_loader.config import WorkerConfig, _ActiveWorker
 from savable_loader.dataset import SavableDataset, config_fingerprint
-from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
+from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
 from savable_loader.rng import SEED_FORMULA, preserve_global_rng, seed_global
 from savable_loader.state.codec import decode_part
 from savable_loader.state.schema import DatasetState, LoaderConfig, PipelinePosition, RestoreKey, WorkerState
@@ -46,11 +46,10 @@ class _TaggedCollate:
     def __init__(self, collate: Callable[[Any], Any]) -> None:
         self.collate = collate
 
-    def __call__(self, item: tuple[Any, ...]) -> tuple[Any, ...]:
-        # (worker_id, index, key, payload) or, from worker processes, (..., snapshot)
-        if item[1] == END:
+    def __call__(self, item: Item | End) -> Item | End:
+        if isinstance(item, End):
             return item
-        return (item[0], item[1], item[2], self.collate(item[3]), *item[4:])
+        return item._replace(payload=self.collate(item.payload))
 
 
 class PipelineIteration(Iteration):
@@ -58,8 +57,7 @@ class PipelineIteration(Iteration):
     the newest snapshot attached to them; which worker yields next."""
 
     def __init__(
-        self, mode: PipelineMode, epoch: int, rotation: int, starts: list[WorkerState | None],
-        channels: WorkerChannels | None, resumed: bool,
+        self, mode: PipelineMode, epoch: int, rotation: int, starts: list[WorkerState | None], resumed: bool,
     ) -> None:
         self.mode = mode
         self.epoch = epoch
@@ -72,24 +70,20 @@ class PipelineIteration(Iteration):
         self.last_worker: int | None = None  # the logical worker of the item yielded last
         self.workers = len(self.starts)
         # Per logical worker: the newest snapshot attached to an item yielded from it, as
-        # [snapshot index, encoded DatasetState, decoded DatasetState or None].
+        # [snapshot index, encoded DatasetState, decoded DatasetState or None] (None: the
+        # start state), and the one before it (a save that leaves out the item yielded
+        # last needs it when that item carried the newest).
         self.held: list[list[Any] | None] = [None] * self.workers
-        self.attaching = [False] * self.workers  # its items carry a snapshot slot
+        self.previous: list[list[Any] | None] = [None] * self.workers
+        self.in_process = mode.worker_config.num_workers == 0
         # Per logical worker: its state at the end of this epoch (pipelines that carry
         # state across epochs): the start of the next epoch.
         self.ended: list[DatasetState | None] = [s.dataset if s.exhausted else None for s in self.starts]
-        self.channels = channels
-        self.processes: list[Any] | None = None
         # The last save and the position it was taken at: a save at the same position
         # returns it, so that saving twice without iterating gives equal states even when
         # a worker took a newer snapshot in between.
         self._last_save: tuple[Any, PipelinePosition] | None = None
         self._lock = threading.Lock()
-
-    def workers_started(self, torch_iter: Any) -> None:
-        self.processes = worker_processes(torch_iter)
-        if self.channels is not None:
-            self.channels.close_worker_ends()
 
     def physical(self, logical: int) -> int:
         return (logical - self.rotation) % self.workers
@@ -97,32 +91,27 @@ class PipelineIteration(Iteration):
     def logical(self, physical: int) -> int:
         return (physical + self.rotation) % self.workers
 
-    def on_item(self, item: Any) -> Any:
-        # (worker_id, index, key, payload) in process; worker processes add a snapshot
-        worker_id, index, key, payload, *snapshot = item
+    def on_item(self, item: Item | End) -> Any:
+        worker_id = item.worker
         with self._lock:
             self.next_worker = (worker_id + 1) % self.workers
-            if snapshot:
-                self.attaching[worker_id] = True
-                if snapshot[0] is not None:
-                    self.held[worker_id] = [*snapshot[0], None]
-            if index != END:
-                self.consumed[worker_id] = index + 1
+            if item.snapshot is not None:  # (worker processes attach them)
+                self.previous[worker_id] = self.held[worker_id]
+                self.held[worker_id] = [*item.snapshot, None]
+            if isinstance(item, Item):
+                self.consumed[worker_id] = item.item_index + 1
                 self.last_worker = worker_id
-                self.mode.last_item = (self.epoch, worker_id, index, key)
-                return payload
+                self.mode.last_item = (self.epoch, worker_id, item.item_index, item.key)
+                return item.payload
             self.exhausted[worker_id] = True
-            self.ended[worker_id] = self._end_state(worker_id, payload)
-        # The worker holds its end of iteration back until this release (see _worker.py).
-        if self.channels is not None:
-            self.channels.release(self.physical(worker_id), self.epoch)
+            self.ended[worker_id] = self._end_state(worker_id, item.produced)
         return SKIP
 
     def _end_state(self, w: int, produced: int) -> DatasetState | None:
         """Worker ``w``'s state at its end marker (after ``produced`` samples), if a
         snapshot of exactly that point was taken (pipelines that carry state across epochs)."""
         start = self.starts[w]
-        if self.attaching[w]:
+        if not self.in_process:
             held = self.held[w]
             if held is None or held[0] != produced:
                 # no snapshot since the start: the start itself may be the end (restored
@@ -133,7 +122,7 @@ class PipelineIteration(Iteration):
                 held[2] = decode_part(held[1], DatasetState)
             return held[2]
         runtime = self.mode.torch_dataset.runtime
-        if self.mode.worker_config.num_workers == 0 and runtime is not None:
+        if runtime is not None:
             found = runtime.ring.find(produced)
             if found is not None and found[0] == produced:
                 return plain_dataset_state(found[1])
@@ -152,18 +141,8 @@ class PipelineIteration(Iteration):
             release(self.mode.torch_dataset.dataset, runtime)
         # a finished epoch hands each worker's end state on to the next; an abandoned one nothing
         self.mode.carry_on(self.epoch + 1, list(self.ended) if finished and all(self.exhausted) else None)
-        channels = self.channels
-        if channels is not None and not finished:
-            # An abandoned iteration: workers holding back their end (see _worker.py) must
-            # end it, or persistent workers could not start the next iteration.
-            for physical in range(self.mode.worker_config.num_workers):
-                channels.release(physical, self.epoch)
-        if channels is not None and not keep_workers:
-            channels.close()
-            if self.mode.channels is channels:
-                self.mode.channels = None
 
-    def position(self, timeout: float, held: int = 0) -> PipelinePosition:
+    def position(self, held: int = 0) -> PipelinePosition:
         with self._lock:
             consumed = list(self.consumed)
             exhausted = list(self.exhausted)
@@ -182,7 +161,6 @@ class PipelineIteration(Iteration):
             key = (tuple(consumed), tuple(exhausted), next_worker)
             if self._last_save is not None and self._last_save[0] == key:
                 return self._last_save[1]
-        mode = self.mode
         states = list(self.starts)
         for w in range(self.workers):
             if exhausted[w] and not states[w].exhausted:
@@ -190,51 +168,37 @@ class PipelineIteration(Iteration):
                     worker_id=w, index=consumed[w], snapshot_index=consumed[w], exhausted=True,
                     dataset=self.ended[w],
                 )
-        asks = {
-            w: consumed[w] for w in range(self.workers) if not exhausted[w] and consumed[w] != self.starts[w].index
-        }
-        if asks and mode.worker_config.num_workers > 0 and mode.torch_dataset.attach:
-            for w, index in list(asks.items()):
-                ws = self._held_state(w, index)
-                if ws is not None:
-                    states[w] = ws
-                    del asks[w]
-        if asks:  # the fallback: ask the workers' command threads
-            runtime = mode.torch_dataset.runtime
-            if mode.worker_config.num_workers == 0:
-                if runtime is None:
-                    raise StateError("the in-process pipeline has not started")
-                states[0] = runtime.checkpoint(self.epoch, asks[0])
-            else:
-                if self.channels is None or self.channels.closed:
-                    raise StateError("the worker channels are closed")
-                requests = {self.physical(w): (w, self.epoch, index) for w, index in asks.items()}
-                for physical, ws in self.channels.checkpoint(requests, self.processes, timeout).items():
-                    states[self.logical(physical)] = ws
+        for w in range(self.workers):
+            if not exhausted[w] and consumed[w] != self.starts[w].index:
+                states[w] = self._state_at(w, consumed[w])
         position = PipelinePosition(epoch=self.epoch, next_worker=next_worker, workers=states)
         with self._lock:
             self._last_save = (key, position)
         return position
 
-    def _held_state(self, w: int, index: int) -> WorkerState | None:
-        """Worker ``w``'s state after ``index`` samples from the snapshot the main process
-        holds (attached to the items it yielded), or None to ask the worker."""
-        if not self.attaching[w]:
-            return None
-        held = self.held[w]
-        start = self.starts[w]
-        if held is None:  # the start state (with what it carried from the previous epoch)
-            return msgspec.structs.replace(start, worker_id=w, index=index)
-        snap_index, data, decoded = held
-        if snap_index > index:
-            return None
-        if decoded is None:
-            decoded = held[2] = decode_part(data, DatasetState)
-        return WorkerState(worker_id=w, index=index, snapshot_index=snap_index, dataset=decoded)
+    def _state_at(self, w: int, index: int) -> WorkerState:
+        """Worker ``w``'s state after ``index`` samples: from the snapshots attached to
+        the items it yielded (worker processes) or the runtime's ring (in-process)."""
+        if self.in_process:
+            runtime = self.mode.torch_dataset.runtime
+            if runtime is None:
+                raise StateError("the in-process pipeline has not started")
+            return runtime.checkpoint(self.epoch, index)
+        for held in (self.held[w], self.previous[w]):
+            if held is None:  # the start state (with what it carried from the previous epoch)
+                return msgspec.structs.replace(self.starts[w], worker_id=w, index=index)
+            snap_index, data, decoded = held
+            if snap_index <= index:
+                if decoded is None:
+                    decoded = held[2] = decode_part(data, DatasetState)
+                return WorkerState(worker_id=w, index=index, snapshot_index=snap_index, dataset=decoded)
+        # a snapshot is attached at most once per item, after the sample it follows: the
+        # one before the newest is at or before any index a save can ask (held <= 1)
+        raise InternalError(f"worker {w} holds no snapshot at or before sample {index}")
 
 
 class PipelineMode(Mode):
-    """Epoch, per-worker positions and worker channels of a loader over a pipeline."""
+    """Epoch and per-worker positions of a loader over a pipeline."""
 
     position_type = PipelinePosition
     path_name = "pipeline"
@@ -257,8 +221,6 @@ class PipelineMode(Mode):
         self.collate = self.collate_type(collate_fn)
         self.dataset_config = dataset.config_tree()
         self.fingerprint = config_fingerprint(self.dataset_config)
-        #: the channels of the running worker pool (persistent workers keep theirs)
-        self.channels: WorkerChannels | None = None
         # (epoch, logical worker, index, key) of the item yielded last
         self.last_item: tuple[int, int, int, Any] | None = None
         # (epoch, each logical worker's state at the end of the epoch before it): what that
@@ -320,7 +282,7 @@ class PipelineMode(Mode):
 
     # -- iteration --------------------------------------------------------------------
 
-    def begin(self, epoch: int, resume: Any, context: Any, reuse_workers: bool) -> PipelineIteration:
+    def begin(self, epoch: int, resume: Any, reuse_workers: bool) -> PipelineIteration:
         """Plan an iteration; ``reuse_workers``: persistent workers already run and keep
         their own plan (later epochs start fresh, with no rotation)."""
         if resume is not None:
@@ -332,13 +294,9 @@ class PipelineMode(Mode):
             rotation = 0
             starts = [None if c is None else _fresh(w, c) for w, c in enumerate(self._carried(epoch))]
         if not reuse_workers:
-            pipes = None
-            if self.worker_config.num_workers > 0:
-                self.channels = WorkerChannels(context, self.worker_config.num_workers)
-                pipes = self.channels.worker_ends()
-            self.torch_dataset.set_plan(epoch, rotation, starts, pipes)
+            self.torch_dataset.set_plan(epoch, rotation, starts)
             self.pool_rotation = rotation
-        return self.iteration_type(self, epoch, rotation, starts, self.channels, resumed=resume is not None)
+        return self.iteration_type(self, epoch, rotation, starts, resumed=resume is not None)
 
     def check(
         self, saved: LoaderConfig, position: PipelinePosition, num_workers: int, elastic: bool = False

@@ -113,7 +113,7 @@ class SamplerIteration(IndexIteration):
         self.digests.append(self.digest.copy())
         index_digest(self.digest, key.indices)
 
-    def position(self, timeout: float = 0.0, held: int = 0) -> IndexPosition:
+    def position(self, held: int = 0) -> IndexPosition:
         keys = self.held_keys(held)
         digest = self.digests[-len(keys)] if keys else self.digest
         record = msgspec.structs.replace(self.record, digest=digest.hexdigest())
@@ -153,7 +153,7 @@ class SamplerMode(IndexMode):
         except TypeError:
             return None
 
-    def begin(self, epoch: int, resume: Any, context: Any = None, reuse_workers: bool = False) -> IndexIteration:
+    def begin(self, epoch: int, resume: Any, reuse_workers: bool = False) -> IndexIteration:
         sampler = self.index_sampler
         if resume is not None and resume.sampler is not None and resume.sampler.at_start:
             apply(sampler, resume.sampler)  # saved between epochs: start this one as usual

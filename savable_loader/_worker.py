@@ -1,45 +1,36 @@
-"""Worker side of the savable-pipeline protocol: snapshot ring, skip replay, command thread.
+"""Worker side of the savable-pipeline protocol: snapshots attached to items, skip replay.
 
 Each loading context (a worker process, or the main process when ``num_workers=0``) runs
 one :class:`WorkerRuntime`. Its iterating thread walks the pipeline and, between two
-samples, may take a **snapshot** (the pipeline's ``save_state()``) into a small ring; the
-policy (:func:`snapshot_due`) keeps snapshot time below ``SNAPSHOT_BUDGET`` of sample
-time, and bounds the replay a restore needs by the worker's cold start. Before producing
-sample ``i`` it re-seeds the global RNGs from ``(seed, rank, worker, epoch, i)`` (a seed
-below ``2**63``, see ``savable_loader.rng.item_seed``), so the RNG state at any sample
-is implied by its index and never needs saving.
+samples, may take a **snapshot** (the pipeline's ``save_state()``); the policy
+(:func:`snapshot_due`) keeps snapshot time below ``SNAPSHOT_BUDGET`` of sample time, and
+bounds the replay a restore needs by the worker's cold start. Before producing sample
+``i`` it re-seeds the global RNGs from ``(seed, rank, worker, epoch, i)`` (a seed below
+``2**63``, see ``savable_loader.rng.item_seed``), so the RNG state at any sample is
+implied by its index and never needs saving.
+
+In a worker process each new snapshot is encoded (MessagePack, never a pickle) and
+**attached to the next item the worker sends**, its end marker included: the main
+process keeps the newest snapshots per worker and answers a save alone, as that snapshot
+plus a **skip offset** (samples to replay after restoring it). A save never waits on a
+worker, and nothing a save needs is lost when torch retires a worker after its end
+marker. In the main process (``num_workers=0``) the snapshots stay in a small ring
+(:class:`SnapshotRing`) that :meth:`WorkerRuntime.checkpoint` reads.
 
 An exception the pipeline raises ends the iteration, except on a plain IterableDataset's
 path (``errors_go_on``), where it is sent in the item's place (:class:`ItemError`) and
 counts as that item, as torch's workers go on after a failed batch.
-
-A daemon **command thread** answers ``checkpoint`` requests from the main process: given
-the number of samples the main process has yielded from this worker, it returns the
-newest snapshot at or before that point and the **skip offset** (samples to replay after
-restoring it). It never waits for the iterating thread, so a save costs a queue round
-trip even while a sample takes seconds to load.
-
-After its end marker a worker process holds back the end of its iteration until the main
-process has taken that marker (a ``release`` command): torch shuts a worker down as soon
-as it *receives* the worker's end of iteration, possibly before the main process has
-yielded the worker's last samples, and the snapshots needed to save at those samples
-would die with the process.
-
-Messages on the command and result pipes are MessagePack, never pickles.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import cloudpickle
-import msgspec
 from torch.utils.data import IterableDataset, get_worker_info
 
 from savable_loader._guards import exclusive
@@ -58,8 +49,8 @@ from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
 __all__ = [
-    "END", "SNAPSHOT_BUDGET", "ItemError", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime", "snapshot_due",
-    "walk",
+    "SNAPSHOT_BUDGET", "End", "Item", "ItemError", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime",
+    "snapshot_due", "walk",
 ]
 
 #: Fraction of sample-production time that snapshots may cost.
@@ -103,11 +94,40 @@ def snapshot_due(work: float, cost: float | None, cold: float, first: bool = Fal
     floor = 0.0 if first or cost is None else REPLAY_FLOOR_SNAPSHOTS * cost
     return work >= max(REPLAY_FRACTION * cold, floor, REPLAY_FLOOR_SECONDS)
 
-#: Index of the item a worker sends after its last sample (its payload: samples produced).
-END = -1
+#: A snapshot as it travels with an item: ``(snapshot index, encoded DatasetState)``.
+Snapshot = tuple[int, bytes]
 
-#: Seconds between liveness checks while a worker waits for the release of its end.
-RELEASE_POLL_SECONDS = 0.1
+
+class Item(NamedTuple):
+    """One item of a pipeline worker's epoch, as it travels to the main process.
+
+    ``worker``: the logical worker; ``item_index``: the item's index in the worker's epoch;
+    ``key``: the pipeline's restore key for it; ``payload``: what the loader yields
+    (after the collate function); ``snapshot``: the snapshot the worker took since the
+    item before, if any (worker processes only, see ``WorkerRuntime._snapshot``).
+
+    >>> Item(worker=1, item_index=0, key=None, payload="a")
+    Item(worker=1, item_index=0, key=None, payload='a', snapshot=None)
+    """
+
+    worker: int
+    item_index: int
+    key: Any
+    payload: Any
+    snapshot: Snapshot | None = None
+
+
+class End(NamedTuple):
+    """What a worker sends after its epoch's last item: ``produced`` items in all, and
+    its final snapshot when the pipeline carries state across epochs.
+
+    >>> End(worker=1, produced=6)
+    End(worker=1, produced=6, snapshot=None)
+    """
+
+    worker: int
+    produced: int
+    snapshot: Snapshot | None = None
 
 
 class ItemError:
@@ -194,7 +214,8 @@ class SnapshotRing:
 
 
 class WorkerRuntime:
-    """Runs a pipeline in one loading context and answers checkpoint requests.
+    """Runs a pipeline in one loading context: snapshots, attached to items in a worker
+    process, kept in a ring in the main process (:meth:`checkpoint`).
 
     ``max_in_flight`` bounds how many produced samples the main process may not have
     yielded yet (prefetching); snapshots older than that window are dropped.
@@ -223,15 +244,11 @@ class WorkerRuntime:
         #: included) to its first sample: the cold start a restore compares with (0: not yet).
         self.cold_seconds = 0.0
         #: Encode each snapshot into ``outbox`` for the main process (worker processes).
-        self.attach = False
+        self.attach = not in_process
         #: An exception the pipeline raises for an item is sent as an :class:`ItemError`
         #: in the item's place and the iteration goes on (False: it ends the iteration).
         self.errors_go_on = False
-        self.outbox: tuple[int, bytes] | None = None
-        self._thread: threading.Thread | None = None
-        self._parent_pid = -1
-        self._release = threading.Condition()
-        self._released_epoch = -1
+        self.outbox: Snapshot | None = None
         #: The pipeline has a dataset whose position crosses epochs: snapshot each epoch's end.
         self.carries = any(type(ds).carries_across_epochs for ds in walk(dataset))
         #: The previous epoch's end state this epoch started from (``WorkerState.carried``).
@@ -241,9 +258,9 @@ class WorkerRuntime:
 
     def run(
         self, epoch: int, worker_id: int, start: WorkerState | None, started: float | None = None
-    ) -> Iterator[tuple[int, int, Any, Any]]:
-        """Yield ``(worker_id, index, restore key, sample)`` for the epoch, from ``start``
-        on, then the end marker ``(worker_id, END, None, samples produced)``.
+    ) -> Iterator[Item | End]:
+        """Yield an :class:`Item` per sample of the epoch, from ``start`` on, then the
+        :class:`End` marker (snapshots not attached yet: see ``PipelineWorkerDataset``).
 
         ``started``: ``time.monotonic()`` when the main process planned the iteration, so
         that this worker's cold start counts its process start too (see ``snapshot_due``).
@@ -317,19 +334,16 @@ class WorkerRuntime:
             if skip:
                 skip -= 1
                 continue
-            yield worker_id, index - 1, self.dataset.sample_key, sample
+            yield Item(worker_id, index - 1, self.dataset.sample_key, sample)
         if self.carries and self.ring.newest_index() != index:
             # the state at the epoch's end rides with the end marker: the next epoch's
             # (fresh) worker goes on from it (WorkerState.carried)
             with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
                 self._snapshot(index)
-        # Tell the main process this worker is done before torch retires it, so that a
-        # later save knows its final state without asking a process that may be gone.
-        yield worker_id, END, None, index
-        # Torch retires a worker when it receives the worker's end of iteration, which may
-        # overtake this worker's last samples (prefetch): keep serving checkpoints for
-        # them until the main process has taken the end marker.
-        self._wait_released(epoch)
+        # Tell the main process this worker is done (its final snapshot, if any, rides
+        # with the marker): torch may retire the worker as soon as it has sent it, and
+        # every item before it already carried what a save needs.
+        yield End(worker_id, index)
 
     def _snapshot(self, index: int) -> float:
         """Snapshot the pipeline after ``index`` samples; returns the seconds it took.
@@ -350,26 +364,11 @@ class WorkerRuntime:
         self.snapshot_seconds += time.perf_counter() - t0
         return cost
 
-    def release(self, epoch: int) -> None:
-        """Let the iteration of ``epoch`` (and earlier ones) end (command thread)."""
-        with self._release:
-            self._released_epoch = max(self._released_epoch, epoch)
-            self._release.notify_all()
-
-    def _wait_released(self, epoch: int) -> None:
-        thread = self._thread
-        if self.in_process or thread is None:
-            return
-        with self._release:
-            while self._released_epoch < epoch:
-                self._release.wait(RELEASE_POLL_SECONDS)
-                if not thread.is_alive() or os.getppid() != self._parent_pid:
-                    return  # the main process is gone or closed the pipes
-
-    # -- command thread ---------------------------------------------------------------
+    # -- saves in the main process ----------------------------------------------------
 
     def checkpoint(self, epoch: int, index: int) -> WorkerState:
-        """The state after ``index`` samples of ``epoch``: a snapshot plus a skip offset."""
+        """The state after ``index`` samples of ``epoch``: a snapshot plus a skip offset
+        (in the main process, ``num_workers=0``; worker processes attach theirs to items)."""
         if epoch != self.epoch:
             raise StateError(f"worker {self.worker_id} is in epoch {self.epoch}, asked for epoch {epoch}")
         found = self.ring.find(index)
@@ -386,37 +385,6 @@ class WorkerRuntime:
             dataset=plain_dataset_state(state),
             carried=self.carried if state is None else None,
         )
-
-    def serve(self, cmd: Any, res: Any) -> None:
-        """Start the daemon command thread on the two pipe ends (once per process)."""
-        if self._thread is None:
-            self._parent_pid = os.getppid()
-            self._thread = threading.Thread(
-                target=self._serve, args=(cmd, res), name="savable-loader-commands", daemon=True
-            )
-            self._thread.start()
-
-    def _serve(self, cmd: Any, res: Any) -> None:
-        while True:
-            try:
-                message = cmd.recv_bytes()
-            except (EOFError, OSError):
-                return
-            request_id = -1
-            try:
-                kind, request_id, epoch, index = msgspec.msgpack.decode(message)
-                if kind == "release":  # no answer
-                    self.release(epoch)
-                    continue
-                if kind != "checkpoint":
-                    raise StateError(f"unknown command {kind!r}")
-                reply = ["ok", request_id, encode_part(self.checkpoint(epoch, index))]
-            except Exception as e:  # noqa: BLE001 - answered to the main process, which raises it
-                reply = ["error", request_id, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"]
-            try:
-                res.send_bytes(msgspec.msgpack.encode(reply))
-            except (OSError, ValueError):
-                return
 
 
 def walk(dataset: SavableDataset) -> Iterator[SavableDataset]:
@@ -442,10 +410,9 @@ def _rng_scope(in_process: bool) -> Any:
 class PipelineWorkerDataset(IterableDataset):
     """The dataset torch's DataLoader sees on the pipeline path.
 
-    It carries the user's pipeline (cloudpickled, so lambdas cross ``spawn``), the plan
-    of the first epoch it runs (epoch, worker rotation, per-worker start states) and the
-    command/result pipe ends of every worker. Later epochs of persistent workers start
-    fresh with no rotation, as the main process expects.
+    It carries the user's pipeline (cloudpickled, so lambdas cross ``spawn``) and the plan
+    of the first epoch it runs (epoch, worker rotation, per-worker start states). Later
+    epochs of persistent workers start fresh with no rotation, as the main process expects.
     """
 
     def __init__(self, dataset: SavableDataset, max_in_flight: int) -> None:
@@ -455,10 +422,6 @@ class PipelineWorkerDataset(IterableDataset):
         self.epoch = 0
         self.rotation = 0
         self.starts: list[WorkerState | None] = [None] * self.worker_config.workers_per_rank
-        self.pipes: list[tuple[Any, Any]] | None = None
-        #: Worker processes attach each new snapshot to the next item they send, so that
-        #: the main process answers a save alone; False: saves ask the command threads.
-        self.attach = True
         self.planned_at: float | None = None
         #: The per-item seed formula (``savable_loader.rng.item_seed``).
         self.seed_formula = SEED_FORMULA
@@ -467,8 +430,8 @@ class PipelineWorkerDataset(IterableDataset):
         self._iterations = 0
         self._runtime: WorkerRuntime | None = None
 
-    def set_plan(self, epoch: int, rotation: int, starts: list[WorkerState | None], pipes: Any) -> None:
-        self.epoch, self.rotation, self.starts, self.pipes = epoch, rotation, starts, pipes
+    def set_plan(self, epoch: int, rotation: int, starts: list[WorkerState | None]) -> None:
+        self.epoch, self.rotation, self.starts = epoch, rotation, starts
         self.planned_at = time.monotonic()  # the workers' cold start counts from here
         self._iterations = 0
 
@@ -494,7 +457,7 @@ class PipelineWorkerDataset(IterableDataset):
         self.dataset = cloudpickle.loads(state["dataset"])
         self.worker_config = self.dataset.worker_config
 
-    def __iter__(self) -> Iterator[tuple[int, int, Any, Any]]:
+    def __iter__(self) -> Iterator[Item | End]:
         info = get_worker_info()
         workers = self.worker_config.workers_per_rank
         physical = torch_worker_id() or 0  # info.id may be a logical id; 0 in the main process
@@ -510,23 +473,19 @@ class PipelineWorkerDataset(IterableDataset):
                 self.dataset, self.worker_config, self.max_in_flight, in_process=info is None,
                 seed_formula=self.seed_formula,
             )
-            if info is not None and self.pipes is not None:
-                cmd, res = self.pipes[physical]
-                self._runtime.serve(cmd, res)
         runtime = self._runtime
         runtime.seed_formula = self.seed_formula
         runtime.errors_go_on = self.errors_go_on
         items = runtime.run(epoch, logical, starts[logical], self.planned_at if count == 0 else None)
         if info is None:  # in the main process: one live iteration per pipeline object
             return exclusive(items, self.dataset, runtime)
-        runtime.attach = self.attach
         return _with_snapshots(runtime, items)
 
 
-def _with_snapshots(runtime: WorkerRuntime, items: Iterator[tuple[int, int, Any, Any]]) -> Iterator[tuple[Any, ...]]:
-    """Items as ``(worker_id, index, key, sample, snapshot)``: ``snapshot`` is None or the
-    ``(index, encoded DatasetState)`` taken since the previous item (see ``_snapshot``)."""
-    for worker_id, index, key, sample in items:
+def _with_snapshots(runtime: WorkerRuntime, items: Iterator[Item | End]) -> Iterator[Item | End]:
+    """Each item (and the end marker) with the snapshot taken since the previous one, if
+    any (see ``WorkerRuntime._snapshot``)."""
+    for item in items:
         outbox = runtime.outbox
         runtime.outbox = None
-        yield worker_id, index, key, sample, outbox
+        yield item if outbox is None else item._replace(snapshot=outbox)

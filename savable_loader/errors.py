@@ -371,10 +371,8 @@ class WorkerDiedError(WorkerError):
 
 
 class WorkerTimeoutError(WorkerError):
-    """A worker did not produce a sample or answer a command within the timeout.
+    """A worker did not produce a sample within the loader's ``timeout=`` (a save never
+    waits on a worker). Example::
 
-    ``timeout=`` bounds the wait for a sample, ``save_timeout=`` the wait for a save.
-    Example::
-
-        loader = SavableDataLoader(dataset, batch_size=8, num_workers=2, timeout=30, save_timeout=10)
+        loader = SavableDataLoader(dataset, batch_size=8, num_workers=2, timeout=30)
     """

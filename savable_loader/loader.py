@@ -79,7 +79,6 @@ __all__ = ["SavableDataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
 
-_DEFAULT_SAVE_TIMEOUT = 60.0
 
 
 class _Engine(DataLoader[Any]):
@@ -99,7 +98,8 @@ class SavableDataLoader(DataLoader[T_co]):
     (a :class:`~savable_loader.WorkerConfig`: rank, world size, workers, seed),
     ``snapshot_every_n_steps`` (accepted for torchdata's ``StatefulDataLoader``
     programs and ignored: every step can be saved here at no cost), ``save_timeout``
-    (seconds a pipeline save may wait for a worker) and ``reseed`` (map-style datasets:
+    (deprecated and without effect: a save never waits on a worker; passing it warns)
+    and ``reseed`` (map-style datasets:
     ``"sample"``, the default, re-seeds the global RNGs before every sample; ``"batch"``
     once per batch, for samples of a few microseconds: see docs/performance.md for what
     each keeps). Example::
@@ -165,29 +165,17 @@ class SavableDataLoader(DataLoader[T_co]):
         seed: int | None = None,
         worker_config: WorkerConfig | None = None,
         snapshot_every_n_steps: int | None = None,
-        save_timeout: float = _DEFAULT_SAVE_TIMEOUT,
+        save_timeout: float | None = None,
         reseed: str = "sample",
     ) -> None:
-        if num_workers < 0:  # before the WorkerConfig check, with torch's message
-            raise refused("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
-        wc = resolve_worker_config(dataset, worker_config, num_workers, seed)
-        workers = wc.num_workers if wc is not None else num_workers
-        check_torch_arguments(
-            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
-            num_workers=workers, drop_last=drop_last, timeout=timeout, prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
+        # the steps: check the arguments and resolve rank, workers and seed; choose the
+        # path; torch's constructor (the public attributes); the mode and the engine
+        wc, seed_explicit = self._resolve_configuration(
+            dataset, worker_config, num_workers, seed, generator, batch_size=batch_size, shuffle=shuffle,
+            sampler=sampler, batch_sampler=batch_sampler, drop_last=drop_last, timeout=timeout,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, in_order=in_order,
+            save_timeout=save_timeout, snapshot_every_n_steps=snapshot_every_n_steps, reseed=reseed,
         )
-        check_our_arguments(
-            num_workers=workers, in_order=in_order, prefetch_factor=prefetch_factor, save_timeout=save_timeout,
-            snapshot_every_n_steps=snapshot_every_n_steps, reseed=reseed, pipeline=isinstance(dataset, SavableDataset),
-        )
-        if wc is None:
-            probe = WorkerConfig(num_workers=workers)  # rank and world size (torch.distributed)
-            value, seed_explicit = resolve_seed(seed, generator, probe.world_size or 1)
-            wc = WorkerConfig(rank=probe.rank, world_size=probe.world_size, num_workers=workers, seed=value,
-                              data_parallel_group=probe.data_parallel_group)
-        else:
-            seed_explicit = True
         public, make_mode = self._choose_path(
             dataset, wc, seed_explicit=seed_explicit, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, drop_last=drop_last, generator=generator, prefetch_factor=prefetch_factor,
@@ -195,9 +183,10 @@ class SavableDataLoader(DataLoader[T_co]):
         )
         try:
             super().__init__(
-                dataset, num_workers=workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last,
-                timeout=timeout, worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-                generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                dataset, num_workers=wc.num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
+                drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
+                multiprocessing_context=multiprocessing_context, generator=generator,
+                prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                 pin_memory_device=pin_memory_device, in_order=in_order, **public,
             )
         except ValueError as e:  # BatchSampler, RandomSampler, multiprocessing_context
@@ -207,9 +196,43 @@ class SavableDataLoader(DataLoader[T_co]):
         self._worker_config = wc
         self._seed = wc.seed
         self.snapshot_every_n_steps = snapshot_every_n_steps
+        #: Deprecated, without effect (see ``check_our_arguments``); kept for frameworks
+        #: that rebuild a DataLoader from its instance attributes.
         self.save_timeout = save_timeout
         self._mode: Mode = make_mode()
         self._engine = self._make_engine(worker_init_fn, pin_memory, timeout, prefetch_factor, pin_memory_device)
+        self._start_bookkeeping()
+
+    # -- construction -------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_configuration(
+        dataset: Any, worker_config: WorkerConfig | None, num_workers: int, seed: int | None, generator: Any,
+        **arguments: Any,
+    ) -> tuple[WorkerConfig, bool]:
+        """torch's checks and ours on the arguments (``arguments``: the rest of the
+        constructor's, by name); the loader's worker configuration and whether its seed
+        was given (else drawn: a restore adopts the state's)."""
+        if num_workers < 0:  # before the WorkerConfig check, with torch's message
+            raise refused("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
+        wc = resolve_worker_config(dataset, worker_config, num_workers, seed)
+        workers = wc.num_workers if wc is not None else num_workers
+        ours = {name: arguments.pop(name) for name in ("in_order", "save_timeout", "snapshot_every_n_steps", "reseed")}
+        check_torch_arguments(dataset, num_workers=workers, **arguments)
+        check_our_arguments(
+            num_workers=workers, prefetch_factor=arguments["prefetch_factor"], pipeline=isinstance(dataset, SavableDataset),
+            stacklevel=4, **ours,  # a warning points at the caller of SavableDataLoader(...)
+        )
+        if wc is not None:
+            return wc, True
+        probe = WorkerConfig(num_workers=workers)  # rank and world size (torch.distributed)
+        value, seed_explicit = resolve_seed(seed, generator, probe.world_size or 1)
+        wc = WorkerConfig(rank=probe.rank, world_size=probe.world_size, num_workers=workers, seed=value,
+                          data_parallel_group=probe.data_parallel_group)
+        return wc, seed_explicit
+
+    def _start_bookkeeping(self) -> None:
+        """No iteration yet, nothing restored."""
         # Held by a save for its whole duration and by the iterating thread while it books
         # an item, so that a save from another thread sees one consistent position.
         self._state_lock = threading.RLock()
@@ -217,8 +240,6 @@ class SavableDataLoader(DataLoader[T_co]):
         self._started = 0  # iter() calls
         self._next_epoch = 0
         self._pending: Any = None  # a restored position the next iter() continues
-
-    # -- construction -------------------------------------------------------------------
 
     def _choose_path(
         self, dataset: Any, wc: WorkerConfig, *, seed_explicit: bool, batch_size: int | None, shuffle: Any,
@@ -356,7 +377,7 @@ class SavableDataLoader(DataLoader[T_co]):
             if reuse and not mode.workers_reusable():  # (see PipelineMode.workers_reusable)
                 self._shutdown(loader_iterator(self._engine))
                 reuse = False
-            iteration = mode.begin(epoch, resume, self._mp_context(), reuse)
+            iteration = mode.begin(epoch, resume, reuse)
             self._pending = None
             self._next_epoch = epoch + 1
             self._started += 1
@@ -374,7 +395,6 @@ class SavableDataLoader(DataLoader[T_co]):
             RUNNING[id(record)] = torch_iter
             if self.num_workers > 0:
                 install()
-            iteration.workers_started(torch_iter)
         return record
 
     def _next(self, record: Record) -> Any:
@@ -429,8 +449,8 @@ class SavableDataLoader(DataLoader[T_co]):
                 return
             iteration = record.iteration
             if fate is Fate.ABANDONED:
-                try:  # taken now: the workers (and their pipes) are about to go
-                    record.position = iteration.position(self.save_timeout)
+                try:  # taken now: the iteration's bookkeeping is about to go
+                    record.position = iteration.position()
                 except Exception as e:  # noqa: BLE001 - raised by a later save
                     record.error = e
             record.fate = fate
@@ -470,12 +490,6 @@ class SavableDataLoader(DataLoader[T_co]):
         """torch's iterator of the most recent live iteration (None if none)."""
         live = [r for r in self._records if r.fate is Fate.LIVE]
         return live[-1].torch_iter if live else None
-
-    def _mp_context(self) -> Any:
-        ctx = self.multiprocessing_context
-        if ctx is None:
-            return torch.multiprocessing.get_context()
-        return ctx
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` starts, as ``DistributedSampler.set_epoch`` (and
@@ -602,8 +616,8 @@ class SavableDataLoader(DataLoader[T_co]):
             )
         if record.fate is Fate.LIVE:
             try:
-                with loader_call():  # a pipeline may ask its workers: deliver their deaths here
-                    return record.iteration.position(self.save_timeout, held)
+                with loader_call():  # a worker death signalled before the save is delivered here
+                    return record.iteration.position(held)
             except RuntimeError as e:
                 if isinstance(e, SavableLoaderError):
                     raise

@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
@@ -44,36 +45,54 @@ VARIANTS = ("live", "break", "raise")
 
 
 def assert_same(a: Any, b: Any, path: str = "item") -> None:
-    """Raise :class:`ResumeMismatchError` unless ``a`` and ``b`` are bit-identical:
-    tensors (dtype, shape, values), arrays, lists, tuples, dicts and scalars (with their
-    types), nested. ``path`` names the compared value in the message.
+    """Raise :class:`ResumeMismatchError` unless ``a`` and ``b`` are bit-identical,
+    nested: the same types at every level (a namedtuple is not a tuple, a dict subclass
+    not a dict, ``1`` not ``1.0``), tensors and arrays of the same dtype and shape with
+    the same values (or the same bits: NaNs of equal payloads match), NumPy scalars of
+    the same dtype (byte order included) and bits, floats of the same bits (``-0.0`` is
+    not ``0.0``), dicts with the same keys in the same order. ``path`` names the compared
+    value in the message.
 
     Example::
 
         assert_same({"x": torch.ones(2)}, {"x": torch.ones(2)})
     """
+    if type(a) is not type(b):
+        _fail(f"{path}: {type(a).__qualname__} {a!r} vs {type(b).__qualname__} {b!r}")
     if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor):
-            _fail(f"{path}: tensor vs {type(b).__name__}")
         if a.dtype != b.dtype or a.shape != b.shape:
             _fail(f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
-        if not torch.equal(a, b):
+        if not (torch.equal(a, b) or _bits(a) == _bits(b)):
             _fail(f"{path}: tensors differ\n{a}\n{b}")
     elif isinstance(a, np.ndarray):
-        if not (isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            _fail(f"{path}: array {a.dtype}{a.shape} vs {b.dtype}{b.shape}")
+        if np.ascontiguousarray(a).tobytes() != np.ascontiguousarray(b).tobytes():
             _fail(f"{path}: arrays differ\n{a!r}\n{b!r}")
+    elif isinstance(a, np.generic):
+        if a.dtype != b.dtype:
+            _fail(f"{path}: NumPy scalar of dtype {a.dtype} vs {b.dtype}")
+        if np.asarray(a).tobytes() != np.asarray(b).tobytes():
+            _fail(f"{path}: {a!r} vs {b!r}")
     elif isinstance(a, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
+        if len(a) != len(b):
             _fail(f"{path}: {a!r} vs {b!r}")
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, dict):
-        if not isinstance(b, dict) or a.keys() != b.keys():
-            _fail(f"{path}: keys {list(a)} vs {list(b) if isinstance(b, dict) else type(b).__name__}")
+        if list(a) != list(b):
+            _fail(f"{path}: keys {list(a)} vs {list(b)}")
         for k in a:
             assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif not (type(a) is type(b) and a == b):
+    elif isinstance(a, float):
+        if struct.pack("<d", a) != struct.pack("<d", b):
+            _fail(f"{path}: {a!r} vs {b!r}")
+    elif a != b:
         _fail(f"{path}: {a!r} vs {b!r}")
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).tolist()
 
 
 def assert_streams(got: list[Any], want: list[Any], what: str) -> None:
@@ -99,6 +118,7 @@ def check_resume(
     steps: Iterable[int] | None = None,
     variants: Iterable[str] = ("live",),
     check_live_next_epoch: bool = True,
+    reference: list[list[Any]] | None = None,
 ) -> int:
     """Save at every step, restore into a fresh loader, compare with an uninterrupted
     run; the number of save points checked.
@@ -115,6 +135,8 @@ def check_resume(
     ``"raise"`` (an exception in the loop body, then the save); all must restore to the
     same continuation, and after ``break``/``raise`` the live loader's next ``iter()``
     must start the next epoch, as torch's does (``check_live_next_epoch``).
+    ``reference``: the uninterrupted run's epochs (lists of items), if the caller has
+    them already (default: run ``factory()`` for ``epochs`` epochs).
 
     Raises :class:`ResumeMismatchError` at the first difference.
 
@@ -128,9 +150,10 @@ def check_resume(
         raise LoaderUsageError(f"variants {sorted(unknown)} are not among {list(VARIANTS)}")
     make = _loader_factory(factory)
     remake = make if restore_factory is None else _loader_factory(restore_factory)
-    uninterrupted = make()
-    reference = [list(uninterrupted) for _ in range(epochs)]
-    del uninterrupted
+    if reference is None:
+        uninterrupted = make()
+        reference = [list(uninterrupted) for _ in range(epochs)]
+        del uninterrupted
     lengths = [len(e) for e in reference]
     flat = [x for e in reference for x in e]
     if not flat:
@@ -209,6 +232,12 @@ def expected_chunks(lengths: list[int], k: int, between: bool) -> list[int]:
     if k == 0 and not between:
         return list(lengths)
     acc = 0
+    if between:  # after the StopIteration of the first epoch that ends at k (empty ones too)
+        for e, n in enumerate(lengths):
+            acc += n
+            if acc == k:
+                return list(lengths[e + 1 :])
+        raise LoaderUsageError(f"no epoch ends at save point {k} (epoch lengths {lengths})")
     for e, n in enumerate(lengths):
         if acc < k <= acc + n or (n == 0 and acc == k and not between):
             return ([] if between else [acc + n - k]) + list(lengths[e + 1 :])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import typing
+import warnings
 
 import pytest
 import torch
@@ -96,6 +97,18 @@ def test_every_combination_torch_refuses_is_refused_with_torchs_message(dataset,
         assert isinstance(torch_error.value, ValueError)
         assert isinstance(ours.value, LoaderUsageError) and isinstance(ours.value, ValueError)
     assert str(torch_error.value) in str(ours.value)
+
+
+def test_save_timeout_is_accepted_with_a_deprecation_warning():
+    # a save never waits on a worker: the argument has no effect, but users' code keeps working
+    with pytest.warns(DeprecationWarning, match="save_timeout has no effect") as record:
+        loader = sl.SavableDataLoader(_DS, save_timeout=10)
+    assert record[0].filename == __file__  # the warning points at the caller
+    assert loader.save_timeout == 10
+    loader.save_state_rank()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sl.SavableDataLoader(_DS).save_timeout is None
 
 
 def test_our_own_arguments_are_checked():

@@ -2,32 +2,29 @@
 process (per-worker counts, next worker, rotation), its state and its restore checks.
 
 In-process (``num_workers=0``) the mode is driven by iterating its torch dataset by hand;
-with workers, items are fed to ``on_item`` directly and the release messages are read
-from the worker ends of the channels (no worker processes are started).
+with workers, items (and the snapshots attached to them) are fed to ``on_item`` directly
+(no worker processes are started).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 
-import msgspec
 import pytest
 import torch
 
 import savable_loader as sl
 from savable_loader._pipeline_mode import SKIP, PipelineMode
-from savable_loader._worker import END
+from savable_loader._worker import End, Item
 from savable_loader.errors import ConfigMismatchError, StateError
 from savable_loader.state.codec import decode_part, encode_part
-from savable_loader.state.schema import PipelinePosition, WorkerState
+from savable_loader.state.schema import DatasetState, PipelinePosition, WorkerState
 from savable_loader.wrappers import MapDataset, ShuffleBufferDataset
 from tests.common import RangeSource, assert_streams
 
 pytestmark = pytest.mark.timeout(60)
 
 N = 11
-CTX = multiprocessing.get_context("fork")
 
 
 def pipeline(num_workers=0, *, rank=0, world_size=1, seed=3, size=4) -> sl.SavableDataset:
@@ -50,7 +47,7 @@ class Driver:
 
     def __init__(self, mode: PipelineMode, epoch: int = 0, resume=None) -> None:
         self.mode = mode
-        self.iteration = mode.begin(epoch, resume, None, reuse_workers=False)
+        self.iteration = mode.begin(epoch, resume, reuse_workers=False)
         self.resumed = self.iteration.resumed
         self.it = iter(mode.torch_dataset)
 
@@ -84,15 +81,15 @@ def test_save_before_and_after_items():
     assert m.start_position(0) == PipelinePosition(epoch=0, next_worker=0, workers=[fresh(0)])
     d = Driver(m)
     assert d.resumed is False
-    assert d.iteration.position(1.0) == PipelinePosition(epoch=0, next_worker=0, workers=[fresh(0)])
+    assert d.iteration.position() == PipelinePosition(epoch=0, next_worker=0, workers=[fresh(0)])
     for k in range(1, N + 1):
         d.next_payload()
-        position = d.iteration.position(1.0)
+        position = d.iteration.position()
         assert position.epoch == 0 and position.next_worker == 0 and len(position.workers) == 1
         ws = position.workers[0]
         assert (ws.worker_id, ws.index, ws.exhausted) == (0, k, False)
         assert ws.snapshot_index <= k
-        assert d.iteration.position(1.0) is position  # saving again without iterating: the same state
+        assert d.iteration.position() is position  # saving again without iterating: the same state
 
 
 def test_end_marker_marks_the_worker_exhausted():
@@ -101,9 +98,9 @@ def test_end_marker_marks_the_worker_exhausted():
     payloads = [d.next_payload() for _ in range(N)]
     assert len(payloads) == N
     end_item = next(d.it)
-    assert end_item == (0, END, None, N)
+    assert end_item == End(0, N)
     assert d.iteration.on_item(end_item) is SKIP
-    assert d.iteration.position(1.0) == PipelinePosition(
+    assert d.iteration.position() == PipelinePosition(
         epoch=0, next_worker=0, workers=[WorkerState(worker_id=0, index=N, snapshot_index=N, exhausted=True)]
     )
     with pytest.raises(StopIteration):
@@ -126,67 +123,55 @@ def test_save_restore_continues_exactly(k):
     if k == N + 1:
         assert d.iteration.on_item(next(d.it)) is SKIP
     assert_streams(taken, ref[: len(taken)], "prefix")
-    position = decode_part(encode_part(d.iteration.position(1.0)), PipelinePosition)
+    position = decode_part(encode_part(d.iteration.position()), PipelinePosition)
     restored = make()
     position = restored.check(m.loader_config(0), position, 0)
     d2 = Driver(restored, epoch=position.epoch, resume=position)
     assert d2.resumed is True
-    assert d2.iteration.position(1.0) == position  # before iterating: the restored position
+    assert d2.iteration.position() == position  # before iterating: the restored position
     assert_streams(d2.rest(), ref[len(taken):], f"k={k} continuation")
 
 
 def test_save_before_the_in_process_runtime_started_is_an_error():
     m = make()
-    it = m.begin(0, None, None, reuse_workers=False)
-    it.on_item((0, 0, None, "x"))  # an item the runtime never produced
+    it = m.begin(0, None, reuse_workers=False)
+    it.on_item(Item(0, 0, None, "x"))  # an item the runtime never produced
     with pytest.raises(StateError, match="in-process pipeline has not started"):
-        it.position(1.0)
+        it.position()
 
 
 def test_a_pipeline_error_ends_the_iteration():
-    it = make().begin(0, None, None, reuse_workers=False)
+    it = make().begin(0, None, reuse_workers=False)
     assert it.on_error(RuntimeError("boom")) is False
     assert it.remaining() is None
 
 
-# -- several workers: rotation, releases, exhausted workers -------------------------------
+# -- several workers: rotation, exhausted workers ---------------------------------------
 
 
-def read_release(channels, physical: int):
-    cmd_r, _ = channels.worker_ends()[physical]
-    if not cmd_r.poll(1.0):
-        return None
-    return msgspec.msgpack.decode(cmd_r.recv_bytes())
-
-
-def test_next_worker_and_release_follow_the_rotation():
+def test_next_worker_follows_the_rotation():
     m = make(num_workers=3)
     start0 = WorkerState(worker_id=0, index=3, snapshot_index=1, dataset=None)
     resume = PipelinePosition(epoch=4, next_worker=1, workers=[start0, fresh(1), fresh(2)])
-    it = m.begin(4, resume, CTX, reuse_workers=False)
+    it = m.begin(4, resume, reuse_workers=False)
     assert it.resumed is True
-    channels = it.channels
     try:
         pwd = m.torch_dataset
         assert (pwd.epoch, pwd.rotation, pwd.starts) == (4, 1, [start0, fresh(1), fresh(2)])
-        assert pwd.pipes is channels.worker_ends()
         # physical p plays logical (p + 1) % 3
         assert [it.logical(p) for p in (0, 1, 2)] == [1, 2, 0]
         assert [it.physical(w) for w in (0, 1, 2)] == [2, 0, 1]
-        assert it.on_item((1, 0, None, "a")) == "a"
+        assert it.on_item(Item(1, 0, None, "a")) == "a"
         assert it.next_worker == 2 and it.consumed == [3, 1, 0]
-        assert it.on_item((2, 0, None, "b")) == "b"
+        assert it.on_item(Item(2, 0, None, "b")) == "b"
         assert it.next_worker == 0 and it.consumed == [3, 1, 1]
-        # logical 1 ends (it is physical 0): its release goes to physical 0 only
-        assert it.on_item((1, END, None, 1)) is SKIP
+        # logical 1 ends (it is physical 0)
+        assert it.on_item(End(1, 1)) is SKIP
         assert it.next_worker == 2
-        assert read_release(channels, 0) == ["release", -1, 4, 0]
-        assert not any(channels.worker_ends()[p][0].poll(0.05) for p in (1, 2))
         # logical 2 ends (physical 1)
-        assert it.on_item((2, END, None, 1)) is SKIP
-        assert read_release(channels, 1) == ["release", -1, 4, 0]
+        assert it.on_item(End(2, 1)) is SKIP
         # worker 0 has yielded nothing since its start, 1 and 2 are done: no worker is asked
-        position = it.position(1.0)
+        position = it.position()
         assert position == PipelinePosition(
             epoch=4, next_worker=0,
             workers=[
@@ -196,38 +181,20 @@ def test_next_worker_and_release_follow_the_rotation():
             ],
         )
         # logical 0 ends (physical 2)
-        assert it.on_item((0, END, None, 3)) is SKIP
-        assert read_release(channels, 2) == ["release", -1, 4, 0]
-        assert it.position(1.0).workers[0] == WorkerState(worker_id=0, index=3, snapshot_index=3, exhausted=True)
-        assert it.position(1.0).next_worker == 1
-        # abandoning the iteration releases every worker (they would be waiting)
-        it.end(finished=False, keep_workers=True)
-        assert [read_release(channels, p) for p in (0, 1, 2)] == [["release", -1, 4, 0]] * 3
-        assert m.channels is channels and not channels.closed  # persistent workers keep them
+        assert it.on_item(End(0, 3)) is SKIP
+        assert it.position().workers[0] == WorkerState(worker_id=0, index=3, snapshot_index=3, exhausted=True)
+        assert it.position().next_worker == 1
     finally:
         it.end(finished=False, keep_workers=False)
-    assert channels.closed and m.channels is None
-
-
-def test_save_with_closed_channels_is_an_error():
-    m = make(num_workers=2)
-    it = m.begin(0, None, CTX, reuse_workers=False)
-    it.on_item((0, 0, None, "a"))
-    m.torch_dataset.attach = False  # the workers are asked (no attached snapshots)
-    it.attaching[0] = False
-    it.channels.close()
-    with pytest.raises(StateError, match="worker channels are closed"):
-        it.position(1.0)
-    it.end(finished=False, keep_workers=False)
 
 
 def test_exhausted_start_stays_exhausted():
     m = make(num_workers=2)
     done = WorkerState(worker_id=1, index=5, snapshot_index=5, exhausted=True)
-    it = m.begin(0, PipelinePosition(epoch=0, next_worker=0, workers=[fresh(0), done]), CTX, reuse_workers=False)
+    it = m.begin(0, PipelinePosition(epoch=0, next_worker=0, workers=[fresh(0), done]), reuse_workers=False)
     try:
         assert it.exhausted == [False, True] and it.consumed == [0, 5]
-        assert it.position(1.0).workers == [fresh(0), done]
+        assert it.position().workers == [fresh(0), done]
     finally:
         it.end(finished=False, keep_workers=False)
 
@@ -302,28 +269,33 @@ def test_check_rejects_malformed_worker_states(workers, next_worker, match):
 
 
 def test_attached_snapshots_answer_a_save_without_the_workers():
-    from savable_loader.state.schema import DatasetState
-
     m = make(num_workers=2)
-    it = m.begin(0, None, CTX, reuse_workers=False)
+    it = m.begin(0, None, reuse_workers=False)
     snap = DatasetState(type="x", fields={"pos": 5})
     try:
-        assert it.on_item((0, 0, None, "a", None)) == "a"
-        assert it.on_item((1, 0, None, "b", (1, encode_part(snap)))) == "b"
-        assert it.on_item((0, 1, None, "c", (2, encode_part(snap)))) == "c"
-        assert it.on_item((1, 1, None, "d", None)) == "d"
-        it.channels.close()  # nobody to ask: the main process answers alone
-        position = it.position(1.0)
+        assert it.on_item(Item(0, 0, None, "a")) == "a"
+        assert it.on_item(Item(1, 0, None, "b", (1, encode_part(snap)))) == "b"
+        assert it.on_item(Item(0, 1, None, "c", (2, encode_part(snap)))) == "c"
+        assert it.on_item(Item(1, 1, None, "d")) == "d"
+        position = it.position()  # no worker process exists: the main process answers alone
         assert position.workers == [
             WorkerState(worker_id=0, index=2, snapshot_index=2, dataset=snap),
             WorkerState(worker_id=1, index=2, snapshot_index=1, dataset=snap),
         ]
-        assert it.position(1.0) is position
-        # a worker whose items carry no snapshot slot is asked (here: channels closed)
-        it.on_item((0, 2, None, "e"))
-        it.attaching[0] = False
-        with pytest.raises(StateError, match="worker channels are closed"):
-            it.position(1.0)
+        assert it.position() is position
+        # leaving out the item yielded last (worker 1's second, no snapshot attached)
+        assert it.position(held=1).workers[1] == WorkerState(worker_id=1, index=1, snapshot_index=1, dataset=snap)
+        # the item yielded last carried the newest snapshot: a save that leaves it out
+        # takes the one before it
+        newer = DatasetState(type="x", fields={"pos": 7})
+        assert it.on_item(Item(0, 2, None, "e", (3, encode_part(newer)))) == "e"
+        assert it.position().workers[0] == WorkerState(worker_id=0, index=3, snapshot_index=3, dataset=newer)
+        assert it.position(held=1).workers[0] == WorkerState(worker_id=0, index=2, snapshot_index=2, dataset=snap)
+        # (worker 1: the snapshot its first item carried)
+        assert it.on_item(Item(1, 2, None, "f")) == "f"
+        assert it.on_item(Item(0, 3, None, "g")) == "g"
+        assert it.on_item(Item(1, 3, None, "h", (4, encode_part(newer)))) == "h"
+        assert it.position(held=1).workers[1] == WorkerState(worker_id=1, index=3, snapshot_index=1, dataset=snap)
     finally:
         it.end(finished=False, keep_workers=False)
 
@@ -331,12 +303,16 @@ def test_attached_snapshots_answer_a_save_without_the_workers():
 def test_attached_snapshot_before_any_yield_uses_the_start_state():
     m = make(num_workers=2)
     start = WorkerState(worker_id=0, index=4, snapshot_index=2, dataset=None)
-    it = m.begin(0, PipelinePosition(epoch=0, next_worker=0, workers=[start, fresh(1)]), CTX, reuse_workers=False)
+    it = m.begin(0, PipelinePosition(epoch=0, next_worker=0, workers=[start, fresh(1)]), reuse_workers=False)
     try:
-        it.on_item((0, 4, None, "a", None))
-        it.channels.close()
-        ws = it.position(1.0).workers[0]
+        it.on_item(Item(0, 4, None, "a"))
+        ws = it.position().workers[0]
         assert ws == WorkerState(worker_id=0, index=5, snapshot_index=2, dataset=None)
         assert ws.skip == 3
+        # the worker's first snapshot rides on the item yielded last: a save that leaves
+        # that item out goes back to the start state
+        snap = DatasetState(type="x", fields={"pos": 6})
+        it.on_item(Item(0, 5, None, "b", (6, encode_part(snap))))
+        assert it.position(held=1).workers[0] == ws
     finally:
         it.end(finished=False, keep_workers=False)

@@ -4,6 +4,7 @@ classic mistakes (state in a local, advancing after the yield)."""
 
 from __future__ import annotations
 
+import collections
 import random
 
 import numpy as np
@@ -139,8 +140,33 @@ def test_assert_same_compares_types_and_bits() -> None:
         assert_streams([1, 2, 3], [1, 2], "run")
 
 
+def test_assert_same_is_as_strict_as_the_project_tests() -> None:
+    # what tests/common.py used to check on its own: types at every level, dict order,
+    # NaN payloads and signed zeros by their bits, NumPy scalar dtypes
+    pair = collections.namedtuple("pair", "a b")
+    nan = torch.tensor([float("nan")])
+    assert_same(nan, nan.clone())  # the same NaN bits: equal
+    assert_same(np.array([np.nan]), np.array([np.nan]))
+    assert_same(float("nan"), float("nan"))
+    for a, b, where in [
+        (pair(1, 2), (1, 2), "item"),
+        ({"a": 1, "b": 2}, {"b": 2, "a": 1}, "item"),
+        (collections.OrderedDict(a=1), {"a": 1}, "item"),
+        (0.0, -0.0, "item"),
+        ([np.float32(1)], [np.float64(1)], "item[0]"),
+        (np.array([1], dtype=">i4"), np.array([1], dtype="<i4"), "item"),
+        (torch.tensor([0.0]), torch.tensor([1.0]), "item"),
+        (True, 1, "item"),
+    ]:
+        with pytest.raises(ResumeMismatchError) as info:
+            assert_same(a, b)
+        assert str(info.value).startswith(f"{where}: "), str(info.value)
+
+
 def test_expected_chunks() -> None:
     assert expected_chunks([3, 3], 0, False) == [3, 3]
     assert expected_chunks([3, 3], 3, False) == [0, 3]   # at the epoch's last item
     assert expected_chunks([3, 3], 3, True) == [3]       # after its StopIteration
     assert expected_chunks([3, 3], 4, False) == [2]
+    assert expected_chunks([0, 1], 0, True) == [1]       # after an empty first epoch
+    assert expected_chunks([2, 0, 3], 2, True) == [0, 3]

@@ -15,7 +15,8 @@ import torch
 import savable_loader as sl
 import savable_loader._worker as worker_module
 from savable_loader._worker import (
-    END,
+    End,
+    Item,
     PipelineWorkerDataset,
     SnapshotRing,
     WorkerRuntime,
@@ -174,11 +175,11 @@ def reference(epoch: int = 0, worker_id: int = 0, factory=stateful_pipeline) -> 
 def test_run_yields_indexed_samples_then_end_marker():
     items = reference()
     assert len(items) == N + 1
-    assert [(w, i) for w, i, _, _ in items[:-1]] == [(0, i) for i in range(N)]
-    assert items[-1] == (0, END, None, N)
-    ids = sorted(int(s[0]) for _, _, _, s in items[:-1])
+    assert [(x.worker, x.item_index) for x in items[:-1]] == [(0, i) for i in range(N)]
+    assert items[-1] == End(0, N)
+    ids = sorted(int(x.payload[0]) for x in items[:-1])
     assert ids == list(range(N))  # every source value once, shuffled by the buffer
-    assert [int(s[0]) for _, _, _, s in items[:-1]] != list(range(N))
+    assert [int(x.payload[0]) for x in items[:-1]] != list(range(N))
     # deterministic: a second runtime gives the same stream, bit for bit
     assert_streams(reference(), items, "second run")
 
@@ -187,9 +188,9 @@ def test_run_reseeds_global_rngs_from_seed_rank_worker_epoch_index():
     # without a buffer, output i is source value i: its draws follow from the re-seeding
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=3)
     items = list(runtime(plain_pipeline(num_workers=2)).run(5, 1, None))
-    assert items[-1] == (1, END, None, 6)
+    assert items[-1] == End(1, 6)
     base = derive_seed(wc.seed, "pipeline", wc.rank, 1, 5)
-    for i, (w, index, _, sample) in enumerate(items[:-1]):
+    for i, (w, index, _, sample, _) in enumerate(items[:-1]):
         assert (w, index) == (1, i)
         seed_global(item_seed(counter_seed(base, i)))  # below 2**63 (seed formula 2)
         source_draws = _draws()
@@ -197,8 +198,8 @@ def test_run_reseeds_global_rngs_from_seed_rank_worker_epoch_index():
         # worker 1 of 2 reads 1, 3, 5, ...
         assert_same(sample, torch.cat([torch.tensor([2 * i + 1]), source_draws, map_draws]), f"sample {i}")
     other_epoch = list(runtime(plain_pipeline(num_workers=2)).run(6, 1, None))
-    assert [int(s[0]) for _, _, _, s in other_epoch[:-1]] == [int(s[0]) for _, _, _, s in items[:-1]]
-    assert not torch.equal(torch.stack([s for _, _, _, s in other_epoch[:-1]]), torch.stack([s for _, _, _, s in items[:-1]]))
+    assert [int(x.payload[0]) for x in other_epoch[:-1]] == [int(x.payload[0]) for x in items[:-1]]
+    assert not torch.equal(torch.stack([x.payload for x in other_epoch[:-1]]), torch.stack([x.payload for x in items[:-1]]))
 
 
 @pytest.mark.parametrize("budget", ["default", "every", "never"])
@@ -208,7 +209,7 @@ def test_checkpoint_and_restore_at_every_index(budget, monkeypatch):
     elif budget == "never":
         monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", 0.0)
     ref = reference(epoch=2)
-    assert ref[-1] == (0, END, None, N)
+    assert ref[-1] == End(0, N)
     for k in range(1, N + 2):  # k = N + 1: after the end marker was taken
         rt = runtime(stateful_pipeline())
         run = rt.run(2, 0, None)
@@ -273,7 +274,7 @@ def test_restore_from_start_state_with_skip_counts_replayed_samples():
     start = WorkerState(worker_id=0, index=5, snapshot_index=0, dataset=None)
     got = list(runtime(stateful_pipeline()).run(0, 0, start))
     assert_streams(got, ref[5:], "skip 5")
-    assert got[-1] == (0, END, None, N)
+    assert got[-1] == End(0, N)
 
 
 def test_in_process_runtime_leaves_caller_rng_untouched():
@@ -285,10 +286,10 @@ def test_in_process_runtime_leaves_caller_rng_untouched():
     random.seed(11), np.random.seed(11), torch.manual_seed(11)
     got = []
     samples = []
-    for _, index, _, sample in runtime(stateful_pipeline()).run(0, 0, None):
+    for item in runtime(stateful_pipeline()).run(0, 0, None):
         got.append(caller_draws())
-        if index != END:
-            samples.append(sample[1:])
+        if isinstance(item, Item):
+            samples.append(item.payload[1:])
     assert got == expected
     # the pipeline did draw: the per-sample draws differ from each other
     assert len({tuple(s.tolist()) for s in samples}) == N
@@ -338,7 +339,7 @@ def test_in_process_reset_and_restore_leave_caller_rng_untouched(restore):
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
     before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
     items = list(rt.run(0, 0, start))
-    assert items[-1] == (0, END, None, 7) and len(items) == (6 if restore else 8)
+    assert items[-1] == End(0, 7) and len(items) == (6 if restore else 8)
     assert random.getstate() == before[0]
     assert np.array_equal(np.random.get_state()[1], before[1])
     assert torch.equal(torch.get_rng_state(), before[2])
@@ -349,7 +350,7 @@ def test_snapshot_budget_controls_snapshot_count(budget, taken, monkeypatch):
     monkeypatch.setattr(worker_module, "SNAPSHOT_BUDGET", budget)
     rt = runtime(stateful_pipeline(), max_in_flight=10**6)
     items = list(rt.run(0, 0, None))
-    assert items[-1] == (0, END, None, N)
+    assert items[-1] == End(0, N)
     # huge budget: a snapshot before every sample after the first and before the end
     # (indices 1..N). Zero budget: only the first snapshot, which measures the cost;
     # after it no sample time can pay for another.
@@ -429,9 +430,9 @@ def test_the_cold_start_counts_from_the_plan():
 
 def test_run_as_another_logical_worker():
     items = list(runtime(plain_pipeline(num_workers=3)).run(0, 2, None))
-    assert [(w, i) for w, i, _, _ in items[:-1]] == [(2, i) for i in range(4)]
-    assert [int(s[0]) for _, _, _, s in items[:-1]] == [2, 5, 8, 11]
-    assert items[-1] == (2, END, None, 4)
+    assert [(x.worker, x.item_index) for x in items[:-1]] == [(2, i) for i in range(4)]
+    assert [int(x.payload[0]) for x in items[:-1]] == [2, 5, 8, 11]
+    assert items[-1] == End(2, 4)
 
 
 # -- PipelineWorkerDataset ---------------------------------------------------------------
@@ -444,7 +445,7 @@ def test_pipeline_worker_dataset_pickles_lambda_and_plan():
         pickle.dumps(ds)  # the plain pickle cannot carry the lambda
     pwd = PipelineWorkerDataset(ds, max_in_flight=5)
     starts = [None, WorkerState(worker_id=1, index=2, snapshot_index=0)]
-    pwd.set_plan(3, 1, starts, None)
+    pwd.set_plan(3, 1, starts)
     loaded = pickle.loads(pickle.dumps(pwd))
     expected = list(pwd)  # in the main process: physical 0 plays logical (0 + 1) % 2 = 1
     assert pwd.runtime is not None
@@ -458,16 +459,16 @@ def test_pipeline_worker_dataset_pickles_lambda_and_plan():
     first = list(loaded)
     assert loaded.runtime is not None and loaded.runtime.epoch == 3 and loaded.runtime.worker_id == 1
     # logical worker 1 (values 1, 3, 5, ...) from its third sample on, times ten
-    assert [(w, i) for w, i, _, _ in first[:-1]] == [(1, i) for i in range(2, 6)]
-    assert [int(s[0]) for _, _, _, s in first[:-1]] == [50, 70, 90, 110]
-    assert first[-1] == (1, END, None, 6)
+    assert [(x.worker, x.item_index) for x in first[:-1]] == [(1, i) for i in range(2, 6)]
+    assert [int(x.payload[0]) for x in first[:-1]] == [50, 70, 90, 110]
+    assert first[-1] == End(1, 6)
     assert_streams(first, expected, "unpickled vs original")
 
     # the next iteration of the same dataset is the next epoch, fresh, unrotated
     second = list(loaded)
     assert loaded.runtime.epoch == 4 and loaded.runtime.worker_id == 0
-    assert [int(s[0]) for _, _, _, s in second[:-1]] == [0, 20, 40, 60, 80, 100, 120]
-    assert second[-1] == (0, END, None, 7)
+    assert [int(x.payload[0]) for x in second[:-1]] == [0, 20, 40, 60, 80, 100, 120]
+    assert second[-1] == End(0, 7)
 
 
 def test_saves_of_a_restored_loader_before_its_first_snapshot_restore_exactly(monkeypatch):

@@ -233,7 +233,7 @@ def test_injected_worker_faults_end_in_clean_errors(path: str) -> None:
 
 
 def test_save_during_a_worker_death_names_the_worker() -> None:
-    # the worker dies while a save is waiting for its answer: WorkerDiedError, no hang
+    # the worker dies between saves (which never wait on it): WorkerDiedError naming it, no hang
     loader = pipeline_loader("stuck", at=1)  # worker 1 gets stuck on its first sample
     it = iter(loader)
     next(it)  # worker 0's first sample
