@@ -93,11 +93,17 @@ def steps() -> dict[str, tuple[Callable[[int], Any], int, int]]:
         "collate seed (derive_seed per batch)": (lambda i: rng.derive_seed(0, "collate", 0, i), 20_000, BATCH),
         "batch keys in the main process": (make_keys, 20, 200 * BATCH),
         "key round trip (pickle to a worker)": (
-            lambda i: pickle.loads(pickle.dumps(keys[i % len(keys)], pickle.HIGHEST_PROTOCOL)), 5_000, BATCH),
+            lambda i: pickle.loads(pickle.dumps(keys[i % len(keys)], pickle.HIGHEST_PROTOCOL)),
+            5_000,
+            BATCH,
+        ),
         "build overhead (IndexedDataset.build - plain loop)": (lambda i: ds.build(keys[i % len(keys)]), 1_000, BATCH),
         "  the plain loop it is measured against": (plain_loop, 1_000, BATCH),
-        'build overhead with reseed="batch" (- plain loop)': (lambda i: per_batch.build(keys[i % len(keys)]), 5_000,
-                                                              BATCH),
+        'build overhead with reseed="batch" (- plain loop)': (
+            lambda i: per_batch.build(keys[i % len(keys)]),
+            5_000,
+            BATCH,
+        ),
         "in-process RNG preservation (per batch)": (preserve, 2_000, BATCH),
     }
 
@@ -116,8 +122,7 @@ def run(repeats: int) -> dict[str, Any]:
         table = steps()
         for call, calls, _ in table.values():  # warm-up
             _round(call, max(1, calls // 10))
-        got = M.interleaved({name: (lambda r, c=c, n=n: _round(c, n)) for name, (c, n, _) in table.items()},
-                            repeats)
+        got = M.interleaved({name: (lambda r, c=c, n=n: _round(c, n)) for name, (c, n, _) in table.items()}, repeats)
     finally:
         torch.set_num_threads(threads)
     out: dict[str, Any] = {"repeats": repeats, "batch_size": BATCH, "us_per_sample": {}}
@@ -125,10 +130,14 @@ def run(repeats: int) -> dict[str, Any]:
         out["us_per_sample"][name] = M.spread([s / (calls * per_call) * 1e6 for s in got[name]])
     plain = got["  the plain loop it is measured against"]
     plain_calls = table["  the plain loop it is measured against"][1]
-    for name in ("build overhead (IndexedDataset.build - plain loop)", 'build overhead with reseed="batch" (- plain loop)'):
+    for name in (
+        "build overhead (IndexedDataset.build - plain loop)",
+        'build overhead with reseed="batch" (- plain loop)',
+    ):
         calls = table[name][1]
         out["us_per_sample"][name] = M.spread(
-            [(b / calls - p / plain_calls) / BATCH * 1e6 for b, p in zip(got[name], plain)])
+            [(b / calls - p / plain_calls) / BATCH * 1e6 for b, p in zip(got[name], plain)]
+        )
     return out
 
 

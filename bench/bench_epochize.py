@@ -98,7 +98,11 @@ def run(repeats: int, epochs: int, replay_repeats: int = 1) -> dict[str, Any]:
     runs = [epoch_starts(epochs) for _ in range(repeats)]
     last = epochs - 1
     out: dict[str, Any] = {
-        "epochs": epochs, "repeats": repeats, "length": LENGTH, "buffer": BUFFER, "workers": WORKERS,
+        "epochs": epochs,
+        "repeats": repeats,
+        "length": LENGTH,
+        "buffer": BUFFER,
+        "workers": WORKERS,
         "start_ms": {str(e): M.spread([r[e] * 1e3 for r in runs]) for e in range(epochs)},
         "ratio": M.paired([r[last] for r in runs], [r[1] for r in runs]),
     }
@@ -106,9 +110,12 @@ def run(repeats: int, epochs: int, replay_repeats: int = 1) -> dict[str, Any]:
     replays = [epoch_starts(epochs, replaying=True) for _ in range(replay_repeats)]
     out["replaying_start_ms"] = {str(e): M.spread([r[e] * 1e3 for r in replays]) for e in range(epochs)}
     out["replaying_ratio"] = M.paired([r[last] for r in replays], [r[1] for r in replays])
-    out["target"] = {"figure": f"epochize: epoch-start time epoch {last} / epoch 1 (fresh workers)",
-                     "value": out["ratio"], "target": f"<= {TARGET:g}",
-                     "result": M.verdict(out["ratio"], TARGET, higher_is_better=False)}
+    out["target"] = {
+        "figure": f"epochize: epoch-start time epoch {last} / epoch 1 (fresh workers)",
+        "value": out["ratio"],
+        "target": f"<= {TARGET:g}",
+        "result": M.verdict(out["ratio"], TARGET, higher_is_better=False),
+    }
     return out
 
 

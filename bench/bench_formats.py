@@ -73,8 +73,14 @@ def write_tars(folder: Path, shards: int, per_shard: int) -> int:
         with wds.TarWriter(str(folder / f"train-{s:04d}.tar")) as writer:
             for _ in range(per_shard):
                 jpg = rng.integers(0, 256, int(rng.integers(8_000, 24_000)), dtype=np.uint8).tobytes()
-                writer.write({"__key__": f"{j:08d}", "jpg": jpg, "cls": str(j % 1000).encode(),
-                              "json": json.dumps({"id": j, "w": 256, "h": 256}).encode()})
+                writer.write(
+                    {
+                        "__key__": f"{j:08d}",
+                        "jpg": jpg,
+                        "cls": str(j % 1000).encode(),
+                        "json": json.dumps({"id": j, "w": 256, "h": 256}).encode(),
+                    }
+                )
                 j += 1
     return j
 
@@ -90,8 +96,14 @@ def write_parquet(folder: Path, files: int, rows: int) -> int:
     for f in range(files):
         ids = list(range(j, j + rows))
         texts = [b" ".join(rng.choice(words, int(rng.integers(100, 800)))).decode() for _ in ids]
-        table = pa.table({"id": ids, "url": [f"https://example.org/{k}" for k in ids], "text": texts,
-                          "score": rng.random(rows).tolist()})
+        table = pa.table(
+            {
+                "id": ids,
+                "url": [f"https://example.org/{k}" for k in ids],
+                "text": texts,
+                "score": rng.random(rows).tolist(),
+            }
+        )
         pq.write_table(table, folder / f"part-{f:04d}.parquet", row_group_size=1000)
         j += rows
     return j
@@ -107,6 +119,7 @@ def ours_read(folder: Path, reseed: bool = True) -> Callable[[], int]:
             ds.mark_sample = lambda key: setattr(ds, "sample_key", key)  # type: ignore[method-assign]
         with _ActiveWorker(0, 0):
             return sum(1 for _ in ds)
+
     return run
 
 
@@ -139,6 +152,7 @@ def ours_loader(folder: Path, workers: int) -> Callable[[], int]:
         wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=workers, seed=0)
         ds = BatchDataset(ShardedFileDataset(folder, wc), BATCH, collate_fn=list)
         return _count_batches(sl.SavableDataLoader(ds, batch_size=None, worker_config=wc))
+
     return run
 
 
@@ -150,6 +164,7 @@ def wds_loader(folder: Path, workers: int) -> Callable[[], int]:
     def run() -> int:
         ds = wds.WebDataset(urls, shardshuffle=False).batched(BATCH, collation_fn=list)
         return _count_batches(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers))
+
     return run
 
 
@@ -167,8 +182,9 @@ class _ParquetStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg
 
 def pyarrow_loader(folder: Path, workers: int) -> Callable[[], int]:
     paths = sorted(folder.glob("*.parquet"))
-    return lambda: _count_batches(torch.utils.data.DataLoader(_ParquetStream(paths), batch_size=None,
-                                                              num_workers=workers))
+    return lambda: _count_batches(
+        torch.utils.data.DataLoader(_ParquetStream(paths), batch_size=None, num_workers=workers)
+    )
 
 
 def interleaved(pairs: dict[str, Callable[[], int]], expected: int, repeats: int) -> dict[str, float]:
@@ -203,40 +219,77 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             t0 = time.perf_counter()
             index_folder(folder, progress=False)
             size = sum(p.stat().st_size for p in folder.iterdir())
-            results[f"{fmt}_data"] = {"samples": n, "files": tar_shards if fmt == "tar" else pq_files,
-                                      "bytes": size, "index_s": time.perf_counter() - t0}
-            print(f"{fmt}: {n} samples, {size / 1e6:.0f} MB, indexed in {time.perf_counter() - t0:.2f} s",
-                  file=sys.stderr, flush=True)
+            results[f"{fmt}_data"] = {
+                "samples": n,
+                "files": tar_shards if fmt == "tar" else pq_files,
+                "bytes": size,
+                "index_s": time.perf_counter() - t0,
+            }
+            print(
+                f"{fmt}: {n} samples, {size / 1e6:.0f} MB, indexed in {time.perf_counter() - t0:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         tar, pq = root / "tar", root / "parquet"
         plan = [
-            ("tar", "read", {"ours": ours_read(tar), "theirs": wds_read(tar), "reader only": ours_read(tar, False)},
-             n_tar, "webdataset.WebDataset"),
-            ("tar", "loader", {"ours": ours_loader(tar, args.workers), "theirs": wds_loader(tar, args.workers)},
-             n_tar, "DataLoader(WebDataset)"),
-            ("parquet", "read", {"ours": ours_read(pq), "theirs": pyarrow_read(pq), "reader only": ours_read(pq, False)},
-             n_pq, "pyarrow iter_batches"),
-            ("parquet", "loader", {"ours": ours_loader(pq, args.workers), "theirs": pyarrow_loader(pq, args.workers)},
-             n_pq, "DataLoader(iter_batches)"),
+            (
+                "tar",
+                "read",
+                {"ours": ours_read(tar), "theirs": wds_read(tar), "reader only": ours_read(tar, False)},
+                n_tar,
+                "webdataset.WebDataset",
+            ),
+            (
+                "tar",
+                "loader",
+                {"ours": ours_loader(tar, args.workers), "theirs": wds_loader(tar, args.workers)},
+                n_tar,
+                "DataLoader(WebDataset)",
+            ),
+            (
+                "parquet",
+                "read",
+                {"ours": ours_read(pq), "theirs": pyarrow_read(pq), "reader only": ours_read(pq, False)},
+                n_pq,
+                "pyarrow iter_batches",
+            ),
+            (
+                "parquet",
+                "loader",
+                {"ours": ours_loader(pq, args.workers), "theirs": pyarrow_loader(pq, args.workers)},
+                n_pq,
+                "DataLoader(iter_batches)",
+            ),
         ]
         rows_out = []
         for fmt, mode, contenders, n, name in plan:
             print(f"{fmt} {mode} ...", file=sys.stderr, flush=True)
             rates = interleaved(contenders, n, repeats)
-            row = {"format": fmt, "mode": mode, "baseline": name, "ours": rates["ours"], "theirs": rates["theirs"],
-                   "ratio": rates["ours"] / rates["theirs"]}
+            row = {
+                "format": fmt,
+                "mode": mode,
+                "baseline": name,
+                "ours": rates["ours"],
+                "theirs": rates["theirs"],
+                "ratio": rates["ours"] / rates["theirs"],
+            }
             if "reader only" in rates:
                 row["reader_only"] = rates["reader only"]
                 row["reader_only_ratio"] = rates["reader only"] / rates["theirs"]
             rows_out.append(row)
         results["runs"] = rows_out
-    print(f"{'format':<8} {'mode':<7} {'ShardedFileDataset':>19} {'baseline':>12}  {'ratio':>6}  {'reader only':>18}  "
-          f"baseline")
+    print(
+        f"{'format':<8} {'mode':<7} {'ShardedFileDataset':>19} {'baseline':>12}  {'ratio':>6}  {'reader only':>18}  "
+        f"baseline"
+    )
     for r in results["runs"]:
         target = TARGETS[r["format"]] if r["mode"] == "read" else None
         verdict = "" if target is None else f"  (target >= {target}: {'PASS' if r['ratio'] >= target else 'MISS'})"
         only = f"{r['reader_only']:>9,.0f} /s {r['reader_only_ratio']:>4.2f}" if "reader_only" in r else " " * 18
-        print(f"{r['format']:<8} {r['mode']:<7} {r['ours']:>13,.0f} /s {r['theirs']:>10,.0f} /s  {r['ratio']:>6.2f}  "
-              f"{only}  {r['baseline']}{verdict}")
+        print(
+            f"{r['format']:<8} {r['mode']:<7} {r['ours']:>13,.0f} /s {r['theirs']:>10,.0f} /s  {r['ratio']:>6.2f}  "
+            f"{only}  {r['baseline']}{verdict}"
+        )
     save_json(args.json, results)
     return results
 

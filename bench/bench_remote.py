@@ -62,8 +62,9 @@ def read_epoch(location: Any) -> int:
 def restore_gets(storage_of: Callable[[Path], Storage], log: Any, root: Path, shards: list[str]) -> dict[str, Any]:
     """Save half-way through an unshuffled epoch, restore with a cold cache, count GETs."""
     # prefetch=0 for the run that saves: no download of it may still be in flight when counting starts
-    loader = sl.SavableDataLoader(ShardedFileDataset(storage_of(root / "restore-a", 0), WC, shuffle=False),
-                                  batch_size=None, worker_config=WC)
+    loader = sl.SavableDataLoader(
+        ShardedFileDataset(storage_of(root / "restore-a", 0), WC, shuffle=False), batch_size=None, worker_config=WC
+    )
     total = loader.dataset.total
     it = iter(loader)
     for _ in range(total // 2):
@@ -71,15 +72,19 @@ def restore_gets(storage_of: Callable[[Path], Storage], log: Any, root: Path, sh
     state = loader.save_state_rank()
     del it, loader
     log.reset()
-    fresh = sl.SavableDataLoader(ShardedFileDataset(storage_of(root / "restore-b"), WC, shuffle=False),
-                                 batch_size=None, worker_config=WC)
+    fresh = sl.SavableDataLoader(
+        ShardedFileDataset(storage_of(root / "restore-b"), WC, shuffle=False), batch_size=None, worker_config=WC
+    )
     fresh.restore_state_rank(state)
     rest = sum(1 for _ in fresh)
     gets = {name: sum(1 for m, p, _, _ in log.log if m == "GET" and p.endswith("/" + name)) for name in shards}
     consumed = shards[: len(shards) // 2]
-    return {"samples_after_restore": rest, "gets_per_shard": gets,
-            "gets_for_consumed_shards": sum(gets[s] for s in consumed),
-            "requests": len(log.log)}
+    return {
+        "samples_after_restore": rest,
+        "gets_per_shard": gets,
+        "gets_for_consumed_shards": sum(gets[s] for s in consumed),
+        "requests": len(log.log),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
                 def storage_of(cache: Path, prefetch: int = 2, url: str = url) -> Storage:
                     return Storage(url, cache_dir=cache, prefetch=prefetch)
+
             try:
                 filled = root / f"{backend}-filled"
                 read_epoch(storage_of(filled))  # fills the cache
@@ -123,29 +129,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         cache = root / f"{backend}-cold"
                         shutil.rmtree(cache, ignore_errors=True)
                         return read_epoch(storage_of(cache, prefetch))
+
                     return run
 
                 print(f"{backend} ...", file=sys.stderr, flush=True)
-                rates = interleaved({
-                    "prefetch, cold": cold(2),
-                    "no prefetch, cold": cold(0),
-                    "pre-filled cache": lambda s=storage_of, f=filled: read_epoch(s(f)),
-                    "local folder": lambda: read_epoch(root / "tar"),
-                }, n, repeats)
+                rates = interleaved(
+                    {
+                        "prefetch, cold": cold(2),
+                        "no prefetch, cold": cold(0),
+                        "pre-filled cache": lambda s=storage_of, f=filled: read_epoch(s(f)),
+                        "local folder": lambda: read_epoch(root / "tar"),
+                    },
+                    n,
+                    repeats,
+                )
                 restore = restore_gets(storage_of, server.faults, root / backend, names)
             finally:
                 server.stop()
                 if moto is not None:
                     moto.stop()
-            results["runs"].append({"backend": backend, **{k: v for k, v in rates.items()},
-                                    "ratio": rates["prefetch, cold"] / rates["pre-filled cache"], "restore": restore})
-    print(f"{'backend':<8} {'prefetch, cold':>15} {'no prefetch':>12} {'pre-filled':>11} {'local':>9}  ratio  "
-          f"restore GETs (consumed shards)")
+            results["runs"].append(
+                {
+                    "backend": backend,
+                    **{k: v for k, v in rates.items()},
+                    "ratio": rates["prefetch, cold"] / rates["pre-filled cache"],
+                    "restore": restore,
+                }
+            )
+    print(
+        f"{'backend':<8} {'prefetch, cold':>15} {'no prefetch':>12} {'pre-filled':>11} {'local':>9}  ratio  "
+        f"restore GETs (consumed shards)"
+    )
     for r in results["runs"]:
         verdict = "PASS" if r["ratio"] >= TARGET else "MISS"
-        print(f"{r['backend']:<8} {r['prefetch, cold']:>11,.0f} /s {r['no prefetch, cold']:>9,.0f} /s "
-              f"{r['pre-filled cache']:>8,.0f} /s {r['local folder']:>6,.0f} /s  {r['ratio']:.2f} "
-              f"(target >= {TARGET}: {verdict})  {r['restore']['gets_for_consumed_shards']}")
+        print(
+            f"{r['backend']:<8} {r['prefetch, cold']:>11,.0f} /s {r['no prefetch, cold']:>9,.0f} /s "
+            f"{r['pre-filled cache']:>8,.0f} /s {r['local folder']:>6,.0f} /s  {r['ratio']:.2f} "
+            f"(target >= {TARGET}: {verdict})  {r['restore']['gets_for_consumed_shards']}"
+        )
     save_json(args.json, results)
     return results
 

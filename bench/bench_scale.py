@@ -136,8 +136,12 @@ def operations(n: int, order: str = ORDER_FEISTEL) -> dict[str, Any]:
             next(iter(loader))
         return t.wall, t.cpu
 
-    return {"first_batch": first_batch, "restore_90": restore_90, "restore_sample": restore_sample,
-            "resized_restore_90": resized_restore_90}
+    return {
+        "first_batch": first_batch,
+        "restore_90": restore_90,
+        "restore_sample": restore_sample,
+        "resized_restore_90": resized_restore_90,
+    }
 
 
 def probe(n: int, order: str) -> dict[str, Any]:
@@ -149,14 +153,24 @@ def probe(n: int, order: str) -> dict[str, Any]:
     ops = operations(n, order)
     seconds = {name: fn()[0] for name, fn in ops.items()}
     peak = M.peak_rss_mib()
-    return {"n": n, "order": order, "rss_before_mib": before, "peak_rss_mib": peak,
-            "peak_over_start_mib": peak - before if fresh_peak else None, "seconds": seconds}
+    return {
+        "n": n,
+        "order": order,
+        "rss_before_mib": before,
+        "peak_rss_mib": peak,
+        "peak_over_start_mib": peak - before if fresh_peak else None,
+        "seconds": seconds,
+    }
 
 
 def run_probe(n: int, order: str) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-m", "bench.bench_scale", "--probe", str(n), "--order", order],
-        cwd=_REPO, capture_output=True, text=True, timeout=600, check=False,
+        cwd=_REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"probe N={n} {order} failed:\n{proc.stderr[-3000:]}")
@@ -182,15 +196,24 @@ def run(repeats: int, sizes: tuple[int, ...] = SIZES, legacy_sizes: tuple[int, .
         torch.set_num_threads(torch_threads)
     M.log("scale: peak RSS, one fresh process per size and repeat")
     probes = [(n, ORDER_FEISTEL) for n in sizes] + [(n, ORDER_LEGACY) for n in (base, *legacy_sizes)]
+
     def peak(n: int, order: str) -> float:
         got = run_probe(n, order)
         over = got["peak_over_start_mib"]
         return got["peak_rss_mib"] if over is None else over
 
-    rss = M.interleaved({f"{n}/{order}": (lambda r, n=n, order=order: peak(n, order)) for n, order in probes},
-                        max(3, repeats))
-    out: dict[str, Any] = {"repeats": repeats, "batch_size": BATCH, "rank": RANK, "world_size": WORLD,
-                           "resized_to": [NEW_RANK, NEW_WORLD], "sizes": {}, "legacy": {}}
+    rss = M.interleaved(
+        {f"{n}/{order}": (lambda r, n=n, order=order: peak(n, order)) for n, order in probes}, max(3, repeats)
+    )
+    out: dict[str, Any] = {
+        "repeats": repeats,
+        "batch_size": BATCH,
+        "rank": RANK,
+        "world_size": WORLD,
+        "resized_to": [NEW_RANK, NEW_WORLD],
+        "sizes": {},
+        "legacy": {},
+    }
     for n in sizes:
         row: dict[str, Any] = {}
         for name in OPERATIONS:
@@ -202,13 +225,15 @@ def run(repeats: int, sizes: tuple[int, ...] = SIZES, legacy_sizes: tuple[int, .
             row[f"{name}_cpu_ratio"] = M.paired(cpu, [c for _, c in times[name][base]])
         row["peak_rss_mib"] = M.spread(rss[f"{n}/{ORDER_FEISTEL}"])
         row["rss_growth_mib"] = M.spread(
-            [a - b for a, b in zip(rss[f"{n}/{ORDER_FEISTEL}"], rss[f"{base}/{ORDER_FEISTEL}"])])
+            [a - b for a, b in zip(rss[f"{n}/{ORDER_FEISTEL}"], rss[f"{base}/{ORDER_FEISTEL}"])]
+        )
         out["sizes"][str(n)] = row
     for n in legacy_sizes:
         out["legacy"][str(n)] = {
             "peak_rss_mib": M.spread(rss[f"{n}/{ORDER_LEGACY}"]),
-            "rss_growth_mib": M.spread([a - b for a, b in zip(rss[f"{n}/{ORDER_LEGACY}"],
-                                                              rss[f"{base}/{ORDER_LEGACY}"])]),
+            "rss_growth_mib": M.spread(
+                [a - b for a, b in zip(rss[f"{n}/{ORDER_LEGACY}"], rss[f"{base}/{ORDER_LEGACY}"])]
+            ),
         }
     M.log("scale: legacy order first batch (contrast)")
     for n in legacy_sizes:
@@ -229,13 +254,23 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
             for kind in ("cpu_ratio", "ratio"):
                 fig = row[f"{name}_{kind}"]
                 what = "CPU" if kind == "cpu_ratio" else "wall"
-                rows.append({"figure": f"scale N={int(n):.0e}: {name} / N=1e3 ({what})", "value": fig,
-                             "target": f"<= {TIME_TARGET:g}",
-                             "result": M.verdict(fig, TIME_TARGET, higher_is_better=False)})
+                rows.append(
+                    {
+                        "figure": f"scale N={int(n):.0e}: {name} / N=1e3 ({what})",
+                        "value": fig,
+                        "target": f"<= {TIME_TARGET:g}",
+                        "result": M.verdict(fig, TIME_TARGET, higher_is_better=False),
+                    }
+                )
         fig = row["rss_growth_mib"]
-        rows.append({"figure": f"scale N={int(n):.0e}: peak RSS growth over N=1e3 (MiB)", "value": fig,
-                     "target": f"< {RSS_TARGET_MIB:g}",
-                     "result": M.verdict(fig, RSS_TARGET_MIB, higher_is_better=False)})
+        rows.append(
+            {
+                "figure": f"scale N={int(n):.0e}: peak RSS growth over N=1e3 (MiB)",
+                "value": fig,
+                "target": f"< {RSS_TARGET_MIB:g}",
+                "result": M.verdict(fig, RSS_TARGET_MIB, higher_is_better=False),
+            }
+        )
     return rows
 
 
@@ -251,7 +286,8 @@ def render(out: dict[str, Any]) -> str:
         for n, r in out["sizes"].items():
             row = [f"{int(n):.0e}"] + [
                 f"{M.fmt_spread(r[f'{name}_{kind}ms'])} ({M.fmt_spread(r[f'{name}_{kind}ratio'])})"
-                for name in OPERATIONS]
+                for name in OPERATIONS
+            ]
             if kind:
                 row += [M.fmt_spread(r["peak_rss_mib"]), M.fmt_spread(r["rss_growth_mib"])]
             rows.append(row)

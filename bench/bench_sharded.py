@@ -124,8 +124,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         total = make_folder(folder, shards, rows)
-        print(f"{shards} shards x {rows} rows of {FEATURES} float32 ({total} samples) in {folder}", file=sys.stderr,
-              flush=True)
+        print(
+            f"{shards} shards x {rows} rows of {FEATURES} float32 ({total} samples) in {folder}",
+            file=sys.stderr,
+            flush=True,
+        )
         loader, _ = make_loader(folder, args.workers)
         t0 = time.perf_counter()
         reference = list(loader)
@@ -148,23 +151,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for i, step in enumerate(steps):
                 elapsed, first, _ = time_restore(folder, args.workers, states[i])
                 if not torch.equal(first, reference[step]):
-                    raise SystemExit(f"restore at {FRACTIONS[i]:.0%}: the first batch differs from the uninterrupted one")
+                    raise SystemExit(
+                        f"restore at {FRACTIONS[i]:.0%}: the first batch differs from the uninterrupted one"
+                    )
                 times[i].append(elapsed)
         rows_out = []
         for i, (fraction, step) in enumerate(zip(FRACTIONS, steps, strict=True)):
             _, _, reads = time_restore(folder, 0, state_at(folder, 0, step))
             seek = time_source_seek(folder, step * BATCH, 3 * runs)
-            rows_out.append({"fraction": fraction, "step": step, "restore_ms": 1e3 * statistics.median(times[i]),
-                             "source_seek_us": 1e6 * seek, "reads_in_process": reads, "state_bytes": len(states[i])})
+            rows_out.append(
+                {
+                    "fraction": fraction,
+                    "step": step,
+                    "restore_ms": 1e3 * statistics.median(times[i]),
+                    "source_seek_us": 1e6 * seek,
+                    "reads_in_process": reads,
+                    "state_bytes": len(states[i]),
+                }
+            )
         results["restores"] = rows_out
         results["ratio_90_10"] = rows_out[-1]["restore_ms"] / rows_out[0]["restore_ms"]
     print(f"epoch throughput: {results['epoch_samples_per_s']:.0f} samples/s ({args.workers} workers)")
     print(f"cold start to first batch (no restore): {results['cold_first_batch_ms']:.1f} ms")
-    print(f"{'position':>9} {'step':>6} {'restore->1st batch':>19} {'reads (w=0)':>12} {'source seek':>12} "
-          f"{'state':>8}")
+    print(
+        f"{'position':>9} {'step':>6} {'restore->1st batch':>19} {'reads (w=0)':>12} {'source seek':>12} {'state':>8}"
+    )
     for r in results["restores"]:
-        print(f"{r['fraction']:>9.0%} {r['step']:>6} {r['restore_ms']:>16.1f} ms {r['reads_in_process']:>12} "
-              f"{r['source_seek_us']:>9.0f} us {r['state_bytes']:>6} B")
+        print(
+            f"{r['fraction']:>9.0%} {r['step']:>6} {r['restore_ms']:>16.1f} ms {r['reads_in_process']:>12} "
+            f"{r['source_seek_us']:>9.0f} us {r['state_bytes']:>6} B"
+        )
     verdict = "PASS" if results["ratio_90_10"] <= TARGET_RATIO else "MISS"
     print(f"ratio 90% / 10%: {results['ratio_90_10']:.2f} (target <= {TARGET_RATIO}) {verdict}")
     if args.json:

@@ -91,9 +91,12 @@ def run(buffer: int, points: int, repeats: int, workers: int = 2) -> dict[str, A
         M.log(f"  step {step}: restore/cold {M.fmt_spread(out['points'][str(step)]['ratio'])}")
     worst = max(out["points"].values(), key=lambda p: p["ratio"]["median"])
     out["worst"] = worst
-    out["target"] = {"figure": f"shuffle restore/cold at every save point ({buffer:,} buffer, worst point)",
-                     "value": worst["ratio"], "target": f"<= {TARGET:g}",
-                     "result": M.verdict(worst["ratio"], TARGET, higher_is_better=False)}
+    out["target"] = {
+        "figure": f"shuffle restore/cold at every save point ({buffer:,} buffer, worst point)",
+        "value": worst["ratio"],
+        "target": f"<= {TARGET:g}",
+        "result": M.verdict(worst["ratio"], TARGET, higher_is_better=False),
+    }
     return out
 
 
@@ -106,8 +109,16 @@ def _skips(data: bytes) -> list[int]:
 def render(out: dict[str, Any]) -> str:
     rows = [["save point (batch)", "of epoch", "items replayed per worker", "restore ms", "cold ms", "restore/cold"]]
     for step, p in out["points"].items():
-        rows.append([step, f"{p['fraction'] * 100:.0f}%", ", ".join(map(str, p["skip"])),
-                     M.fmt_spread(p["restore_ms"]), M.fmt_spread(p["cold_ms"]), M.fmt_spread(p["ratio"])])
+        rows.append(
+            [
+                step,
+                f"{p['fraction'] * 100:.0f}%",
+                ", ".join(map(str, p["skip"])),
+                M.fmt_spread(p["restore_ms"]),
+                M.fmt_spread(p["cold_ms"]),
+                M.fmt_spread(p["ratio"]),
+            ]
+        )
     return M.table(rows)
 
 

@@ -161,16 +161,18 @@ class SavableDropIn(_Savable):
     name, label, baseline = "savable", "SavableDataLoader (drop-in)", "torch-map"
 
     def make(self, w: Workload, num_workers: int) -> Any:
-        return sl.SavableDataLoader(w.map_dataset(), batch_size=w.batch_size, shuffle=True, seed=SEED,
-                                    num_workers=num_workers)
+        return sl.SavableDataLoader(
+            w.map_dataset(), batch_size=w.batch_size, shuffle=True, seed=SEED, num_workers=num_workers
+        )
 
 
 class SavableDropInPerBatch(SavableDropIn):
     name, label = "savable-batch", 'SavableDataLoader (drop-in, reseed="batch")'
 
     def make(self, w: Workload, num_workers: int) -> Any:
-        return sl.SavableDataLoader(w.map_dataset(), batch_size=w.batch_size, shuffle=True, seed=SEED,
-                                    num_workers=num_workers, reseed="batch")
+        return sl.SavableDataLoader(
+            w.map_dataset(), batch_size=w.batch_size, shuffle=True, seed=SEED, num_workers=num_workers, reseed="batch"
+        )
 
 
 class SavablePipeline(_Savable):
@@ -260,19 +262,29 @@ class TorchDataMap(_TorchData):
     def make(self, w: Workload, num_workers: int) -> Any:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        return StatefulDataLoader(w.map_dataset(), batch_size=w.batch_size, shuffle=True, num_workers=num_workers,
-                                  generator=torch.Generator().manual_seed(SEED))
+        return StatefulDataLoader(
+            w.map_dataset(),
+            batch_size=w.batch_size,
+            shuffle=True,
+            num_workers=num_workers,
+            generator=torch.Generator().manual_seed(SEED),
+        )
 
 
 class TorchDataIter(_TorchData):
     name, label, baseline, styles = (
-        "torchdata-iter", "torchdata StatefulDataLoader (IterableDataset)", "torch-iter", ("map", "stream"))
+        "torchdata-iter",
+        "torchdata StatefulDataLoader (IterableDataset)",
+        "torch-iter",
+        ("map", "stream"),
+    )
 
     def make(self, w: Workload, num_workers: int) -> Any:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        return StatefulDataLoader(StatefulIterable(w), batch_size=None, num_workers=num_workers,
-                                  generator=torch.Generator().manual_seed(SEED))
+        return StatefulDataLoader(
+            StatefulIterable(w), batch_size=None, num_workers=num_workers, generator=torch.Generator().manual_seed(SEED)
+        )
 
 
 # -- Megatron-Energon -----------------------------------------------------------------
@@ -303,8 +315,14 @@ class Energon(Contender):
 CONTENDERS: dict[str, Contender] = {
     c.name: c
     for c in (
-        TorchMap(), SavableDropIn(), SavableDropInPerBatch(), TorchDataMap(), TorchIter(), SavablePipeline(),
-        TorchDataIter(), Energon(),
+        TorchMap(),
+        SavableDropIn(),
+        SavableDropInPerBatch(),
+        TorchDataMap(),
+        TorchIter(),
+        SavablePipeline(),
+        TorchDataIter(),
+        Energon(),
     )
 }
 

@@ -17,8 +17,26 @@ import numpy as np
 import torch
 
 __all__ = [
-    "Timer", "batch_len", "batches_equal", "close", "epoch_run", "finish", "first_batch", "fmt_spread", "interleaved",
-    "log", "paired", "peak_rss_mib", "percentiles_ms", "reset_peak_rss", "rss_mib", "resume_check", "save_latencies", "spread", "table", "verdict",
+    "Timer",
+    "batch_len",
+    "batches_equal",
+    "close",
+    "epoch_run",
+    "finish",
+    "first_batch",
+    "fmt_spread",
+    "interleaved",
+    "log",
+    "paired",
+    "peak_rss_mib",
+    "percentiles_ms",
+    "reset_peak_rss",
+    "rss_mib",
+    "resume_check",
+    "save_latencies",
+    "spread",
+    "table",
+    "verdict",
 ]
 
 
@@ -75,9 +93,7 @@ def epoch_run(make: Callable[[], Any], expected: int) -> tuple[float, float]:
     return count / seconds, cpu / count * 1e6
 
 
-def save_latencies(
-    make: Callable[[], Any], save: Callable[[Any], Any], steps: int
-) -> tuple[list[float], Any]:
+def save_latencies(make: Callable[[], Any], save: Callable[[Any], Any], steps: int) -> tuple[list[float], Any]:
     """``save(loader)`` after each of ``steps`` batches: seconds per call, the last state."""
     loader = make()
     it = iter(loader)
@@ -173,8 +189,12 @@ def median(values: list[float]) -> float:
 
 def spread(values: list[float]) -> dict[str, Any]:
     """Median with min and max (and the values themselves)."""
-    return {"median": median(values), "min": float(min(values)), "max": float(max(values)),
-            "values": [float(v) for v in values]}
+    return {
+        "median": median(values),
+        "min": float(min(values)),
+        "max": float(max(values)),
+        "values": [float(v) for v in values],
+    }
 
 
 def paired(numerators: list[float], denominators: list[float]) -> dict[str, Any]:
@@ -203,6 +223,7 @@ def verdict(figure: dict[str, Any], target: float, higher_is_better: bool) -> st
     """PASS when every repeat meets ``target``; MISS when the median misses it; NOISY when
     the median meets it but the spread reaches past it (the margin is smaller than the
     noise: not a result either way)."""
+
     def ok(x: float) -> bool:
         return x >= target if higher_is_better else x <= target
 
@@ -214,8 +235,9 @@ def verdict(figure: dict[str, Any], target: float, higher_is_better: bool) -> st
 
 def fmt_spread(figure: dict[str, Any], digits: int = 3) -> str:
     """``median (min-max)`` with ``digits`` significant digits."""
+
     def g(x: float) -> str:
-        return f"{x:,.{digits}g}" if abs(x) < 10 ** digits else f"{x:,.0f}"
+        return f"{x:,.{digits}g}" if abs(x) < 10**digits else f"{x:,.0f}"
 
     return f"{g(figure['median'])} ({g(figure['min'])}-{g(figure['max'])})"
 

@@ -35,23 +35,33 @@ def plot(results: dict[str, Any], path: Path) -> str:
             if name == "workload":
                 continue
             ax.plot([10, 50, 90], [values[p]["median"] for p in ("10", "50", "90")], "o-", label=name)
-        ax.set(xlabel="% of the epoch at the save", ylabel="restore to first batch (ms)",
-               title=f"restore time against position ({pos['workload']})", ylim=(0, None))
+        ax.set(
+            xlabel="% of the epoch at the save",
+            ylabel="restore to first batch (ms)",
+            title=f"restore time against position ({pos['workload']})",
+            ylim=(0, None),
+        )
         ax.legend(fontsize=7)
         workers = [int(n) for n in sc["workers"]]
         ax = axes[1][0]
         for name in ("savable", "savable-pipe"):
             for q in ("p50", "p99"):
-                ax.plot(workers, [sc["workers"][str(n)][f"{name}_save_ms"][q] for n in workers], "o-",
-                        label=f"{name} {q}")
+                ax.plot(
+                    workers, [sc["workers"][str(n)][f"{name}_save_ms"][q] for n in workers], "o-", label=f"{name} {q}"
+                )
         ax.set(xscale="log", xlabel="workers", ylabel="save latency (ms)", title="save latency against workers")
         ax.set_xticks(workers, [str(n) for n in workers])
         ax.legend(fontsize=7)
         ax = axes[1][1]
         for name in ("savable", "savable-pipe"):
             ax.plot(workers, [sc["workers"][str(n)][f"{name}_restore_ms"] for n in workers], "o-", label=name)
-        ax.set(xscale="log", xlabel="workers", ylabel="restore to first batch (ms)",
-               title="restore time against workers", ylim=(0, None))
+        ax.set(
+            xscale="log",
+            xlabel="workers",
+            ylabel="restore to first batch (ms)",
+            title="restore time against workers",
+            ylim=(0, None),
+        )
         ax.set_xticks(workers, [str(n) for n in workers])
         ax.legend(fontsize=7)
     fig.suptitle(f"savable_loader bench, {results['date']} ({results['mode']})")

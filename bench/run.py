@@ -65,13 +65,16 @@ def run_workload(w: Workload, contenders: list[Contender], args: argparse.Namesp
     nw = args.workers
     # throughput: whole epochs of fresh loaders, every loader once per repeat (A B C A B C
     # ..., the order rotating), after one warm-up round
-    log(f"{w.name}: throughput of {len(active)} loaders, {args.repeats} interleaved repeats"
-        f"{' + warm-up' if args.warmup else ''}")
+    log(
+        f"{w.name}: throughput of {len(active)} loaders, {args.repeats} interleaved repeats"
+        f"{' + warm-up' if args.warmup else ''}"
+    )
     if args.warmup:
         for c in active:
             M.epoch_run(lambda c=c: c.make(w, nw), w.epoch_samples)
-    runs = M.interleaved({c.name: (lambda r, c=c: M.epoch_run(lambda: c.make(w, nw), w.epoch_samples))
-                          for c in active}, args.repeats)
+    runs = M.interleaved(
+        {c.name: (lambda r, c=c: M.epoch_run(lambda: c.make(w, nw), w.epoch_samples)) for c in active}, args.repeats
+    )
     for c in active:
         d = res[c.name]
         d["rates"] = [rate for rate, _ in runs[c.name]]
@@ -97,8 +100,7 @@ def run_workload(w: Workload, contenders: list[Contender], args: argparse.Namesp
         d["save_series_ms"] = [round(x * 1e3, 4) for x in latencies]
         size = len(c.encode(state))
         log(f"{w.name}: {c.name}: resume check (interrupt after {interrupt_at} of {w.num_batches} batches)")
-        check = M.resume_check(lambda c=c: c.make(w, nw), lambda ld, c=c: c.encode(c.save(ld)),
-                               c.restore, interrupt_at)
+        check = M.resume_check(lambda c=c: c.make(w, nw), lambda ld, c=c: c.encode(c.save(ld)), c.restore, interrupt_at)
         d["bit_identical"] = check["identical"]
         d["resume_detail"] = check["detail"]
         d["state_bytes"] = max(size, len(check["state"]))
@@ -107,8 +109,9 @@ def run_workload(w: Workload, contenders: list[Contender], args: argparse.Namesp
         log(f"{w.name}: {c.name}: restore-to-first-batch vs cold first batch ({args.repeats} interleaved repeats)")
         data = check["state"]
 
-        def first(r: int, c: Contender = c, data: bytes | None = None, d: dict[str, Any] = d,
-                  check: dict[str, Any] = check) -> float:
+        def first(
+            r: int, c: Contender = c, data: bytes | None = None, d: dict[str, Any] = d, check: dict[str, Any] = check
+        ) -> float:
             restore = None if data is None else (lambda ld: c.restore(ld, data))
             seconds, batch = M.first_batch(lambda: c.make(w, nw), restore)
             if data is not None and check["identical"] and not M.batches_equal(batch, check["first"]):
@@ -146,8 +149,13 @@ def run_scaling(ws: dict[str, Workload], args: argparse.Namespace) -> dict[str, 
     for nw in args.scaling_workers:
         log(f"scaling: {nw} worker(s), {args.repeats} interleaved repeats")
         row: dict[str, Any] = {}
-        runs = M.interleaved({name: (lambda r, c=c, nw=nw: M.epoch_run(lambda: c.make(w, nw), w.n))
-                              for name, c in (("torch", torch_map), ("ours", ours[0]))}, args.repeats)
+        runs = M.interleaved(
+            {
+                name: (lambda r, c=c, nw=nw: M.epoch_run(lambda: c.make(w, nw), w.n))
+                for name, c in (("torch", torch_map), ("ours", ours[0]))
+            },
+            args.repeats,
+        )
         row["dropin_throughput_ratio"] = M.paired([x for x, _ in runs["ours"]], [x for x, _ in runs["torch"]])
         row["dropin_cpu_ratio"] = M.paired([x for _, x in runs["torch"]], [x for _, x in runs["ours"]])
         for c in ours:
@@ -196,8 +204,12 @@ def snapshot_share(w: Workload, num_workers: int) -> dict[str, Any]:
         items += 1
     total = time.perf_counter() - t0
     return {
-        "buffer": w.buffer, "items": items, "snapshots": rt.snapshots_taken,
-        "snapshot_s": rt.snapshot_seconds, "worker_s": total, "share": rt.snapshot_seconds / total,
+        "buffer": w.buffer,
+        "items": items,
+        "snapshots": rt.snapshots_taken,
+        "snapshot_s": rt.snapshot_seconds,
+        "worker_s": total,
+        "share": rt.snapshot_seconds / total,
     }
 
 
@@ -274,43 +286,77 @@ def render(results: dict[str, Any]) -> str:
         costs = ", ".join(f"{k.removesuffix('_us').replace('_', ' ')} {v:,.1f} µs" for k, v in info.items())
         parts.append(f"One-call costs in the main process (1 torch thread) at the start of the run: {costs}.")
     for wname, wres in results["workloads"].items():
-        rows = [["loader", "samples/s", "ratio", "CPU µs/sample", "CPU ratio", "save p50/p99/max ms", "state",
-                 "restore / cold ms", "ratio", "bit-identical"]]
+        rows = [
+            [
+                "loader",
+                "samples/s",
+                "ratio",
+                "CPU µs/sample",
+                "CPU ratio",
+                "save p50/p99/max ms",
+                "state",
+                "restore / cold ms",
+                "ratio",
+                "bit-identical",
+            ]
+        ]
         for d in wres["contenders"].values():
             save = d.get("save_ms")
-            rows.append([
-                d["label"] + ("" if d.get("baseline") else " [baseline]"),
-                fmt(d["samples_per_s"]["median"]) if "samples_per_s" in d else "-",
-                fmt(d.get("throughput_ratio")),
-                fmt(d["cpu_us_per_sample"]["median"]) if "cpu_us_per_sample" in d else "-",
-                fmt(d.get("cpu_ratio")),
-                "/".join(fmt(save[k], 2) for k in ("p50", "p99", "max")) if save else "-",
-                f"{d['state_bytes'] / 1024:,.1f} KiB" if "state_bytes" in d else "-",
-                f"{fmt(d['restore_ms']['median'])} / {fmt(d['cold_ms']['median'])}" if "restore_ms" in d else "-",
-                fmt(d.get("restore_ratio")),
-                fmt(d.get("bit_identical")),
-            ])
+            rows.append(
+                [
+                    d["label"] + ("" if d.get("baseline") else " [baseline]"),
+                    fmt(d["samples_per_s"]["median"]) if "samples_per_s" in d else "-",
+                    fmt(d.get("throughput_ratio")),
+                    fmt(d["cpu_us_per_sample"]["median"]) if "cpu_us_per_sample" in d else "-",
+                    fmt(d.get("cpu_ratio")),
+                    "/".join(fmt(save[k], 2) for k in ("p50", "p99", "max")) if save else "-",
+                    f"{d['state_bytes'] / 1024:,.1f} KiB" if "state_bytes" in d else "-",
+                    f"{fmt(d['restore_ms']['median'])} / {fmt(d['cold_ms']['median'])}" if "restore_ms" in d else "-",
+                    fmt(d.get("restore_ratio")),
+                    fmt(d.get("bit_identical")),
+                ]
+            )
         parts.append(f"### {wname}: {wres['what']} ({wres['samples']:,} samples)\n\n{table(rows)}")
     sc = results.get("scaling")
     if sc:
-        rows = [["workers", "drop-in throughput ratio", "drop-in CPU ratio", "drop-in save p50/p99 ms",
-                 "pipeline save p50/p99 ms", "drop-in restore ms", "pipeline restore ms"]]
+        rows = [
+            [
+                "workers",
+                "drop-in throughput ratio",
+                "drop-in CPU ratio",
+                "drop-in save p50/p99 ms",
+                "pipeline save p50/p99 ms",
+                "drop-in restore ms",
+                "pipeline restore ms",
+            ]
+        ]
         for nw, r in sc["workers"].items():
-            rows.append([nw, fmt(r["dropin_throughput_ratio"]), fmt(r.get("dropin_cpu_ratio")),
-                         f"{fmt(r['savable_save_ms']['p50'], 2)}/{fmt(r['savable_save_ms']['p99'], 2)}",
-                         f"{fmt(r['savable-pipe_save_ms']['p50'], 2)}/{fmt(r['savable-pipe_save_ms']['p99'], 2)}",
-                         fmt(r["savable_restore_ms"]), fmt(r["savable-pipe_restore_ms"])])
+            rows.append(
+                [
+                    nw,
+                    fmt(r["dropin_throughput_ratio"]),
+                    fmt(r.get("dropin_cpu_ratio")),
+                    f"{fmt(r['savable_save_ms']['p50'], 2)}/{fmt(r['savable_save_ms']['p99'], 2)}",
+                    f"{fmt(r['savable-pipe_save_ms']['p50'], 2)}/{fmt(r['savable-pipe_save_ms']['p99'], 2)}",
+                    fmt(r["savable_restore_ms"]),
+                    fmt(r["savable-pipe_restore_ms"]),
+                ]
+            )
         parts.append(f"### scaling with the number of workers (cpu workload)\n\n{table(rows)}")
         pos = sc["restore_ms_vs_position"]
         rows = [["loader", "restore at 10% (ms)", "50%", "90%"]]
         for name in OURS:
             if name in pos:
                 rows.append([CONTENDERS[name].label] + [fmt(pos[name][p]) for p in ("10", "50", "90")])
-        parts.append(f"### restore-to-first-batch against position in the epoch ({pos['workload']} workload)\n\n{table(rows)}")
+        parts.append(
+            f"### restore-to-first-batch against position in the epoch ({pos['workload']} workload)\n\n{table(rows)}"
+        )
         rows = [["shuffle buffer", "state size", "bytes per buffered sample"]]
         for buf, r in sc["state_bytes_vs_buffer"].items():
             rows.append([f"{int(buf):,}", f"{r['state_bytes'] / 1024:,.1f} KiB", fmt(r["bytes_per_buffered_sample"])])
-        parts.append(f"### state size against shuffle-buffer size (pipeline, {results['parameters']['workers']} workers)\n\n{table(rows)}")
+        parts.append(
+            f"### state size against shuffle-buffer size (pipeline, {results['parameters']['workers']} workers)\n\n{table(rows)}"
+        )
     snap = results.get("snapshot_cost")
     if snap:
         parts.append(
@@ -319,27 +365,37 @@ def render(results: dict[str, Any]) -> str:
             f"({snap['share'] * 100:.2f} % of worker time)."
         )
     if results.get("costs"):
-        parts.append("### per-sample cost of the drop-in path, step by step (µs per sample, batch 64, "
-                     f"{results['costs']['repeats']} interleaved rounds)\n\n{bench_costs.render(results['costs'])}")
+        parts.append(
+            "### per-sample cost of the drop-in path, step by step (µs per sample, batch 64, "
+            f"{results['costs']['repeats']} interleaved rounds)\n\n{bench_costs.render(results['costs'])}"
+        )
     if results.get("scale"):
         sc2 = results["scale"]
-        parts.append(f"### the drop-in order at N = 10^3 ... 10^10 (rank {sc2['rank']} of {sc2['world_size']}, "
-                     f"batch {sc2['batch_size']}, num_workers=0, {sc2['repeats']} interleaved repeats; ratio to "
-                     f"N = 10^3 in the same repeat)\n\n{bench_scale.render(sc2)}")
+        parts.append(
+            f"### the drop-in order at N = 10^3 ... 10^10 (rank {sc2['rank']} of {sc2['world_size']}, "
+            f"batch {sc2['batch_size']}, num_workers=0, {sc2['repeats']} interleaved repeats; ratio to "
+            f"N = 10^3 in the same repeat)\n\n{bench_scale.render(sc2)}"
+        )
     if results.get("epochize"):
         ep = results["epochize"]
-        parts.append(f"### EpochizeDataset with fresh workers every epoch ({ep['repeats']} loaders x {ep['epochs']} "
-                     f"epochs of {ep['length']:,} samples, {ep['buffer']:,}-sample buffer inside, "
-                     f"{ep['workers']} workers)\n\n{bench_epochize.render(ep)}")
+        parts.append(
+            f"### EpochizeDataset with fresh workers every epoch ({ep['repeats']} loaders x {ep['epochs']} "
+            f"epochs of {ep['length']:,} samples, {ep['buffer']:,}-sample buffer inside, "
+            f"{ep['workers']} workers)\n\n{bench_epochize.render(ep)}"
+        )
     if results.get("shuffle_restore"):
         sr = results["shuffle_restore"]
-        parts.append(f"### restore / cold start at every save point ({sr['buffer']:,}-sample shuffle buffer, "
-                     f"{sr['repeats']} interleaved repeats)\n\n{bench_shuffle_restore.render(sr)}")
+        parts.append(
+            f"### restore / cold start at every save point ({sr['buffer']:,}-sample shuffle buffer, "
+            f"{sr['repeats']} interleaved repeats)\n\n{bench_shuffle_restore.render(sr)}"
+        )
     rows = [["target", "value", "wanted", "result"]]
     for t in results["targets"]:
         rows.append([t["figure"], fmt(t["value"]), t["target"], t["result"]])
-    parts.append(f"### targets (savable_loader)\n\nPASS: every repeat meets the target. NOISY: the median "
-                 f"meets it, but the spread reaches past it. MISS: the median misses it.\n\n{table(rows)}")
+    parts.append(
+        f"### targets (savable_loader)\n\nPASS: every repeat meets the target. NOISY: the median "
+        f"meets it, but the spread reaches past it. MISS: the median misses it.\n\n{table(rows)}"
+    )
     if results["skipped"]:
         parts.append("Skipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped"].items()))
     return "\n\n".join(parts)
@@ -353,10 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="worker processes per loader (default 2)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the map-style workloads' sizes")
     parser.add_argument("--no-scaling", action="store_true", help="skip the scaling figures")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="interleaved repeats per ratio (default 5; --quick 2, which is not a result)")
-    parser.add_argument("--extras", default=None,
-                        help=f"comma list of extra sections {list(EXTRAS)} (default all; --quick: costs)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved repeats per ratio (default 5; --quick 2, which is not a result)",
+    )
+    parser.add_argument(
+        "--extras", default=None, help=f"comma list of extra sections {list(EXTRAS)} (default all; --quick: costs)"
+    )
     parser.add_argument("--no-extras", action="store_true", help="run no extra section")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
@@ -395,13 +456,16 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "mode": "quick" if args.quick else "full",
         "machine": {
-            "cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_model(),
-            "python": platform.python_version(), "torch": torch.__version__, "savable_loader": sl.__version__,
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "processor": _cpu_model(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "savable_loader": sl.__version__,
             "start_method": torch.multiprocessing.get_start_method(),
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         },
-        "parameters": {"workers": args.workers, "repeats": args.repeats, "scale": args.scale,
-                       "extras": args.extras},
+        "parameters": {"workers": args.workers, "repeats": args.repeats, "scale": args.scale, "extras": args.extras},
         "skipped": skipped,
         "info": {},
         "workloads": {},
@@ -429,8 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         results["epochize"] = bench_epochize.run(args.repeats, 10 if args.quick else 21)
     if "shuffle-restore" in args.extras:
         buffer = ws["shuffle"].buffer
-        results["shuffle_restore"] = bench_shuffle_restore.run(buffer, 6 if args.quick else 12, args.repeats,
-                                                               args.workers)
+        results["shuffle_restore"] = bench_shuffle_restore.run(
+            buffer, 6 if args.quick else 12, args.repeats, args.workers
+        )
     results["targets"] = targets(results)
     results["elapsed_s"] = time.perf_counter() - started
     results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -447,9 +512,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> int:
     text = render(results)
     print(text)
     counts = {r: sum(t["result"] == r for t in results["targets"]) for r in ("PASS", "NOISY", "MISS")}
-    print(f"\n{len(results['targets'])} targets: {counts['PASS']} met, {counts['NOISY']} noisy, {counts['MISS']} "
-          f"missed; run took {results['elapsed_s']:.0f} s ({results['mode']}, {results['parameters']['repeats']} "
-          "repeats)")
+    print(
+        f"\n{len(results['targets'])} targets: {counts['PASS']} met, {counts['NOISY']} noisy, {counts['MISS']} "
+        f"missed; run took {results['elapsed_s']:.0f} s ({results['mode']}, {results['parameters']['repeats']} "
+        "repeats)"
+    )
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(text + "\n")
@@ -478,12 +545,16 @@ def write_docs(path: Path, results: dict[str, Any], text: str) -> None:
         f"{results['parameters']['workers']} workers per loader."
     )
     if load:
-        head += (f" Load average at the start {load[0]:.1f}, at the end {m['load_average_end'][0]:.1f} "
-                 f"(other work on the machine)." if m.get("load_average_end") else "")
+        head += (
+            f" Load average at the start {load[0]:.1f}, at the end {m['load_average_end'][0]:.1f} "
+            f"(other work on the machine)."
+            if m.get("load_average_end")
+            else ""
+        )
     block = f"{BEGIN}\n\n{head}\n\n{text}\n\n{END}"
     old = path.read_text() if path.exists() else f"# Performance\n\n{BEGIN}\n{END}\n"
     if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+        new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END) :]
     else:
         new = old.rstrip() + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -118,15 +118,35 @@ def make_workloads(quick: bool, num_workers: int, buffer: int | None = None, sca
     # each worker must see more than its buffer, or the buffer only ever drains
     stream_n = num_workers * (buf + max(2_000, buf // 5))
     ws = {
-        "tiny": Workload("tiny", "4 floats a sample, batch 64 (dispatch-bound)",
-                         3_000 if quick else 20_000, 64, tiny_sample, save_steps=60 if quick else 200),
-        "cpu": Workload("cpu", "3x128x128 augmented image (~0.5 ms), batch 32",
-                        600 if quick else 3_000, 32, cpu_sample, save_steps=15 if quick else 100),
-        "io": Workload("io", "10 ms sleep + 4 floats, batch 8",
-                       160 if quick else 600, 8, io_sample, save_steps=15 if quick else 80),
-        "shuffle": Workload("shuffle", f"ints through a {buf:,}-sample shuffle buffer per worker, batch 64",
-                            stream_n, 64, shuffle_map, style="stream", buffer=buf,
-                            save_steps=30 if quick else 150),
+        "tiny": Workload(
+            "tiny",
+            "4 floats a sample, batch 64 (dispatch-bound)",
+            3_000 if quick else 20_000,
+            64,
+            tiny_sample,
+            save_steps=60 if quick else 200,
+        ),
+        "cpu": Workload(
+            "cpu",
+            "3x128x128 augmented image (~0.5 ms), batch 32",
+            600 if quick else 3_000,
+            32,
+            cpu_sample,
+            save_steps=15 if quick else 100,
+        ),
+        "io": Workload(
+            "io", "10 ms sleep + 4 floats, batch 8", 160 if quick else 600, 8, io_sample, save_steps=15 if quick else 80
+        ),
+        "shuffle": Workload(
+            "shuffle",
+            f"ints through a {buf:,}-sample shuffle buffer per worker, batch 64",
+            stream_n,
+            64,
+            shuffle_map,
+            style="stream",
+            buffer=buf,
+            save_steps=30 if quick else 150,
+        ),
     }
     for w in ws.values():
         if w.style == "map":

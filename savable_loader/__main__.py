@@ -87,26 +87,61 @@ def _positive_float(text: str) -> float:
 
 
 def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=_non_negative, default=2, metavar="W",
-                        help="loader worker processes (default: 2)")
-    parser.add_argument("--steps", type=_positive, default=60, metavar="N",
-                        help="batches to train on in total, over several epochs (default: 60)")
-    parser.add_argument("--kill-at", type=_positive, default=None, metavar="K",
-                        help="kill the training process once it has logged step K, 1 <= K < N "
-                             "(default: random in the middle third of the run, drawn from --seed)")
+    parser.add_argument(
+        "--workers", type=_non_negative, default=2, metavar="W", help="loader worker processes (default: 2)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive,
+        default=60,
+        metavar="N",
+        help="batches to train on in total, over several epochs (default: 60)",
+    )
+    parser.add_argument(
+        "--kill-at",
+        type=_positive,
+        default=None,
+        metavar="K",
+        help="kill the training process once it has logged step K, 1 <= K < N "
+        "(default: random in the middle third of the run, drawn from --seed)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="loader seed (default: 0)")
-    parser.add_argument("--out", default=None, metavar="DIR",
-                        help="folder for the step logs and the checkpoints (ckpt/step-S/model.pt, "
-                             "ckpt/step-S/loader.state, ckpt/latest) (default: a temporary folder, removed afterwards)")
-    parser.add_argument("--ranks", type=_positive, default=1, metavar="N",
-                        help="data-parallel ranks, each a process with its own loader and workers, in a "
-                             "torch.distributed gloo group on 127.0.0.1 (default: 1)")
-    parser.add_argument("--save-every", type=_positive, default=5, metavar="S",
-                        help="checkpoint model and loader every S steps (default: 5)")
-    parser.add_argument("--step-ms", type=_non_negative_float, default=20.0, metavar="MS",
-                        help="extra time per training step, in milliseconds, standing in for a bigger model (default: 20)")
-    parser.add_argument("--timeout", type=_positive_float, default=120.0, metavar="SEC",
-                        help="give up on a training process after SEC seconds (default: 120)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="folder for the step logs and the checkpoints (ckpt/step-S/model.pt, "
+        "ckpt/step-S/loader.state, ckpt/latest) (default: a temporary folder, removed afterwards)",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="data-parallel ranks, each a process with its own loader and workers, in a "
+        "torch.distributed gloo group on 127.0.0.1 (default: 1)",
+    )
+    parser.add_argument(
+        "--save-every",
+        type=_positive,
+        default=5,
+        metavar="S",
+        help="checkpoint model and loader every S steps (default: 5)",
+    )
+    parser.add_argument(
+        "--step-ms",
+        type=_non_negative_float,
+        default=20.0,
+        metavar="MS",
+        help="extra time per training step, in milliseconds, standing in for a bigger model (default: 20)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=120.0,
+        metavar="SEC",
+        help="give up on a training process after SEC seconds (default: 120)",
+    )
     # Internal: the demo runs its training runs as `demo --_child reference|train|resume`.
     parser.add_argument("--_child", choices=("reference", "train", "resume"), default=None, help=argparse.SUPPRESS)
 
@@ -127,11 +162,15 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", metavar="FILE",
-                        help="a state file from savable_loader.state.save_file, or raw encoded state "
-                             "bytes (savable_loader.state.encode, a loader.state_dict() value)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document instead of the text summary (keys: see README)")
+    parser.add_argument(
+        "file",
+        metavar="FILE",
+        help="a state file from savable_loader.state.save_file, or raw encoded state "
+        "bytes (savable_loader.state.encode, a loader.state_dict() value)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON document instead of the text summary (keys: see README)"
+    )
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
@@ -152,16 +191,21 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _add_index_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("folder", metavar="DIR_OR_URL",
-                        help="the folder of shards: a path or an fsspec URL (s3://...)")
-    parser.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
-                        help='fsspec options for a URL, as a JSON object (e.g. \'{"anon": true}\')')
-    parser.add_argument("--workers", type=_positive, default=8, metavar="N",
-                        help="shards indexed at once (default: 8)")
-    parser.add_argument("--sha256", action="store_true",
-                        help="record each shard's SHA-256 in metadata.json (reads every byte)")
-    parser.add_argument("--force", action="store_true",
-                        help="rebuild every tar index and ignore the journal of an interrupted run")
+    parser.add_argument("folder", metavar="DIR_OR_URL", help="the folder of shards: a path or an fsspec URL (s3://...)")
+    parser.add_argument(
+        "--storage-options",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="fsspec options for a URL, as a JSON object (e.g. '{\"anon\": true}')",
+    )
+    parser.add_argument("--workers", type=_positive, default=8, metavar="N", help="shards indexed at once (default: 8)")
+    parser.add_argument(
+        "--sha256", action="store_true", help="record each shard's SHA-256 in metadata.json (reads every byte)"
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild every tar index and ignore the journal of an interrupted run"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON document")
 
@@ -186,20 +230,32 @@ def _run_index(args: argparse.Namespace) -> int:
     from savable_loader.sources.indexing import index_folder
 
     try:
-        meta = index_folder(args.folder, storage_options=args.storage_options, workers=args.workers,
-                            sha256=args.sha256, force=args.force,
-                            progress=not args.quiet)
+        meta = index_folder(
+            args.folder,
+            storage_options=args.storage_options,
+            workers=args.workers,
+            sha256=args.sha256,
+            force=args.force,
+            progress=not args.quiet,
+        )
     except SavableLoaderError as e:
         return _usage_error("index", " ".join(str(e).split()))
     formats = Counter(s.format for s in meta.shards)
-    doc = {"folder": args.folder, "shards": len(meta.shards), "samples": sum(s.samples for s in meta.shards),
-           "bytes": sum(s.size or 0 for s in meta.shards), "formats": dict(formats)}
+    doc = {
+        "folder": args.folder,
+        "shards": len(meta.shards),
+        "samples": sum(s.samples for s in meta.shards),
+        "bytes": sum(s.size or 0 for s in meta.shards),
+        "formats": dict(formats),
+    }
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
         kinds = ", ".join(f"{n} {fmt}" for fmt, n in formats.items())
-        print(f"{args.folder}: {doc['shards']} shards ({kinds}), {doc['samples']} samples, "
-              f"{doc['bytes']:,} bytes: wrote metadata.json")
+        print(
+            f"{args.folder}: {doc['shards']} shards ({kinds}), {doc['samples']} samples, "
+            f"{doc['bytes']:,} bytes: wrote metadata.json"
+        )
     return 0
 
 

@@ -56,9 +56,7 @@ def check_torch_arguments(
 ) -> None:
     """torch's argument checks, in torch's order (``num_workers`` is the effective count)."""
     if num_workers < 0:
-        raise refused(
-            "num_workers option should be non-negative; use num_workers=0 to disable multiprocessing."
-        )
+        raise refused("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
     if timeout < 0:
         raise refused("timeout option should be non-negative")
     if num_workers == 0 and prefetch_factor is not None:
@@ -90,17 +88,21 @@ def check_torch_arguments(
         raise refused("sampler option is mutually exclusive with shuffle")
     if batch_sampler is not None:
         if batch_size != 1 or shuffle or sampler is not None or drop_last:
-            raise refused(
-                "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and drop_last"
-            )
+            raise refused("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and drop_last")
     elif batch_size is None and drop_last:
         raise refused("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
 
 
 def check_our_arguments(
-    *, num_workers: int, in_order: bool, prefetch_factor: int | None, save_timeout: float | None,
+    *,
+    num_workers: int,
+    in_order: bool,
+    prefetch_factor: int | None,
+    save_timeout: float | None,
     snapshot_every_n_steps: Any,
-    reseed: Any = "sample", pipeline: bool = False, stacklevel: int = 3,
+    reseed: Any = "sample",
+    pipeline: bool = False,
+    stacklevel: int = 3,
 ) -> None:
     """What torch accepts but a resumable loader cannot honour, and our own arguments."""
     if reseed not in ("sample", "batch"):
@@ -122,10 +124,12 @@ def check_our_arguments(
         warnings.warn(
             "save_timeout has no effect and is deprecated: a save never waits on a worker (pipeline workers "
             "attach their snapshots to the items they send); drop the argument",
-            DeprecationWarning, stacklevel=stacklevel,
+            DeprecationWarning,
+            stacklevel=stacklevel,
         )
     if snapshot_every_n_steps is not None and (
-        not isinstance(snapshot_every_n_steps, int) or isinstance(snapshot_every_n_steps, bool)
+        not isinstance(snapshot_every_n_steps, int)
+        or isinstance(snapshot_every_n_steps, bool)
         or snapshot_every_n_steps < 1
     ):
         raise LoaderUsageError(

@@ -234,23 +234,45 @@ class _Demo:
         stderr_path = self.out / f"{role}.stderr"
         proc: subprocess.Popen[bytes] | _ForkedRun
         if role == "resume":  # a fresh interpreter: it knows only what the files hold
-            cmd = [sys.executable, "-m", "savable_loader", "demo", "--_child", role, "--workers", str(a.workers),
-                   "--steps", str(a.steps), "--seed", str(a.seed), "--out", str(self.out), "--ranks", str(a.ranks),
-                   "--save-every", str(a.save_every), "--step-ms", str(a.step_ms), "--timeout", str(a.timeout)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "savable_loader",
+                "demo",
+                "--_child",
+                role,
+                "--workers",
+                str(a.workers),
+                "--steps",
+                str(a.steps),
+                "--seed",
+                str(a.seed),
+                "--out",
+                str(self.out),
+                "--ranks",
+                str(a.ranks),
+                "--save-every",
+                str(a.save_every),
+                "--step-ms",
+                str(a.step_ms),
+                "--timeout",
+                str(a.timeout),
+            ]
             env = dict(os.environ)
             root = str(Path(__file__).resolve().parent.parent)
             env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
             with open(stderr_path, "wb") as err:
-                self.live = proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                                    env=env, start_new_session=True)
+                self.live = proc = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env, start_new_session=True
+                )
             how = "new interpreter"
         else:
             self.live = proc = _ForkedRun(argparse.Namespace(**{**vars(a), "out": str(self.out)}), role, stderr_path)
             how = "forked"
-        what = {"reference": "reference run (uninterrupted)", "train": "training run",
-                "resume": "resumed run"}[role]
-        self.progress.update(f"{what} started ({how}, pid {proc.pid}, {a.ranks} rank{'s' if a.ranks > 1 else ''})",
-                             milestone=True)
+        what = {"reference": "reference run (uninterrupted)", "train": "training run", "resume": "resumed run"}[role]
+        self.progress.update(
+            f"{what} started ({how}, pid {proc.pid}, {a.ranks} rank{'s' if a.ranks > 1 else ''})", milestone=True
+        )
         deadline = time.monotonic() + a.timeout
         last = None
         try:
@@ -292,8 +314,9 @@ class _Demo:
 # -- the plain torch DataLoader ---------------------------------------------------------
 
 
-def _plain_stream(dataset: Any, args: argparse.Namespace, rank: int, epoch: int, first: int,
-                  last: int) -> Iterator[tuple[int, str, set[int]]]:
+def _plain_stream(
+    dataset: Any, args: argparse.Namespace, rank: int, epoch: int, first: int, last: int
+) -> Iterator[tuple[int, str, set[int]]]:
     """A plain torch DataLoader from the start of ``epoch``, numbered from step ``first``:
     ``(step, digest, sample indices)``. A careful script: ``DistributedSampler`` with
     ``set_epoch``, worker seeds from a generator seeded with ``(seed, epoch)``."""
@@ -304,10 +327,18 @@ def _plain_stream(dataset: Any, args: argparse.Namespace, rank: int, epoch: int,
             random.seed(s)
             np.random.seed(s % 2**32)
             torch.manual_seed(s)
-        sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=args.ranks, rank=rank, shuffle=True, seed=args.seed)
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset, num_replicas=args.ranks, rank=rank, shuffle=True, seed=args.seed
+        )
         sampler.set_epoch(epoch)
-        loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler, num_workers=args.workers,
-                            generator=torch.Generator().manual_seed(s), timeout=60 if args.workers else 0)
+        loader = DataLoader(
+            dataset,
+            batch_size=BATCH_SIZE,
+            sampler=sampler,
+            num_workers=args.workers,
+            generator=torch.Generator().manual_seed(s),
+            timeout=60 if args.workers else 0,
+        )
         for batch in loader:
             step += 1
             yield step, digest(batch[:2]), set(batch[2].tolist())
@@ -330,8 +361,10 @@ def _plain_comparison(args: argparse.Namespace, saved: int, per_epoch: int) -> s
         total += len(after)
         twice += len(seen)
     ranks = f" over {args.ranks} ranks" if args.ranks > 1 else ""
-    return (f"restarts epoch {epoch}: {repeated} of {total} batches after the restart{ranks} repeat samples "
-            f"already trained on ({twice} samples twice), {differ}/{total} differ from its uninterrupted run")
+    return (
+        f"restarts epoch {epoch}: {repeated} of {total} batches after the restart{ranks} repeat samples "
+        f"already trained on ({twice} samples twice), {differ}/{total} differ from its uninterrupted run"
+    )
 
 
 class _Indexed(torch.utils.data.Dataset):
@@ -379,8 +412,9 @@ def _default_kill_at(steps: int, seed: int) -> int:
     return random.Random(seed).randint(lo, max(lo, hi))
 
 
-def _compare(reference: list[_LogTail], runs: list[list[_LogTail]], steps: range,
-             only_logged: bool = False) -> tuple[int, int, list[str]]:
+def _compare(
+    reference: list[_LogTail], runs: list[list[_LogTail]], steps: range, only_logged: bool = False
+) -> tuple[int, int, list[str]]:
     """(equal batches, equal losses, problems) over ``steps`` of every rank, taken from
     the last run that logged each step. ``only_logged``: a step a run did not log is no
     problem (a killed run: its ranks die at slightly different steps)."""
@@ -415,8 +449,14 @@ def _curve(reference: _LogTail, resumed: _LogTail, saved: int, steps: int) -> st
     def loss(records: dict[int, dict[str, Any]], step: int) -> str:
         return f"{float.fromhex(records[step]['loss']):.6f}" if step in records else "-"
 
-    return ("steps " + "/".join(map(str, picks)) + ": resumed " + " ".join(loss(got, p) for p in picks)
-            + ", uninterrupted " + " ".join(loss(want, p) for p in picks))
+    return (
+        "steps "
+        + "/".join(map(str, picks))
+        + ": resumed "
+        + " ".join(loss(got, p) for p in picks)
+        + ", uninterrupted "
+        + " ".join(loss(want, p) for p in picks)
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -466,26 +506,55 @@ def run(args: argparse.Namespace) -> int:
         per_rank = " per rank" if args.ranks > 1 else ""
         rows = [
             ("killed", f"SIGKILL to the training run's process group after step {killed} (--kill-at {kill_at})"),
-            ("last checkpoint", (f"step {last_save['step']}: model + loader states of {ranks_txt.split(' (')[0]}; "
-                                f"rank 0 at epoch {last_save['epoch']}, {last_save['consumed']} samples consumed")),
-            ("save latency", (f"save_state_global {_ms([e['state_ms'] for e in saves])}; whole checkpoint "
-                              f"(model.pt, loader.state, latest) {_ms([e['ckpt_ms'] for e in saves])} "
-                              f"({len(saves)} save{'s' if len(saves) != 1 else ''})")
-                             if saves else "n/a (killed before the first save after step 0)"),
-            ("restored", (f"{r['checkpoint']}: rank 0 at epoch {r['epoch']}, {r['consumed']} samples consumed "
-                         f"-> continues at step {saved + 1}")),
-            ("restore time", f"loader state (load_file + restore_state_global) {r['loader_ms']:.1f} ms, model "
-                             f"{r['model_ms']:.1f} ms; restore-to-first-batch {warm[0]['ms']:.0f} ms"
-                             + (f" (cold start-to-first-batch {cold[0]['ms']:.0f} ms)" if cold else "")
-                             if warm else "n/a"),
+            (
+                "last checkpoint",
+                (
+                    f"step {last_save['step']}: model + loader states of {ranks_txt.split(' (')[0]}; "
+                    f"rank 0 at epoch {last_save['epoch']}, {last_save['consumed']} samples consumed"
+                ),
+            ),
+            (
+                "save latency",
+                (
+                    f"save_state_global {_ms([e['state_ms'] for e in saves])}; whole checkpoint "
+                    f"(model.pt, loader.state, latest) {_ms([e['ckpt_ms'] for e in saves])} "
+                    f"({len(saves)} save{'s' if len(saves) != 1 else ''})"
+                )
+                if saves
+                else "n/a (killed before the first save after step 0)",
+            ),
+            (
+                "restored",
+                (
+                    f"{r['checkpoint']}: rank 0 at epoch {r['epoch']}, {r['consumed']} samples consumed "
+                    f"-> continues at step {saved + 1}"
+                ),
+            ),
+            (
+                "restore time",
+                f"loader state (load_file + restore_state_global) {r['loader_ms']:.1f} ms, model "
+                f"{r['model_ms']:.1f} ms; restore-to-first-batch {warm[0]['ms']:.0f} ms"
+                + (f" (cold start-to-first-batch {cold[0]['ms']:.0f} ms)" if cold else "")
+                if warm
+                else "n/a",
+            ),
         ]
         if killed is not None and killed > saved:
             redone = f"{saved + 1}-{killed}" if killed > saved + 1 else f"{killed}"
-            rows.append(("re-done steps", (f"{redone} (trained after the last checkpoint, before the kill: "
-                                          "they are lost with the model too, and trained again)")))
+            rows.append(
+                (
+                    "re-done steps",
+                    (
+                        f"{redone} (trained after the last checkpoint, before the kill: "
+                        "they are lost with the model too, and trained again)"
+                    ),
+                )
+            )
         rows += [
-            ("batches after restart", (f"{after_batches}/{n_after} equal to the uninterrupted run "
-                                      f"(steps {saved + 1}-{steps}{per_rank})")),
+            (
+                "batches after restart",
+                (f"{after_batches}/{n_after} equal to the uninterrupted run (steps {saved + 1}-{steps}{per_rank})"),
+            ),
             ("loss after restart", f"{after_losses}/{n_after} equal to the uninterrupted run, bit for bit"),
             ("loss curve (rank 0)", _curve(ref[0], resume[0], saved, steps)),
         ]
@@ -493,21 +562,29 @@ def run(args: argparse.Namespace) -> int:
         if problems:
             rows.append(("differences", "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else "")))
         lines = [
-            (f"savable_loader demo: {steps} steps on {ranks_txt}, {args.workers} loader "
-            f"worker{'s' if args.workers != 1 else ''}{per_rank}, seed {args.seed}"),
-            (f"  a tiny convnet on {DATASET_LEN} synthetic 3x{SIDE}x{SIDE} images, batches of {BATCH_SIZE} "
-            f"({per_epoch} an epoch{per_rank}); augmentation in the "
-            f"{'workers' if args.workers else 'main process'}: crop+flip (random), brightness (numpy), noise (torch)"),
+            (
+                f"savable_loader demo: {steps} steps on {ranks_txt}, {args.workers} loader "
+                f"worker{'s' if args.workers != 1 else ''}{per_rank}, seed {args.seed}"
+            ),
+            (
+                f"  a tiny convnet on {DATASET_LEN} synthetic 3x{SIDE}x{SIDE} images, batches of {BATCH_SIZE} "
+                f"({per_epoch} an epoch{per_rank}); augmentation in the "
+                f"{'workers' if args.workers else 'main process'}: crop+flip (random), brightness (numpy), noise (torch)"
+            ),
             *(f"  {label + ':':<24}{value}" for label, value in rows),
             f"identical: {'yes' if identical else 'no'}",
             f"plain torch DataLoader: {plain}",
-            ("  (it has no position to save: a restart can only go back to the start of the epoch, or load and "
-            "drop the batches already trained on)"),
+            (
+                "  (it has no position to save: a restart can only go back to the start of the epoch, or load and "
+                "drop the batches already trained on)"
+            ),
         ]
         if args.out:
             latest = out / CKPT_DIR / (out / CKPT_DIR / LATEST).read_text().strip()
-            lines.append(f"files: {latest / STATE_FILE} (try: python -m savable_loader inspect FILE), "
-                         f"logs {out}/{{reference,train,resume}}.rank*.log")
+            lines.append(
+                f"files: {latest / STATE_FILE} (try: python -m savable_loader inspect FILE), "
+                f"logs {out}/{{reference,train,resume}}.rank*.log"
+            )
         if demo.leftovers:
             lines.append("warning: some processes of a child's process group did not exit")
         lines.append(f"runtime: {time.perf_counter() - getattr(args, '_started', started):.1f} s")

@@ -118,7 +118,10 @@ def make_loader(workers: int, seed: int, rank: int = 0, world: int = 1) -> sl.Sa
     """The demo's loader for one rank."""
     wc = sl.WorkerConfig(rank=rank, world_size=world, num_workers=workers, seed=seed)
     return sl.SavableDataLoader(
-        AugmentedImages(), batch_size=BATCH_SIZE, shuffle=True, worker_config=wc,
+        AugmentedImages(),
+        batch_size=BATCH_SIZE,
+        shuffle=True,
+        worker_config=wc,
         timeout=60 if workers else 0,  # torch allows a timeout only with worker processes
         persistent_workers=workers > 0,
     )
@@ -175,8 +178,9 @@ def _average_gradients(model: nn.Module, world: int) -> None:
         offset += g.numel()
 
 
-def _save_checkpoint(ckpt: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer,
-                     loader: sl.SavableDataLoader) -> dict[str, float]:
+def _save_checkpoint(
+    ckpt: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, loader: sl.SavableDataLoader
+) -> dict[str, float]:
     """The checkpoint hook, on every rank. Rank 0 writes; returns timings (ms)."""
     t0 = time.perf_counter()
     states = loader.save_state_global(global_dst_rank=0)  # a collective: every rank calls it
@@ -198,8 +202,12 @@ def _save_checkpoint(ckpt: Path, step: int, model: nn.Module, opt: torch.optim.O
     position = states[0].position
     if not isinstance(position, IndexPosition):
         raise TypeError(f"the demo uses the drop-in path, got a {type(position).__name__}")
-    return {"state_ms": (t1 - t0) * 1e3, "ckpt_ms": (t2 - t0) * 1e3, "epoch": position.epoch,
-            "consumed": position.consumed}
+    return {
+        "state_ms": (t1 - t0) * 1e3,
+        "ckpt_ms": (t2 - t0) * 1e3,
+        "epoch": position.epoch,
+        "consumed": position.consumed,
+    }
 
 
 def train_rank(args: argparse.Namespace, rank: int, world: int) -> None:
@@ -231,16 +239,26 @@ def train_rank(args: argparse.Namespace, rank: int, world: int) -> None:
         position = loader.save_state_rank().position
         if not isinstance(position, IndexPosition):
             raise TypeError(f"the demo uses the drop-in path, got a {type(position).__name__}")
-        log.write(event="restored", step=step, epoch=position.epoch, consumed=position.consumed,
-                  checkpoint=folder.name, model_ms=(t1 - t0) * 1e3, loader_ms=(t2 - t1) * 1e3)
+        log.write(
+            event="restored",
+            step=step,
+            epoch=position.epoch,
+            consumed=position.consumed,
+            checkpoint=folder.name,
+            model_ms=(t1 - t0) * 1e3,
+            loader_ms=(t2 - t1) * 1e3,
+        )
     elif role == "train":
         log.write(event="save", step=0, initial=True, **_save_checkpoint(ckpt, 0, model, opt, loader))
     t_first = time.perf_counter()
     first = step + 1
     for step, (x, y) in steps_of(loader, first, args.steps):
         if step == first:
-            log.write(event="first_batch", ms=(time.perf_counter() - t_first) * 1e3,
-                      since_start_ms=(time.perf_counter() - t_start) * 1e3)
+            log.write(
+                event="first_batch",
+                ms=(time.perf_counter() - t_first) * 1e3,
+                since_start_ms=(time.perf_counter() - t_start) * 1e3,
+            )
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -264,8 +282,13 @@ def _free_port() -> int:
 
 def _rank_entry(args: argparse.Namespace, rank: int, world: int, port: int) -> None:
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=max(30.0, args.timeout)))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=max(30.0, args.timeout)),
+        )
         try:
             train_rank(args, rank, world)
         finally:

@@ -180,7 +180,8 @@ class Remaining:
         # samples a padding copy of which (at p + n, p + 2n, ... < total) was consumed
         # although p itself was not; fewer than w0 padding positions in all
         extra = [
-            p for p in range(min(n, total - n))
+            p
+            for p in range(min(n, total - n))
             if _kept(pad, p) and not all(_kept(pad, c) for c in range(p + n, total, n))
         ]
         self._extra = extra
@@ -337,7 +338,9 @@ def elastic_position(states: Sequence[RankState], new_world_size: int) -> IndexP
     for i, p in enumerate(positions):
         if not isinstance(p, IndexPosition):
             raise ConfigMismatchError(
-                "world_size", old_world, new_world_size,
+                "world_size",
+                old_world,
+                new_world_size,
                 "a savable pipeline's state is split per rank and worker: restore it on the same world size",
             )
         if i == 0:
@@ -401,7 +404,9 @@ def batch_rescale_factor(saved: Any, current: Any) -> int | None:
     old, new = found[0]
     if new > old or old % new:
         raise ConfigMismatchError(
-            "BatchDataset.batch_size", old, new,
+            "BatchDataset.batch_size",
+            old,
+            new,
             "a restore may only divide the batch size (e.g. 8 -> 4 or 2)",
         )
     return old // new

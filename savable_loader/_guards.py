@@ -82,7 +82,8 @@ def _warn_unsaved_rngs(dataset: Any) -> None:
                 f"{name}._savable_fields: its draws will not resume exactly. List {top!r} in _savable_fields "
                 "(generators are saved with their state) or draw from the global RNGs, which the loader re-seeds "
                 "for every item",
-                UnsavedRngWarning, stacklevel=4,
+                UnsavedRngWarning,
+                stacklevel=4,
             )
 
 

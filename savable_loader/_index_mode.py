@@ -166,8 +166,13 @@ class IndexMode(Mode):
         self.shuffle = shuffle
         self.feed_sampler = IndexSampler()
         self.torch_dataset = IndexedDataset(
-            dataset, seed, collate_fn, batched=batch_size is not None if batched is None else batched, salt=salt,
-            seed_formula=self.seed_formula, reseed=reseed,
+            dataset,
+            seed,
+            collate_fn,
+            batched=batch_size is not None if batched is None else batched,
+            salt=salt,
+            seed_formula=self.seed_formula,
+            reseed=reseed,
         )
         #: (iteration, key) of the batch yielded last
         self.last: tuple[IndexIteration, BatchKey] | None = None
@@ -182,8 +187,12 @@ class IndexMode(Mode):
         self.dataset_len = self.dataset_config["len"]
 
     def engine_kwargs(self) -> dict[str, Any]:
-        return {"dataset": self.torch_dataset, "sampler": self.feed_sampler, "batch_size": None,
-                "collate_fn": _identity}
+        return {
+            "dataset": self.torch_dataset,
+            "sampler": self.feed_sampler,
+            "batch_size": None,
+            "collate_fn": _identity,
+        }
 
     def adopt(self, seed: int, seed_formula: int) -> None:
         self.seed = seed
@@ -200,10 +209,18 @@ class IndexMode(Mode):
 
     def loader_config(self, num_workers: int) -> LoaderConfig:
         return LoaderConfig(
-            rank=self.rank, world_size=self.world_size, num_workers=num_workers, seed=self.seed,
-            batch_size=self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last,
-            dataset_fingerprint=self.fingerprint, dataset_config=self.dataset_config,
-            seed_formula=self.seed_formula, sampler=self.sampler_name(), order_algorithm=self.order_algorithm,
+            rank=self.rank,
+            world_size=self.world_size,
+            num_workers=num_workers,
+            seed=self.seed,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            dataset_fingerprint=self.fingerprint,
+            dataset_config=self.dataset_config,
+            seed_formula=self.seed_formula,
+            sampler=self.sampler_name(),
+            order_algorithm=self.order_algorithm,
             reseed=self.reseed,
         )
 
@@ -216,7 +233,9 @@ class IndexMode(Mode):
         check_dataset_config(saved, current)
         if saved.sampler != current.sampler:
             raise ConfigMismatchError(
-                "sampler", saved.sampler or "<the loader's own order>", current.sampler or "<the loader's own order>",
+                "sampler",
+                saved.sampler or "<the loader's own order>",
+                current.sampler or "<the loader's own order>",
                 "the state follows another order (sampler=, batch_sampler=, generator= or shuffle)",
             )
         names = ("seed", "shuffle", "drop_last") if self.seed_explicit else ("shuffle", "drop_last")
@@ -229,7 +248,9 @@ class IndexMode(Mode):
             )
         if current.reseed == "batch" and saved.batch_size != current.batch_size:
             raise ConfigMismatchError(
-                "batch_size", saved.batch_size, current.batch_size,
+                "batch_size",
+                saved.batch_size,
+                current.batch_size,
                 'with reseed="batch" a sample\'s random draws depend on its batch: restore with the same batch size',
             )
         return current
@@ -239,7 +260,9 @@ class IndexMode(Mode):
         self.refresh()
         if position.dataset_len != self.dataset_len:
             raise ConfigMismatchError(
-                "len(dataset)", position.dataset_len, self.dataset_len,
+                "len(dataset)",
+                position.dataset_len,
+                self.dataset_len,
                 "the dataset's length changed between the restore and iter()",
             )
 
@@ -248,9 +271,16 @@ class IndexMode(Mode):
             return None
         iteration, key = self.last
         made = RestoreKey(
-            kind="index", seed=seed, fingerprint=iteration.fingerprint, epoch=iteration.epoch, rank=self.rank,
-            positions=_ranges([int(p) for p in key.positions]), sample=self.key_sample(key), shuffle=self.shuffle,
-            batched=self.torch_dataset.batched, world_size=self.world_size,
+            kind="index",
+            seed=seed,
+            fingerprint=iteration.fingerprint,
+            epoch=iteration.epoch,
+            rank=self.rank,
+            positions=_ranges([int(p) for p in key.positions]),
+            sample=self.key_sample(key),
+            shuffle=self.shuffle,
+            batched=self.torch_dataset.batched,
+            world_size=self.world_size,
         )  # the default order is left out of str(key), as earlier versions wrote it
         order, reseed = self.order_algorithm, self.reseed
         if order != ORDER_LEGACY:
@@ -265,8 +295,9 @@ class IndexMode(Mode):
 class OrderIteration(IndexIteration):
     """An iteration of the loader's own order: ``consumed`` counts this rank's samples."""
 
-    def __init__(self, mode: OrderMode, plan: IndexPlan, epoch: int, consumed: int,
-                 stages: tuple[IndexStage, ...], resumed: bool) -> None:
+    def __init__(
+        self, mode: OrderMode, plan: IndexPlan, epoch: int, consumed: int, stages: tuple[IndexStage, ...], resumed: bool
+    ) -> None:
         super().__init__(mode, epoch, consumed, resumed)
         self.plan = plan
         self.stages = stages
@@ -298,8 +329,13 @@ class OrderMode(IndexMode):
         p = self.plan
         if p is None or p.dataset_len != self.dataset_len or p.seed != self.seed:
             self.plan = IndexPlan(
-                self.dataset_len, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
-                world_size=self.world_size, batch_size=self.batch_size, drop_last=self.drop_last,
+                self.dataset_len,
+                seed=self.seed,
+                shuffle=self.shuffle,
+                rank=self.rank,
+                world_size=self.world_size,
+                batch_size=self.batch_size,
+                drop_last=self.drop_last,
                 order_algorithm=self.order_algorithm,
             )
 
@@ -362,19 +398,25 @@ class OrderMode(IndexMode):
         """
         if position.sampler is not None:
             raise ConfigMismatchError(
-                "sampler", "<a sampler of the user's>", "<the loader's own order>",
+                "sampler",
+                "<a sampler of the user's>",
+                "<the loader's own order>",
                 "the state follows a sampler: build the loader with it",
             )
         current = self.check_common(saved, position, num_workers)
         plan = self.current_plan
         if saved.order_algorithm not in ORDER_ALGORITHMS:
             raise ConfigMismatchError(
-                "order_algorithm", saved.order_algorithm, current.order_algorithm,
+                "order_algorithm",
+                saved.order_algorithm,
+                current.order_algorithm,
                 f"this version knows {list(ORDER_ALGORITHMS)}: the state was written by a newer savable_loader",
             )
         if not elastic and saved.world_size != current.world_size:
             raise ConfigMismatchError(
-                "world_size", saved.world_size, current.world_size,
+                "world_size",
+                saved.world_size,
+                current.world_size,
                 "a drop-in state can move to another world size: pass every old rank's state to "
                 "restore_state_global(states)",
             )
@@ -475,7 +517,9 @@ def _key_positions(runs: Any, limit: int, most: int) -> list[int]:
     if not isinstance(runs, (list, tuple)) or not runs:
         raise RestoreKeyError(f"key.positions is {runs!r}, expected at least one [start, stop, step] range")
     if len(runs) > most:
-        raise RestoreKeyError(f"key.positions has {len(runs)} ranges, a batch of this dataset has at most {most} samples")
+        raise RestoreKeyError(
+            f"key.positions has {len(runs)} ranges, a batch of this dataset has at most {most} samples"
+        )
     total = 0
     for i, run in enumerate(runs):
         if not (isinstance(run, (list, tuple)) and len(run) == 3):
@@ -491,7 +535,9 @@ def _key_positions(runs: Any, limit: int, most: int) -> list[int]:
             raise RestoreKeyError(f"key.positions[{i}] reaches position {last}, expected positions below {limit}")
         total += count
         if total > most:
-            raise RestoreKeyError(f"key.positions name more than {most} samples, a batch of this dataset has at most {most}")
+            raise RestoreKeyError(
+                f"key.positions name more than {most} samples, a batch of this dataset has at most {most}"
+            )
     positions = [x for start, stop, step in runs for x in range(start, stop, step)]
     if len(set(positions)) != len(positions):
         raise RestoreKeyError("key.positions names a position twice; a batch holds each position once")

@@ -38,8 +38,17 @@ __all__ = ["DOCUMENT_KEYS", "FORMAT", "StateBlob", "read_state", "render_text", 
 FORMAT = 1
 #: Top-level keys of the ``--json`` document, always present.
 DOCUMENT_KEYS = (
-    "format", "file", "container", "file_size", "encoded_size", "kind", "schema_version",
-    "library_version", "world_size", "num_ranks", "ranks",
+    "format",
+    "file",
+    "container",
+    "file_size",
+    "encoded_size",
+    "kind",
+    "schema_version",
+    "library_version",
+    "world_size",
+    "num_ranks",
+    "ranks",
 )
 _SHORT_STR = 48  # strings up to this length are shown in full in a dataset state outline
 _WIDTH = 16  # label column of the text rendering
@@ -88,8 +97,10 @@ def read_state(path: str | os.PathLike[str]) -> StateBlob:
 
 def _not_a_state(data: bytes, error: StateError) -> str:
     if data[:4] == b"PK\x03\x04":
-        return ("a zip archive (torch.save?), not a state file: write a state with "
-                "savable_loader.state.save_file, or the bytes of a loader.state_dict() value")
+        return (
+            "a zip archive (torch.save?), not a state file: write a state with "
+            "savable_loader.state.save_file, or the bytes of a loader.state_dict() value"
+        )
     if data.lstrip()[:1] in (b"{", b"["):
         try:
             json.loads(data)
@@ -100,8 +111,10 @@ def _not_a_state(data: bytes, error: StateError) -> str:
     reason = str(error).removeprefix("not a savable_loader state: ")
     if data[0] in _MSGPACK_MAPS:  # looks like raw encoded bytes, but they do not decode
         return f"raw encoded state bytes (no file header) that do not decode: {reason}"
-    return (f"not a savable_loader state: neither a state file (magic {MAGIC!r}, found "
-            f"{data[:len(MAGIC)]!r}) nor raw encoded state bytes ({reason})")
+    return (
+        f"not a savable_loader state: neither a state file (magic {MAGIC!r}, found "
+        f"{data[: len(MAGIC)]!r}) nor raw encoded state bytes ({reason})"
+    )
 
 
 # -- the document -------------------------------------------------------------------------
@@ -247,6 +260,7 @@ def render_text(doc: dict[str, Any]) -> str:
 def _adder(lines: list[str], indent: str) -> Callable[[str, Any], None]:
     def add(label: str, value: Any) -> None:
         lines.append(f"{indent}{label:<{_WIDTH}}{value}")
+
     return add
 
 
@@ -255,8 +269,10 @@ def _render_rank(lines: list[str], rank: dict[str, Any]) -> None:
     add = _adder(lines, "  ")
     position = dict(rank["position"])
     path = position.pop("type", rank["path"])
-    add("path", {"index": "index (drop-in, map-style dataset)", "pipeline": "pipeline (savable pipeline)"}
-        .get(path, path))
+    add(
+        "path",
+        {"index": "index (drop-in, map-style dataset)", "pipeline": "pipeline (savable pipeline)"}.get(path, path),
+    )
     add("epoch", position.pop("epoch", rank["epoch"]))
     add("workers", rank["num_workers"])
     if path == "index" and "consumed" in position:

@@ -152,8 +152,15 @@ class IterableMode(PipelineMode):
     iteration_type = IterableIteration
 
     def __init__(
-        self, dataset: IterableDataset, worker_config: WorkerConfig, prefetch_factor: int,
-        collate_fn: Callable[[Any], Any], *, batch_size: int | None, drop_last: bool, seed_explicit: bool,
+        self,
+        dataset: IterableDataset,
+        worker_config: WorkerConfig,
+        prefetch_factor: int,
+        collate_fn: Callable[[Any], Any],
+        *,
+        batch_size: int | None,
+        drop_last: bool,
+        seed_explicit: bool,
         reported_length: Callable[[], int | None],
     ) -> None:
         self.source = TorchIterableSource(dataset, worker_config, batch_size=batch_size, drop_last=drop_last)

@@ -67,13 +67,28 @@ MAX_ITEMS = 256
 #: Objects one walk visits at most (a dataset holding a large object graph).
 MAX_OBJECTS = 20_000
 
-_GLOBAL_IDS = frozenset(
-    id(g) for g in (PY_RANDOM, numpy_global_randomstate(), torch.default_generator)
-)
+_GLOBAL_IDS = frozenset(id(g) for g in (PY_RANDOM, numpy_global_randomstate(), torch.default_generator))
 _OPAQUE = (
-    type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodWrapperType,
-    torch.Tensor, np.ndarray, np.generic, str, bytes, bytearray, int, float, complex, bool, type(None),
-    set, frozenset, range, memoryview,
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodWrapperType,
+    torch.Tensor,
+    np.ndarray,
+    np.generic,
+    str,
+    bytes,
+    bytearray,
+    int,
+    float,
+    complex,
+    bool,
+    type(None),
+    set,
+    frozenset,
+    range,
+    memoryview,
 )
 _RNG_TYPES = (random.Random, np.random.Generator, np.random.RandomState, torch.Generator)
 _PCG = (np.random.PCG64, np.random.PCG64DXSM)
@@ -115,7 +130,8 @@ def find_generators(root: Any, name: str, skip: frozenset[int] = frozenset()) ->
                 f"savable_loader looked for random generators in {visited - 1} objects reachable from {name} and "
                 f"stopped at {path}: generators held further on are not re-seeded, their draws are not resumed "
                 "exactly",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )
             break
         try:
@@ -232,8 +248,10 @@ def _reseeder(path: str, gen: Any, base: int) -> Callable[[int], object]:
 
         def seed_pcg(s: int) -> None:
             bit.state = {
-                "bit_generator": name, "state": {"state": s << 64 | counter_seed(s, 0), "inc": inc},
-                "has_uint32": 0, "uinteger": 0,
+                "bit_generator": name,
+                "state": {"state": s << 64 | counter_seed(s, 0), "inc": inc},
+                "has_uint32": 0,
+                "uinteger": 0,
             }
 
         return seed_pcg

@@ -57,7 +57,12 @@ class PipelineIteration(Iteration):
     the newest snapshot attached to them; which worker yields next."""
 
     def __init__(
-        self, mode: PipelineMode, epoch: int, rotation: int, starts: list[WorkerState | None], resumed: bool,
+        self,
+        mode: PipelineMode,
+        epoch: int,
+        rotation: int,
+        starts: list[WorkerState | None],
+        resumed: bool,
     ) -> None:
         self.mode = mode
         self.epoch = epoch
@@ -165,7 +170,10 @@ class PipelineIteration(Iteration):
         for w in range(self.workers):
             if exhausted[w] and not states[w].exhausted:
                 states[w] = WorkerState(
-                    worker_id=w, index=consumed[w], snapshot_index=consumed[w], exhausted=True,
+                    worker_id=w,
+                    index=consumed[w],
+                    snapshot_index=consumed[w],
+                    exhausted=True,
                     dataset=self.ended[w],
                 )
         for w in range(self.workers):
@@ -210,7 +218,10 @@ class PipelineMode(Mode):
     iteration_type: type[PipelineIteration] = PipelineIteration
 
     def __init__(
-        self, dataset: SavableDataset, worker_config: WorkerConfig, prefetch_factor: int,
+        self,
+        dataset: SavableDataset,
+        worker_config: WorkerConfig,
+        prefetch_factor: int,
         collate_fn: Callable[[Any], Any] = default_convert,
     ) -> None:
         self.worker_config = worker_config
@@ -262,9 +273,15 @@ class PipelineMode(Mode):
     def loader_config(self, num_workers: int) -> LoaderConfig:
         wc = self.worker_config
         return LoaderConfig(
-            rank=wc.rank, world_size=wc.world_size, num_workers=num_workers, seed=wc.seed,
-            batch_size=None, shuffle=False, drop_last=False,
-            dataset_fingerprint=self.fingerprint, dataset_config=self.dataset_config,
+            rank=wc.rank,
+            world_size=wc.world_size,
+            num_workers=num_workers,
+            seed=wc.seed,
+            batch_size=None,
+            shuffle=False,
+            drop_last=False,
+            dataset_fingerprint=self.fingerprint,
+            dataset_config=self.dataset_config,
             seed_formula=self.seed_formula,
         )
 
@@ -309,14 +326,17 @@ class PipelineMode(Mode):
         current = self.loader_config(num_workers)
         if saved.num_workers != current.num_workers:
             raise ConfigMismatchError(
-                "num_workers", saved.num_workers, current.num_workers,
+                "num_workers",
+                saved.num_workers,
+                current.num_workers,
                 "a savable pipeline's state is split per worker; restore with the same num_workers",
             )
         for name in ("rank", "world_size", "seed"):
             if getattr(saved, name) != getattr(current, name):
                 hint = (
                     "a savable pipeline's state is split per rank and worker: restore it on the same world size"
-                    if name == "world_size" else ""
+                    if name == "world_size"
+                    else ""
                 )
                 raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name), hint)
         factor = None
@@ -332,9 +352,7 @@ class PipelineMode(Mode):
             )
         for ws in position.workers:
             if ws.snapshot_index > ws.index:
-                raise StateError(
-                    f"worker {ws.worker_id}: snapshot index {ws.snapshot_index} is after index {ws.index}"
-                )
+                raise StateError(f"worker {ws.worker_id}: snapshot index {ws.snapshot_index} is after index {ws.index}")
         if factor is None or factor == 1:
             return position
         workers = [
@@ -356,8 +374,16 @@ class PipelineMode(Mode):
             raise RestoreKeyError(f"the pipeline's sample key {key!r} is not plain data: {e}") from None
         wc = self.worker_config
         return RestoreKey(
-            kind="pipeline", seed=seed, fingerprint=self.fingerprint, epoch=epoch, rank=wc.rank, worker=worker,
-            index=index, sample=sample, world_size=wc.world_size, num_workers=wc.num_workers,
+            kind="pipeline",
+            seed=seed,
+            fingerprint=self.fingerprint,
+            epoch=epoch,
+            rank=wc.rank,
+            worker=worker,
+            index=index,
+            sample=sample,
+            world_size=wc.world_size,
+            num_workers=wc.num_workers,
         )
 
     def restore_sample(self, key: RestoreKey) -> Any:
@@ -389,5 +415,3 @@ class PipelineMode(Mode):
             base = pipeline_base(wc.seed, key.rank, key.worker, key.epoch)
             seed_global(pipeline_item(base, key.index, self.seed_formula))
             return self.collate.collate(dataset.restore_sample(key.sample))
-
-

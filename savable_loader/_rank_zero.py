@@ -54,7 +54,7 @@ __all__ = ["RECIPE", "derivable", "derive_state", "entries_of_every_rank"]
 #: Where the docs show how to keep every rank's state in a checkpoint.
 RECIPE = (
     "keep every rank's state in the checkpoint: states = loader.save_state_global(0) on every rank, stored from "
-    "rank 0, and loader.restore_state_global(states) on every rank (docs/recipes.md, \"Checkpoints written by "
+    'rank 0, and loader.restore_state_global(states) on every rank (docs/recipes.md, "Checkpoints written by '
     "rank 0\"), or torch.distributed.checkpoint, which stores each rank's entry"
 )
 
@@ -75,8 +75,11 @@ def entries_of_every_rank(loader: Any, state: RankState) -> dict[str, bytes]:
     own = {loader._state_key(): encode(state)}
     wc = loader.worker_config
     if (
-        wc.world_size < 2 or derivable(loader) or wc.data_parallel_group is not None
-        or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != wc.world_size
+        wc.world_size < 2
+        or derivable(loader)
+        or wc.data_parallel_group is not None
+        or not (dist.is_available() and dist.is_initialized())
+        or dist.get_world_size() != wc.world_size
     ):
         return own
     states = gather_states(DataParallelGroup(wc), state, 0)
@@ -97,7 +100,9 @@ def derive_state(loader: Any, state: RankState) -> RankState:
     src = state.config.rank
     if state.config.world_size != world:
         raise ConfigMismatchError(
-            "world_size", state.config.world_size, world,
+            "world_size",
+            state.config.world_size,
+            world,
             f"the checkpoint holds the loader state of rank {src} only, saved on {state.config.world_size} ranks: "
             f"another world size needs every rank's state; {RECIPE}",
         )
@@ -106,8 +111,9 @@ def derive_state(loader: Any, state: RankState) -> RankState:
     if isinstance(mode, OrderMode) and isinstance(position, IndexPosition) and position.sampler is None:
         position = _order_position(state, position, rank)
     elif isinstance(mode, SamplerMode) and isinstance(position, IndexPosition) and position.sampler is not None:
-        position = _sampler_position(mode, loader.seed if mode.seed_explicit else state.config.seed, state, position,
-                                     rank)
+        position = _sampler_position(
+            mode, loader.seed if mode.seed_explicit else state.config.seed, state, position, rank
+        )
     elif isinstance(position, IndexPosition) and isinstance(mode, (OrderMode, SamplerMode)):
         return state  # another order than the loader's: the restore names the difference
     else:
@@ -147,13 +153,12 @@ def _split_by_ranks(index_sampler: Any, world: int, rank: int) -> bool:
     """Whether the sampler is torch's DistributedSampler (alone or in torch's BatchSampler)
     split over this world, the one sampler whose order on another rank is known."""
     sampler = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
-    return (
-        type(sampler) is DistributedSampler and sampler.num_replicas == world and sampler.rank == rank
-    )
+    return type(sampler) is DistributedSampler and sampler.num_replicas == world and sampler.rank == rank
 
 
-def _sampler_position(mode: SamplerMode, seed: int, state: RankState, position: IndexPosition,
-                      rank: int) -> IndexPosition:
+def _sampler_position(
+    mode: SamplerMode, seed: int, state: RankState, position: IndexPosition, rank: int
+) -> IndexPosition:
     """A DistributedSampler's: the same count of items, this rank's digest."""
     record = position.sampler
     sampler = mode.index_sampler
@@ -177,7 +182,9 @@ def _sampler_position(mode: SamplerMode, seed: int, state: RankState, position: 
         item = rng.call(next, items, None)
         if item is None:
             raise ConfigMismatchError(
-                "position.consumed", position.consumed, f"at most the {len(sampler)} items of rank {rank}'s share",
+                "position.consumed",
+                position.consumed,
+                f"at most the {len(sampler)} items of rank {rank}'s share",
             )
         index_digest(digest, tuple(item) if batched else (item,))
     return msgspec.structs.replace(position, sampler=msgspec.structs.replace(record, digest=digest.hexdigest()))

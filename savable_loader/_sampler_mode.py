@@ -96,14 +96,18 @@ class SamplerIteration(IndexIteration):
             key = next(keys, None)
             if key is None:
                 raise ConfigMismatchError(
-                    "position.consumed", position.consumed, f"<= {done} (the sampler's items this epoch)",
+                    "position.consumed",
+                    position.consumed,
+                    f"<= {done} (the sampler's items this epoch)",
                     "the sampler yields fewer items than the state consumed",
                 )
             self.advance(key)
         saved = position.sampler.digest if position.sampler is not None else ""
         if self.digest.hexdigest() != saved:
             raise ConfigMismatchError(
-                "sampler order", saved, self.digest.hexdigest(),
+                "sampler order",
+                saved,
+                self.digest.hexdigest(),
                 f"replaying {type(self.mode.index_sampler).__qualname__} from the state gave other indices: its "  # type: ignore[attr-defined]
                 "order depends on something the loader cannot record (see savable_loader.sources.samplers)",
             )
@@ -134,7 +138,13 @@ class SamplerMode(IndexMode):
     )
 
     def __init__(
-        self, dataset: Any, *, index_sampler: Any, auto_collation: bool, generator: torch.Generator | None, **kwargs: Any
+        self,
+        dataset: Any,
+        *,
+        index_sampler: Any,
+        auto_collation: bool,
+        generator: torch.Generator | None,
+        **kwargs: Any,
     ) -> None:
         self.index_sampler = index_sampler
         self.auto_collation = auto_collation
@@ -203,7 +213,8 @@ class SamplerMode(IndexMode):
             return position, position.epoch
         now = capture_epochs(self.index_sampler)
         changed = {  # moved since the restore, to another value than the state's
-            path: value for path, value in now.items()
+            path: value
+            for path, value in now.items()
             if self.epochs_at_restore.get(path) != value and record.epochs.get(path) != value
         }
         if not changed:
@@ -236,7 +247,9 @@ class SamplerMode(IndexMode):
         iteration.prime()  # the sampler's end: its generators where the uninterrupted run had them
         if iteration._first:
             raise ConfigMismatchError(
-                "position.consumed", position.consumed, f"< {position.consumed} (the sampler's items this epoch)",
+                "position.consumed",
+                position.consumed,
+                f"< {position.consumed} (the sampler's items this epoch)",
                 "the sampler yields more items than its len() says",
             )
 
@@ -258,20 +271,27 @@ class SamplerMode(IndexMode):
         for name in ("world_size", "rank"):
             if getattr(saved, name) != getattr(current, name):
                 raise ConfigMismatchError(
-                    name, getattr(saved, name), getattr(current, name),
+                    name,
+                    getattr(saved, name),
+                    getattr(current, name),
                     "the sampler splits the data across ranks itself: its state resumes only on the same "
                     "rank and world size",
                 )
         if saved.batch_size != current.batch_size:
             raise ConfigMismatchError(
-                "batch_size", saved.batch_size, current.batch_size,
+                "batch_size",
+                saved.batch_size,
+                current.batch_size,
                 "a sampler's state counts its items: restore with the same batch size",
             )
         if position.stages:
             raise ConfigMismatchError("position.stages", len(position.stages), 0, "a sampler's state has no stages")
         if position.sampler is None and (position.consumed or position.epoch):
             raise ConfigMismatchError(
-                "position.sampler", None, self.sampler_name(), "a state of a sampler's loader records the sampler's order"
+                "position.sampler",
+                None,
+                self.sampler_name(),
+                "a state of a sampler's loader records the sampler's order",
             )
         return position
 
@@ -297,7 +317,9 @@ class SamplerMode(IndexMode):
                 "expected the same number, at least one"
             )
         if key.rank != self.rank:
-            raise RestoreKeyError(f"key.rank is {key.rank}, this loader is rank {self.rank}: a sampler's keys are "
-                                  "rebuilt on the rank that made them")
+            raise RestoreKeyError(
+                f"key.rank is {key.rank}, this loader is rank {self.rank}: a sampler's keys are "
+                "rebuilt on the rank that made them"
+            )
         check_key_setting("reseed", key.reseed, self.reseed, "re-seeding per sample or per batch draws other values")
         return self.torch_dataset[BatchKey(key.epoch, tuple(positions), tuple(key.sample))]

@@ -48,9 +48,24 @@ __all__ = [
 
 #: The namespace strings ``derive_seed`` hashes, each owned by the formula(s) below.
 NAMESPACES = (
-    "collate", "key", "owned-rng", "pcg-increment", "pcg-increment-low", "permutation", "pipeline", "sample",
-    "sampler", "shard-order", "shard-samples", "worker", "worker-epoch", "workers",
-    "datapipe-shuffle", "torch-iterable", "torch-worker-info", "order",
+    "collate",
+    "key",
+    "owned-rng",
+    "pcg-increment",
+    "pcg-increment-low",
+    "permutation",
+    "pipeline",
+    "sample",
+    "sampler",
+    "shard-order",
+    "shard-samples",
+    "worker",
+    "worker-epoch",
+    "workers",
+    "datapipe-shuffle",
+    "torch-iterable",
+    "torch-worker-info",
+    "order",
 )
 
 

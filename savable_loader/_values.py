@@ -47,11 +47,21 @@ def _all_scalars(values: list[Any] | tuple[Any, ...]) -> bool:
 
 
 _TORCH_DTYPES = {
-    torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
-    torch.int32: "int32", torch.int64: "int64", torch.float16: "float16",
-    torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64",
-    torch.complex64: "complex64", torch.complex128: "complex128",
-    torch.uint16: "uint16", torch.uint32: "uint32", torch.uint64: "uint64",
+    torch.bool: "bool",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
+    torch.uint16: "uint16",
+    torch.uint32: "uint32",
+    torch.uint64: "uint64",
 }
 _TORCH_BY_NAME = {name: dtype for dtype, name in _TORCH_DTYPES.items()}
 # NumPy numeric dtypes a state holds by name (NumPy has no bfloat16; long double's layout
@@ -110,14 +120,21 @@ def _refuse(value: Any, path: str) -> StateError:
     elif isinstance(value, np.generic):
         hint = f"NumPy dtype {value.dtype} has no portable layout; convert it"
     elif isinstance(value, np.ndarray):
-        hint = f"an array of dtype {value.dtype}, which a state cannot hold" if cls is np.ndarray else (
-            "a subclass of numpy.ndarray, it would come back as a plain array; convert it (np.asarray)")
+        hint = (
+            f"an array of dtype {value.dtype}, which a state cannot hold"
+            if cls is np.ndarray
+            else ("a subclass of numpy.ndarray, it would come back as a plain array; convert it (np.asarray)")
+        )
     elif capture_kind(value) is not None:
-        hint = ("an RNG object inside a container; only a field that is itself an RNG object is restored "
-                "into the live generator")
+        hint = (
+            "an RNG object inside a container; only a field that is itself an RNG object is restored "
+            "into the live generator"
+        )
     else:
-        hint = ("allowed: None, bool, int, float, str, bytes, list, tuple, dict, tensors, NumPy arrays "
-                "and scalars, and RNG objects as whole fields")
+        hint = (
+            "allowed: None, bool, int, float, str, bytes, list, tuple, dict, tensors, NumPy arrays "
+            "and scalars, and RNG objects as whole fields"
+        )
     return StateError(f"{_where(path)} holds a value of type {what}, which a state cannot give back identical ({hint})")
 
 

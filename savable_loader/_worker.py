@@ -49,8 +49,15 @@ from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
 __all__ = [
-    "SNAPSHOT_BUDGET", "End", "Item", "ItemError", "PipelineWorkerDataset", "SnapshotRing", "WorkerRuntime",
-    "snapshot_due", "walk",
+    "SNAPSHOT_BUDGET",
+    "End",
+    "Item",
+    "ItemError",
+    "PipelineWorkerDataset",
+    "SnapshotRing",
+    "WorkerRuntime",
+    "snapshot_due",
+    "walk",
 ]
 
 #: Fraction of sample-production time that snapshots may cost.
@@ -93,6 +100,7 @@ def snapshot_due(work: float, cost: float | None, cold: float, first: bool = Fal
         return True
     floor = 0.0 if first or cost is None else REPLAY_FLOOR_SNAPSHOTS * cost
     return work >= max(REPLAY_FRACTION * cold, floor, REPLAY_FLOOR_SECONDS)
+
 
 #: A snapshot as it travels with an item: ``(snapshot index, encoded DatasetState)``.
 Snapshot = tuple[int, bytes]
@@ -470,7 +478,10 @@ class PipelineWorkerDataset(IterableDataset):
         logical = (physical + rotation) % workers
         if self._runtime is None:
             self._runtime = WorkerRuntime(
-                self.dataset, self.worker_config, self.max_in_flight, in_process=info is None,
+                self.dataset,
+                self.worker_config,
+                self.max_in_flight,
+                in_process=info is None,
                 seed_formula=self.seed_formula,
             )
         runtime = self._runtime

@@ -78,9 +78,7 @@ class WorkerConfig:
         if self.world_size < 1:
             raise LoaderUsageError(f"WorkerConfig.world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
-            raise LoaderUsageError(
-                f"WorkerConfig.rank must be in [0, world_size={self.world_size}), got {self.rank}"
-            )
+            raise LoaderUsageError(f"WorkerConfig.rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if self.num_workers < 0:
             raise LoaderUsageError(f"WorkerConfig.num_workers must be >= 0, got {self.num_workers}")
 

@@ -328,9 +328,7 @@ class SavableDataset(IterableDataset):
                     "set it in reset_state_own()"
                 ) from None
             fields[name] = freeze(value, f"{type(self).__name__}.{name}")
-        return DatasetState(
-            type=type_name(self), fields=fields, children=[c.save_state() for c in self.children()]
-        )
+        return DatasetState(type=type_name(self), fields=fields, children=[c.save_state() for c in self.children()])
 
     def restore_state(self, state: DatasetState | None) -> None:
         """Put back a state from ``save_state`` (None: the start of an epoch)."""
@@ -344,9 +342,7 @@ class SavableDataset(IterableDataset):
             raise StateError(f"state node was saved by {state.type}, but the pipeline has {expected} here")
         kids = self.children()
         if len(state.children) != len(kids):
-            raise StateError(
-                f"{expected}: state has {len(state.children)} child states, the pipeline has {len(kids)}"
-            )
+            raise StateError(f"{expected}: state has {len(state.children)} child states, the pipeline has {len(kids)}")
         missing = set(self._savable_fields) - set(state.fields) - self._savable_optional
         extra = set(state.fields) - set(self._savable_fields)
         if missing or extra:

@@ -132,7 +132,9 @@ def select_rank_state(states: Any, rank: int, world_size: int) -> RankState:
         raise StateError(f"restore_state_global needs a list of RankState, got {type(states).__qualname__}")
     if len(states) != world_size:
         raise ConfigMismatchError(
-            "world_size", len(states), world_size,
+            "world_size",
+            len(states),
+            world_size,
             f"the gathered state holds {len(states)} ranks, the data-parallel group has {world_size}",
         )
     for i, s in enumerate(states):
@@ -140,7 +142,9 @@ def select_rank_state(states: Any, rank: int, world_size: int) -> RankState:
             raise StateError(f"entry {i} of the gathered state is a {type(s).__qualname__}, not a RankState")
         if s.config.world_size != world_size:
             raise ConfigMismatchError(
-                "world_size", s.config.world_size, world_size,
+                "world_size",
+                s.config.world_size,
+                world_size,
                 f"entry {i} was saved on {s.config.world_size} ranks, restoring on {world_size}",
             )
         if s.config.rank != i:
@@ -175,8 +179,16 @@ def scatter_states(
                     select_rank_state(states, i, group.size)
             payload = [encode(s) for s in states]
         except (StateError, ConfigMismatchError) as e:
-            verdict = [[type(e).__name__, str(e), getattr(e, "field", None), getattr(e, "saved", None),
-                        getattr(e, "current", None), getattr(e, "hint", "")]]
+            verdict = [
+                [
+                    type(e).__name__,
+                    str(e),
+                    getattr(e, "field", None),
+                    getattr(e, "saved", None),
+                    getattr(e, "current", None),
+                    getattr(e, "hint", ""),
+                ]
+            ]
     dist.broadcast_object_list(verdict, src=src, group=group.group)
     if verdict[0] == ["resize"]:
         whole: list[Any] = [payload]

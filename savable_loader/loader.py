@@ -80,7 +80,6 @@ __all__ = ["SavableDataLoader"]
 T_co = TypeVar("T_co", covariant=True)
 
 
-
 class _Engine(DataLoader[Any]):
     """The private DataLoader that runs the workers. torch's worker-count warning is the
     public loader's, given where torch gives it (construction and ``iter()``), not at an
@@ -171,23 +170,53 @@ class SavableDataLoader(DataLoader[T_co]):
         # the steps: check the arguments and resolve rank, workers and seed; choose the
         # path; torch's constructor (the public attributes); the mode and the engine
         wc, seed_explicit = self._resolve_configuration(
-            dataset, worker_config, num_workers, seed, generator, batch_size=batch_size, shuffle=shuffle,
-            sampler=sampler, batch_sampler=batch_sampler, drop_last=drop_last, timeout=timeout,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, in_order=in_order,
-            save_timeout=save_timeout, snapshot_every_n_steps=snapshot_every_n_steps, reseed=reseed,
+            dataset,
+            worker_config,
+            num_workers,
+            seed,
+            generator,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            drop_last=drop_last,
+            timeout=timeout,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            in_order=in_order,
+            save_timeout=save_timeout,
+            snapshot_every_n_steps=snapshot_every_n_steps,
+            reseed=reseed,
         )
         public, make_mode = self._choose_path(
-            dataset, wc, seed_explicit=seed_explicit, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-            batch_sampler=batch_sampler, drop_last=drop_last, generator=generator, prefetch_factor=prefetch_factor,
+            dataset,
+            wc,
+            seed_explicit=seed_explicit,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            drop_last=drop_last,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
             reseed=reseed,
         )
         try:
             super().__init__(
-                dataset, num_workers=wc.num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
-                drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
-                multiprocessing_context=multiprocessing_context, generator=generator,
-                prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                pin_memory_device=pin_memory_device, in_order=in_order, **public,
+                dataset,
+                num_workers=wc.num_workers,
+                collate_fn=collate_fn,
+                pin_memory=pin_memory,
+                drop_last=drop_last,
+                timeout=timeout,
+                worker_init_fn=worker_init_fn,
+                multiprocessing_context=multiprocessing_context,
+                generator=generator,
+                prefetch_factor=prefetch_factor,
+                persistent_workers=persistent_workers,
+                pin_memory_device=pin_memory_device,
+                in_order=in_order,
+                **public,
             )
         except ValueError as e:  # BatchSampler, RandomSampler, multiprocessing_context
             raise refused(str(e)) from None
@@ -207,7 +236,11 @@ class SavableDataLoader(DataLoader[T_co]):
 
     @staticmethod
     def _resolve_configuration(
-        dataset: Any, worker_config: WorkerConfig | None, num_workers: int, seed: int | None, generator: Any,
+        dataset: Any,
+        worker_config: WorkerConfig | None,
+        num_workers: int,
+        seed: int | None,
+        generator: Any,
         **arguments: Any,
     ) -> tuple[WorkerConfig, bool]:
         """torch's checks and ours on the arguments (``arguments``: the rest of the
@@ -220,15 +253,23 @@ class SavableDataLoader(DataLoader[T_co]):
         ours = {name: arguments.pop(name) for name in ("in_order", "save_timeout", "snapshot_every_n_steps", "reseed")}
         check_torch_arguments(dataset, num_workers=workers, **arguments)
         check_our_arguments(
-            num_workers=workers, prefetch_factor=arguments["prefetch_factor"], pipeline=isinstance(dataset, SavableDataset),
-            stacklevel=4, **ours,  # a warning points at the caller of SavableDataLoader(...)
+            num_workers=workers,
+            prefetch_factor=arguments["prefetch_factor"],
+            pipeline=isinstance(dataset, SavableDataset),
+            stacklevel=4,
+            **ours,  # a warning points at the caller of SavableDataLoader(...)
         )
         if wc is not None:
             return wc, True
         probe = WorkerConfig(num_workers=workers)  # rank and world size (torch.distributed)
         value, seed_explicit = resolve_seed(seed, generator, probe.world_size or 1)
-        wc = WorkerConfig(rank=probe.rank, world_size=probe.world_size, num_workers=workers, seed=value,
-                          data_parallel_group=probe.data_parallel_group)
+        wc = WorkerConfig(
+            rank=probe.rank,
+            world_size=probe.world_size,
+            num_workers=workers,
+            seed=value,
+            data_parallel_group=probe.data_parallel_group,
+        )
         return wc, seed_explicit
 
     def _start_bookkeeping(self) -> None:
@@ -242,8 +283,18 @@ class SavableDataLoader(DataLoader[T_co]):
         self._pending: Any = None  # a restored position the next iter() continues
 
     def _choose_path(
-        self, dataset: Any, wc: WorkerConfig, *, seed_explicit: bool, batch_size: int | None, shuffle: Any,
-        sampler: Any, batch_sampler: Any, drop_last: bool, generator: Any, prefetch_factor: int | None,
+        self,
+        dataset: Any,
+        wc: WorkerConfig,
+        *,
+        seed_explicit: bool,
+        batch_size: int | None,
+        shuffle: Any,
+        sampler: Any,
+        batch_sampler: Any,
+        drop_last: bool,
+        generator: Any,
+        prefetch_factor: int | None,
         reseed: str,
     ) -> tuple[dict[str, Any], Callable[[], Mode]]:
         """The one place where the kind of dataset (and sampler) decides the path: the
@@ -256,7 +307,9 @@ class SavableDataLoader(DataLoader[T_co]):
                     f"a savable pipeline batches inside the pipeline (BatchDataset): pass batch_size=None, got {batch_size!r}"
                 )
             if dataset.worker_config != wc:
-                raise LoaderUsageError(f"the pipeline's worker_config {dataset.worker_config} differs from the loader's {wc}")
+                raise LoaderUsageError(
+                    f"the pipeline's worker_config {dataset.worker_config} differs from the loader's {wc}"
+                )
             return {"batch_size": None}, lambda: PipelineMode(dataset, wc, prefetch, self.collate_fn)
         if isinstance(dataset, IterableDataset):  # a plain torch IterableDataset: _iterable_mode.py
             owner = weakref.ref(self)
@@ -264,7 +317,11 @@ class SavableDataLoader(DataLoader[T_co]):
             def iterable() -> Mode:
                 return IterableMode(
                     self.dataset,  # type: ignore[arg-type]
-                    wc, prefetch, self.collate_fn, batch_size=self.batch_size, drop_last=self.drop_last,
+                    wc,
+                    prefetch,
+                    self.collate_fn,
+                    batch_size=self.batch_size,
+                    drop_last=self.drop_last,
                     seed_explicit=seed_explicit,
                     reported_length=lambda: getattr(owner(), "_IterableDataset_len_called", None),
                 )
@@ -275,8 +332,13 @@ class SavableDataLoader(DataLoader[T_co]):
                 f"dataset must be map-style (__getitem__ and __len__) or a SavableDataset, got {type(dataset).__qualname__}"
             )
         common = {
-            "seed": wc.seed, "seed_explicit": seed_explicit, "rank": wc.rank, "world_size": wc.world_size,
-            "drop_last": drop_last, "shuffle": bool(shuffle), "reseed": reseed,
+            "seed": wc.seed,
+            "seed_explicit": seed_explicit,
+            "rank": wc.rank,
+            "world_size": wc.world_size,
+            "drop_last": drop_last,
+            "shuffle": bool(shuffle),
+            "reseed": reseed,
         }
         if sampler is None and batch_sampler is None and not (generator is not None and shuffle):
             # an instance of torch's sampler for these arguments (frameworks inspect it)
@@ -295,8 +357,13 @@ class SavableDataLoader(DataLoader[T_co]):
         def user_sampler() -> Mode:
             batching = self.batch_sampler is not None  # torch's auto-collation: batches from the batch sampler
             return SamplerMode(
-                dataset, index_sampler=self.batch_sampler if batching else self.sampler, auto_collation=batching,
-                generator=generator, batch_size=self.batch_size, collate_fn=self.collate_fn, **common,
+                dataset,
+                index_sampler=self.batch_sampler if batching else self.sampler,
+                auto_collation=batching,
+                generator=generator,
+                batch_size=self.batch_size,
+                collate_fn=self.collate_fn,
+                **common,
             )
 
         return {"batch_size": batch_size, "sampler": sampler, "batch_sampler": batch_sampler}, user_sampler
@@ -307,13 +374,18 @@ class SavableDataLoader(DataLoader[T_co]):
         """The private torch DataLoader that runs the workers over the mode's dataset."""
         workers = self.num_workers
         return _Engine(  # no worker-count warning: the public loader gives it
-            num_workers=workers, pin_memory=pin_memory, timeout=timeout,
+            num_workers=workers,
+            pin_memory=pin_memory,
+            timeout=timeout,
             # in workers: an unpicklable sample becomes an error, not a hang (_feeder.py),
             # and get_worker_info().dataset is the user's dataset
             worker_init_fn=WorkerInit(worker_init_fn) if workers > 0 else None,
-            multiprocessing_context=self.multiprocessing_context, generator=torch.Generator(),
-            prefetch_factor=prefetch_factor, persistent_workers=self.persistent_workers,
-            pin_memory_device=pin_memory_device, **self._mode.engine_kwargs(),
+            multiprocessing_context=self.multiprocessing_context,
+            generator=torch.Generator(),
+            prefetch_factor=prefetch_factor,
+            persistent_workers=self.persistent_workers,
+            pin_memory_device=pin_memory_device,
+            **self._mode.engine_kwargs(),
         )
 
     @property
@@ -403,8 +475,11 @@ class SavableDataLoader(DataLoader[T_co]):
             if record.stale:
                 raise LoaderUsageError(
                     f"this iterator (epoch {record.iteration.epoch}) was superseded by a later iter(loader): "
-                    + ("persistent workers are one pool, and torch resets its single iterator"
-                       if self._persistent else "a savable pipeline in the main process runs one iteration at a time")
+                    + (
+                        "persistent workers are one pool, and torch resets its single iterator"
+                        if self._persistent
+                        else "a savable pipeline in the main process runs one iteration at a time"
+                    )
                     + "; use the newest iterator"
                 )
             raise StopIteration
@@ -461,8 +536,11 @@ class SavableDataLoader(DataLoader[T_co]):
             except Exception as e:  # noqa: BLE001 - after the workers are stopped
                 failure = e
             if (
-                fate is Fate.ABANDONED and record.beside and record.serial == self._started
-                and not iteration.resumed and self._next_epoch == iteration.epoch + 1
+                fate is Fate.ABANDONED
+                and record.beside
+                and record.serial == self._started
+                and not iteration.resumed
+                and self._next_epoch == iteration.epoch + 1
                 and self._mode.reuses_epochs(self._persistent)
             ):
                 record.fate = Fate.FORGOTTEN  # a peek: the next loop runs this epoch

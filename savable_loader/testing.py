@@ -164,8 +164,18 @@ def check_resume(
         if wanted is not None and k not in wanted:
             continue
         for variant in tuple(variants) if (k and not between) else ("live",):
-            _check_point(make, remake, restore_factory is None, reference, lengths, flat, k, between, variant,
-                         check_live_next_epoch)
+            _check_point(
+                make,
+                remake,
+                restore_factory is None,
+                reference,
+                lengths,
+                flat,
+                k,
+                between,
+                variant,
+                check_live_next_epoch,
+            )
             checked += 1
     return checked
 
@@ -264,8 +274,15 @@ def _point_name(lengths: list[int], k: int, between: bool, variant: str) -> str:
 
 
 def _check_point(
-    factory: Callable[[], Any], restore_factory: Callable[[], Any], same_factory: bool,
-    reference: list[list[Any]], lengths: list[int], flat: list[Any], k: int, between: bool, variant: str,
+    factory: Callable[[], Any],
+    restore_factory: Callable[[], Any],
+    same_factory: bool,
+    reference: list[list[Any]],
+    lengths: list[int],
+    flat: list[Any],
+    k: int,
+    between: bool,
+    variant: str,
     check_live_next_epoch: bool,
 ) -> None:
     name = _point_name(lengths, k, between, variant)
@@ -309,8 +326,13 @@ def _check_point(
         _fail(f"{name}: saving twice without iterating gave different states")
     if stopped_in >= 0 and check_live_next_epoch and stopped_in + 1 < epochs:
         start = sum(lengths[: stopped_in + 1])
-        _compare(list(loader), reference[stopped_in + 1], lengths, start,
-                 f"{name}: the live loader's next iter() (epoch {stopped_in + 1})")
+        _compare(
+            list(loader),
+            reference[stopped_in + 1],
+            lengths,
+            start,
+            f"{name}: the live loader's next iter() (epoch {stopped_in + 1})",
+        )
     del live, loader
     data = encode(state)
     fresh = restore_factory()
@@ -334,5 +356,7 @@ def _compare(got: list[Any], want: list[Any], lengths: list[int], offset: int, w
             _fail(f"{what}: item {offset + i} ({_where(lengths, offset + i)}) differs: {e}")
     if len(got) != len(want):
         i = offset + min(len(got), len(want))
-        _fail(f"{what}: {len(got)} items, expected {len(want)} (the first missing or extra one is item {i}, "
-              f"{_where(lengths, i)})")
+        _fail(
+            f"{what}: {len(got)} items, expected {len(want)} (the first missing or extra one is item {i}, "
+            f"{_where(lengths, i)})"
+        )

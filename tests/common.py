@@ -23,7 +23,12 @@ import savable_loader as sl
 from savable_loader.testing import assert_same, assert_streams, check_resume, expected_chunks
 
 __all__ = [
-    "RandomMapDataset", "RangeSource", "assert_same", "assert_streams", "check_resume_everywhere", "epochs_of",
+    "RandomMapDataset",
+    "RangeSource",
+    "assert_same",
+    "assert_streams",
+    "check_resume_everywhere",
+    "epochs_of",
     "expected_chunks",
 ]
 

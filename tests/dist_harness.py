@@ -38,7 +38,10 @@ def _entry(
     result: Any
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=collective_timeout),
         )
         try:
@@ -57,7 +60,10 @@ def run_ranks(
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_entry, args=(r, world, port, out, fn, args, collective_timeout), daemon=False) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, world, port, out, fn, args, collective_timeout), daemon=False)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout

@@ -23,8 +23,12 @@ SIZES = [5, 3, 7, 5]  # 20 samples: 10 per rank over 2 ranks, 5 per worker
 
 def tar_members(j: int) -> dict[str, bytes]:
     """The members of tar sample ``j``."""
-    return {"txt": f"text {j}".encode(), "cls": str(j % 3).encode(), "json": json.dumps({"id": j}).encode(),
-            "bin": bytes(range(j % 7)) * (j + 1)}
+    return {
+        "txt": f"text {j}".encode(),
+        "cls": str(j % 3).encode(),
+        "json": json.dumps({"id": j}).encode(),
+        "bin": bytes(range(j % 7)) * (j + 1),
+    }
 
 
 def indexed_blob(items: Sequence[bytes], extra: bytes = b"") -> bytes:
@@ -35,8 +39,12 @@ def indexed_blob(items: Sequence[bytes], extra: bytes = b"") -> bytes:
     return struct.pack("<I", len(items)) + offsets.tobytes() + extra + b"".join(items)
 
 
-def write_tar(path: Path, samples: Sequence[tuple[str, dict[str, bytes]]], fmt: int = tarfile.PAX_FORMAT,
-              extra: Sequence[tuple[str, bytes]] = ()) -> None:
+def write_tar(
+    path: Path,
+    samples: Sequence[tuple[str, dict[str, bytes]]],
+    fmt: int = tarfile.PAX_FORMAT,
+    extra: Sequence[tuple[str, bytes]] = (),
+) -> None:
     """A tar of ``(key, {ext: bytes})`` samples; ``extra`` members (name, data) come first."""
     with tarfile.open(path, "w", format=fmt) as tar:
         for name, data in extra:
@@ -72,8 +80,14 @@ def write_parquet_folder(folder: Path, sizes: Sequence[int] = SIZES, row_group: 
     j = 0
     for i, n in enumerate(sizes):
         ids = list(range(j, j + n))
-        table = pa.table({"id": ids, "text": [f"row {k}" for k in ids], "tags": [[k, k % 3] for k in ids],
-                          "score": [k / 4 for k in ids]})
+        table = pa.table(
+            {
+                "id": ids,
+                "text": [f"row {k}" for k in ids],
+                "tags": [[k, k % 3] for k in ids],
+                "score": [k / 4 for k in ids],
+            }
+        )
         pq.write_table(table, folder / f"part-{i}.parquet", row_group_size=row_group)
         j += n
     return folder
@@ -81,13 +95,29 @@ def write_parquet_folder(folder: Path, sizes: Sequence[int] = SIZES, row_group: 
 
 # -- MosaicML Streaming (MDS) -----------------------------------------------------------
 
-MDS_COLUMNS = {"id": "int", "text": "str", "blob": "bytes", "x": "ndarray", "y": "ndarray:float32:3",
-               "f": "float32", "u": "uint8", "meta": "json"}
+MDS_COLUMNS = {
+    "id": "int",
+    "text": "str",
+    "blob": "bytes",
+    "x": "ndarray",
+    "y": "ndarray:float32:3",
+    "f": "float32",
+    "u": "uint8",
+    "meta": "json",
+}
 
 
 def mds_row(j: int) -> dict[str, Any]:
-    return {"id": j, "text": f"text {j}", "blob": bytes([j % 256]) * (j % 4), "x": np.arange(j + 1, dtype=np.int16),
-            "y": np.full(3, j / 2, np.float32), "f": np.float32(j / 3), "u": np.uint8(j), "meta": {"j": [j]}}
+    return {
+        "id": j,
+        "text": f"text {j}",
+        "blob": bytes([j % 256]) * (j % 4),
+        "x": np.arange(j + 1, dtype=np.int16),
+        "y": np.full(3, j / 2, np.float32),
+        "f": np.float32(j / 3),
+        "u": np.uint8(j),
+        "meta": {"j": [j]},
+    }
 
 
 def _mds_encode(encoding: str, value: Any) -> bytes:
@@ -103,7 +133,11 @@ def _mds_encode(encoding: str, value: Any) -> bytes:
         return np.asarray(value, encoding).tobytes()
     if encoding == "ndarray":  # dynamic dtype and shape: dtype code, (ndim << 2 | uint8 shape), shape, values
         codes = {"int16": 17, "float32": 34}
-        return bytes([codes[value.dtype.name], value.ndim << 2]) + np.array(value.shape, np.uint8).tobytes() + value.tobytes()
+        return (
+            bytes([codes[value.dtype.name], value.ndim << 2])
+            + np.array(value.shape, np.uint8).tobytes()
+            + value.tobytes()
+        )
     if encoding == "ndarray:float32:3":
         return value.astype("<f4").tobytes()
     raise ValueError(encoding)
@@ -127,10 +161,21 @@ def write_mds_folder(folder: Path, sizes: Sequence[int] = SIZES, columns: dict[s
         data = indexed_blob(samples, json.dumps({"version": 2, "format": "mds"}, sort_keys=True).encode())
         name = f"shard.{i:05d}.mds"
         (folder / name).write_bytes(data)
-        shards.append({"column_encodings": encodings, "column_names": names, "column_sizes": col_sizes,
-                       "compression": None, "format": "mds", "hashes": [],
-                       "raw_data": {"basename": name, "bytes": len(data), "hashes": {}}, "samples": n,
-                       "size_limit": 1 << 26, "version": 2, "zip_data": None})
+        shards.append(
+            {
+                "column_encodings": encodings,
+                "column_names": names,
+                "column_sizes": col_sizes,
+                "compression": None,
+                "format": "mds",
+                "hashes": [],
+                "raw_data": {"basename": name, "bytes": len(data), "hashes": {}},
+                "samples": n,
+                "size_limit": 1 << 26,
+                "version": 2,
+                "zip_data": None,
+            }
+        )
         j += n
     (folder / "index.json").write_text(json.dumps({"shards": shards, "version": 2}, sort_keys=True))
     return folder
@@ -145,8 +190,16 @@ LITDATA_KEYS = ["id", "text", "x", "m", "t", "b", "f", "ok"]
 def litdata_row(j: int) -> dict[str, Any]:
     import torch
 
-    return {"id": j, "text": f"s{j}", "x": np.arange(j + 1, dtype=np.float32), "m": np.ones((2, 2)) * j,
-            "t": torch.arange(3) * j, "b": b"xy" * (j % 3), "f": 0.5 * j, "ok": j % 2 == 0}
+    return {
+        "id": j,
+        "text": f"s{j}",
+        "x": np.arange(j + 1, dtype=np.float32),
+        "m": np.ones((2, 2)) * j,
+        "t": torch.arange(3) * j,
+        "b": b"xy" * (j % 3),
+        "f": 0.5 * j,
+        "ok": j % 2 == 0,
+    }
 
 
 def _litdata_leaf(fmt: str, value: Any) -> bytes:
@@ -173,8 +226,9 @@ def write_litdata_folder(folder: Path, sizes: Sequence[int] = SIZES) -> Path:
     """LitData chunks ``chunk-0-{i}.bin`` and their ``index.json`` (PyTreeLoader, uncompressed)."""
     folder.mkdir(parents=True, exist_ok=True)
     leaf = {"type": None, "context": None, "children_spec": []}
-    spec = json.dumps([1, {"type": "builtins.dict", "context": json.dumps(LITDATA_KEYS),
-                           "children_spec": [leaf] * len(LITDATA_KEYS)}])
+    spec = json.dumps(
+        [1, {"type": "builtins.dict", "context": json.dumps(LITDATA_KEYS), "children_spec": [leaf] * len(LITDATA_KEYS)}]
+    )
     chunks, j = [], 0
     for i, n in enumerate(sizes):
         items = []
@@ -187,7 +241,14 @@ def write_litdata_folder(folder: Path, sizes: Sequence[int] = SIZES) -> Path:
         (folder / name).write_bytes(data)
         chunks.append({"chunk_bytes": len(data), "chunk_size": n, "dim": None, "filename": name})
         j += n
-    config = {"chunk_bytes": None, "chunk_size": 8, "compression": None, "data_format": LITDATA_FORMAT,
-              "data_spec": spec, "encryption": None, "item_loader": "PyTreeLoader"}
+    config = {
+        "chunk_bytes": None,
+        "chunk_size": 8,
+        "compression": None,
+        "data_format": LITDATA_FORMAT,
+        "data_spec": spec,
+        "encryption": None,
+        "item_loader": "PyTreeLoader",
+    }
     (folder / "index.json").write_text(json.dumps({"chunks": chunks, "config": config}, sort_keys=True))
     return folder

@@ -83,8 +83,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return False
         self.server.faults.record(method, self.path, rng, fault)
         if fault in ("503", "429"):
-            body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
-                    b"<Message>Please reduce your request rate.</Message></Error>") if fault == "503" else b"busy"
+            body = (
+                (
+                    b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                    b"<Message>Please reduce your request rate.</Message></Error>"
+                )
+                if fault == "503"
+                else b"busy"
+            )
             self.send_response(int(fault))
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Retry-After", "0")
@@ -251,7 +257,9 @@ class MotoServer:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
         )
         deadline = time.monotonic() + 60
         while True:
@@ -270,14 +278,23 @@ class MotoServer:
 
     def options(self, port: int | None = None) -> dict[str, Any]:
         """storage_options reaching this server (or a proxy of it on ``port``)."""
-        return {"key": "testing", "secret": "testing", "endpoint_url": f"http://127.0.0.1:{port or self.port}",
-                "client_kwargs": {"region_name": "us-east-1"}}
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "endpoint_url": f"http://127.0.0.1:{port or self.port}",
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
 
     def bucket(self, name: str, files: dict[str, bytes]) -> None:
         import boto3
 
-        s3 = boto3.client("s3", endpoint_url=self.url, aws_access_key_id="testing",
-                          aws_secret_access_key="testing", region_name="us-east-1")
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
         s3.create_bucket(Bucket=name)
         for key, data in files.items():
             s3.put_object(Bucket=name, Key=key, Body=data)
@@ -310,8 +327,9 @@ class Replicas:
         import fsspec
 
         self.folder = root / "data"
-        self.files = {p.relative_to(self.folder).as_posix(): p.read_bytes()
-                      for p in sorted(self.folder.rglob("*")) if p.is_file()}
+        self.files = {
+            p.relative_to(self.folder).as_posix(): p.read_bytes() for p in sorted(self.folder.rglob("*")) if p.is_file()
+        }
         self.memory_root, self.bucket_name = memory, bucket
         fs = fsspec.filesystem("memory")
         for name, data in self.files.items():

@@ -31,8 +31,11 @@ def test_only_torch_internals_imports_private_torch() -> None:
         if path.name == "_torch_internals.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
-                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else ([a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            )
             offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith(PRIVATE_TORCH)]
     assert not offenders, offenders
 

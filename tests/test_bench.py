@@ -18,9 +18,28 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_quick_run_writes_json_with_every_figure(tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--workloads", "tiny", "--contenders", "savable",
-         "--scale", "0.4", "--no-scaling", "--extras", "costs", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--workloads",
+            "tiny",
+            "--contenders",
+            "savable",
+            "--scale",
+            "0.4",
+            "--no-scaling",
+            "--extras",
+            "costs",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -69,6 +88,12 @@ def test_verdicts_flag_a_spread_wider_than_the_margin():
 
 
 def test_unknown_workload_is_a_usage_error():
-    proc = subprocess.run([sys.executable, "-m", "bench", "--workloads", "nope"], cwd=ROOT, capture_output=True, check=False,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--workloads", "nope"],
+        cwd=ROOT,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "unknown workload 'nope'" in proc.stderr

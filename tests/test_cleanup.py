@@ -52,12 +52,20 @@ def _fail_at_7(x: Any) -> Any:
 def make(path: str, failing: bool = False, persistent: bool = False) -> sl.SavableDataLoader:
     if path == "dropin":
         ds = _FailingMap(24) if failing else RandomMapDataset(24)
-        return sl.SavableDataLoader(ds, batch_size=2, shuffle=True, seed=1, num_workers=2,
-                                    multiprocessing_context="fork", persistent_workers=persistent)
+        return sl.SavableDataLoader(
+            ds,
+            batch_size=2,
+            shuffle=True,
+            seed=1,
+            num_workers=2,
+            multiprocessing_context="fork",
+            persistent_workers=persistent,
+        )
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=1)
     ds = MapDataset(RangeSource(24, wc), _fail_at_7 if failing else (lambda x: x))
-    return sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, multiprocessing_context="fork",
-                                persistent_workers=persistent)
+    return sl.SavableDataLoader(
+        ds, batch_size=None, worker_config=wc, multiprocessing_context="fork", persistent_workers=persistent
+    )
 
 
 def end_normally(path: str) -> None:
@@ -108,8 +116,12 @@ def end_in_a_garbage_cycle(path: str) -> None:
 
 
 ENDINGS: list[Callable[[str], None]] = [
-    end_normally, end_with_break, end_with_exception_in_the_loop, end_with_worker_error,
-    end_with_del_of_a_persistent_loader, end_in_a_garbage_cycle,
+    end_normally,
+    end_with_break,
+    end_with_exception_in_the_loop,
+    end_with_worker_error,
+    end_with_del_of_a_persistent_loader,
+    end_in_a_garbage_cycle,
 ]
 
 
@@ -126,8 +138,11 @@ def _wait_released(children: set[int], threads: set[str], what: str) -> None:
     me = psutil.Process()
     deadline = time.monotonic() + GRACE
     while True:
-        left_children = [p for p in me.children(recursive=True) if p.pid not in children and p.is_running()
-                         and p.status() != psutil.STATUS_ZOMBIE]
+        left_children = [
+            p
+            for p in me.children(recursive=True)
+            if p.pid not in children and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        ]
         left_threads = [t.name for t in threading.enumerate() if t.name not in threads]
         if not left_children and not left_threads:
             return
@@ -152,6 +167,8 @@ def test_no_processes_threads_fds_or_shared_memory_left() -> None:
             baseline = (_fds(), _shm())
     gc.collect()
     assert baseline is not None
-    assert (_fds(), _shm()) == baseline, f"fds, shm files: {(_fds(), _shm())} after {CYCLES} cycles, {baseline} after warm-up"
+    assert (_fds(), _shm()) == baseline, (
+        f"fds, shm files: {(_fds(), _shm())} after {CYCLES} cycles, {baseline} after warm-up"
+    )
     # each cycle ends promptly (a shutdown that waits for join timeouts would take > 5 s)
     assert time.monotonic() - started < CYCLES * 3.0

@@ -40,11 +40,28 @@ BLOB = 1 << 18
 
 def _state(i: int) -> RankState:
     return RankState(
-        config=LoaderConfig(rank=0, world_size=1, num_workers=1, seed=i, batch_size=None, shuffle=False,
-                            drop_last=False, dataset_fingerprint=f"{i:024d}"),
-        position=PipelinePosition(epoch=0, next_worker=0, workers=[WorkerState(
-            worker_id=0, index=i, snapshot_index=i,
-            dataset=DatasetState(type="t", fields={"i": i, "blob": bytes([i % 251]) * BLOB}))]),
+        config=LoaderConfig(
+            rank=0,
+            world_size=1,
+            num_workers=1,
+            seed=i,
+            batch_size=None,
+            shuffle=False,
+            drop_last=False,
+            dataset_fingerprint=f"{i:024d}",
+        ),
+        position=PipelinePosition(
+            epoch=0,
+            next_worker=0,
+            workers=[
+                WorkerState(
+                    worker_id=0,
+                    index=i,
+                    snapshot_index=i,
+                    dataset=DatasetState(type="t", fields={"i": i, "blob": bytes([i % 251]) * BLOB}),
+                )
+            ],
+        ),
     )
 
 

@@ -176,8 +176,12 @@ def _tensor_parallel(rank, world):
     loader = make(0, group=group)
     batches = [next(iter(loader)) for _ in range(1)]
     states = loader.save_state_global(global_dst_rank=rank % 2)
-    return (loader.worker_config.rank, loader.worker_config.world_size,
-            None if states is None else [s.config.rank for s in states], batches)
+    return (
+        loader.worker_config.rank,
+        loader.worker_config.world_size,
+        None if states is None else [s.config.rank for s in states],
+        batches,
+    )
 
 
 def test_data_parallel_group_counts_replicas_once():

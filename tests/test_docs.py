@@ -42,14 +42,24 @@ def _blocks(page: Path) -> list[tuple[str, str, str]]:
 
 def _env() -> dict[str, str]:
     """sh blocks run `python`: this interpreter, importing this checkout."""
-    return dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return dict(
+        os.environ,
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
 
 
 def test_docs_exist_and_readme_links_them():
     names = {p.name for p in _pages()}
-    for name in ("index.md", "quickstart.md", "concepts.md", "recipes.md", "migration.md",
-                 "custom_dataset.md", "state_format.md"):
+    for name in (
+        "index.md",
+        "quickstart.md",
+        "concepts.md",
+        "recipes.md",
+        "migration.md",
+        "custom_dataset.md",
+        "state_format.md",
+    ):
         assert name in names
     assert "(docs/index.md)" in (ROOT / "README.md").read_text()
 
@@ -70,7 +80,7 @@ def test_every_block_is_run_or_says_why_not(page):
         if lang in ("python", "sh"):
             assert not marker or marker.startswith(("not run:", "requires:")), (page.name, marker)
             if marker.startswith("not run:"):
-                assert marker[len("not run:"):].strip(), f"{page.name}: a 'not run' block needs a reason"
+                assert marker[len("not run:") :].strip(), f"{page.name}: a 'not run' block needs a reason"
         else:
             assert lang == "text", f"{page.name}: block of language {lang!r} (python, sh or text)"
 
@@ -86,7 +96,7 @@ def test_code_blocks_run(page, tmp_path, monkeypatch):
         if lang not in ("python", "sh") or marker.startswith("not run:"):
             continue
         if marker.startswith("requires:"):
-            module = marker[len("requires:"):].strip()
+            module = marker[len("requires:") :].strip()
             if importlib.util.find_spec(module) is None:
                 continue
         where = f"{page.name}, block {number}"
@@ -97,9 +107,15 @@ def test_code_blocks_run(page, tmp_path, monkeypatch):
                 linecache.cache[where] = (len(body), None, body.splitlines(True), where)  # readable tracebacks
                 exec(compile(body, where, "exec"), namespace)
         else:
-            out = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=tmp_path, env=_env(),
-                                 capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+            out = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", body],
+                cwd=tmp_path,
+                env=_env(),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                stdin=subprocess.DEVNULL,
+            )
             assert out.returncode == 0, f"{where} failed:\n{body}\n{out.stdout}\n{out.stderr}"
         ran += 1
     assert ran or not any(lang in ("python", "sh") for lang, _, _ in _blocks(page))
-

@@ -42,7 +42,11 @@ SEED = 7
 def make(rank: int, world: int, num_workers: int = 0, batch: int = BATCH, drop_last: bool = False):
     wc = sl.WorkerConfig(rank=rank, world_size=world, num_workers=num_workers, seed=SEED)
     return sl.SavableDataLoader(
-        RandomMapDataset(N), batch_size=batch, shuffle=True, drop_last=drop_last, worker_config=wc,
+        RandomMapDataset(N),
+        batch_size=batch,
+        shuffle=True,
+        drop_last=drop_last,
+        worker_config=wc,
         multiprocessing_context="fork" if num_workers else None,
     )
 
@@ -217,10 +221,20 @@ def test_malformed_stage_counts_are_a_state_error():
 
 
 def _state(rank, world, epoch, consumed, stages=(), batch=BATCH, order="feistel-1"):
-    config = LoaderConfig(rank=rank, world_size=world, num_workers=0, seed=SEED, batch_size=batch,
-                          shuffle=True, drop_last=False, dataset_fingerprint="f", order_algorithm=order)
-    return RankState(config=config, position=IndexPosition(epoch=epoch, consumed=consumed, dataset_len=N,
-                                                          stages=list(stages)))
+    config = LoaderConfig(
+        rank=rank,
+        world_size=world,
+        num_workers=0,
+        seed=SEED,
+        batch_size=batch,
+        shuffle=True,
+        drop_last=False,
+        dataset_fingerprint="f",
+        order_algorithm=order,
+    )
+    return RankState(
+        config=config, position=IndexPosition(epoch=epoch, consumed=consumed, dataset_len=N, stages=list(stages))
+    )
 
 
 def test_a_rank_that_finished_the_epoch_counts_its_whole_share():
@@ -238,8 +252,9 @@ def test_states_too_far_apart_or_inconsistent_are_refused():
     with pytest.raises(sl.StateError, match="batch_size"):
         elastic_position([_state(0, 2, 3, 20), _state(1, 2, 3, 8, batch=8)], 3)
     legacy = _state(1, 2, 3, 8)
-    legacy = msgspec.structs.replace(legacy, config=msgspec.structs.replace(legacy.config,
-                                                                            order_algorithm="numpy-permutation"))
+    legacy = msgspec.structs.replace(
+        legacy, config=msgspec.structs.replace(legacy.config, order_algorithm="numpy-permutation")
+    )
     with pytest.raises(sl.StateError, match="order_algorithm='numpy-permutation'"):
         elastic_position([_state(0, 2, 3, 20, order="feistel-1"), legacy], 3)
 
@@ -247,7 +262,9 @@ def test_states_too_far_apart_or_inconsistent_are_refused():
 # -- world size, in one process (explicit ranks) ---------------------------------------
 
 
-@pytest.mark.parametrize(("old", "new", "steps"), [(2, 3, [2, 4]), (3, 2, [1, 1, 3]), (2, 1, [5, 0]), (4, 3, [3, 3, 2, 2])])
+@pytest.mark.parametrize(
+    ("old", "new", "steps"), [(2, 3, [2, 4]), (3, 2, [1, 1, 3]), (2, 1, [5, 0]), (4, 3, [3, 3, 2, 2])]
+)
 def test_world_size_change_in_process(old, new, steps):
     states = saved_states(old, steps)
     consumed = consumed_of(states, old)
@@ -392,7 +409,9 @@ def test_drop_in_batch_size_that_does_not_divide_is_refused(new):
 def pipeline_loader(batch: int, workers: int = 2, n: int = 70):
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=workers, seed=SEED)
     ds = sl.wrappers.MapDataset(sl.wrappers.BatchDataset(RangeSource(n, wc), batch), lambda b: b[:, 0])
-    return sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, multiprocessing_context="fork" if workers else None)
+    return sl.SavableDataLoader(
+        ds, batch_size=None, worker_config=wc, multiprocessing_context="fork" if workers else None
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -431,13 +450,18 @@ def test_pipeline_batch_size_that_does_not_divide_is_refused():
 def test_batch_rescale_factor_needs_a_batch_with_only_maps_above():
     batch = "savable_loader.wrappers.batch.BatchDataset"
     src = {"type": "S", "n": 1}
-    saved = {"type": "savable_loader.wrappers.map.MapDataset", "fn": "f",
-             "children": [{"type": batch, "batch_size": 8, "children": [src]}]}
+    saved = {
+        "type": "savable_loader.wrappers.map.MapDataset",
+        "fn": "f",
+        "children": [{"type": batch, "batch_size": 8, "children": [src]}],
+    }
     current = {**saved, "children": [{"type": batch, "batch_size": 2, "children": [src]}]}
     assert batch_rescale_factor(saved, current) == 4
     filtered = {"type": "F", "children": [{"type": batch, "batch_size": 8, "children": [src]}]}
-    assert batch_rescale_factor(filtered, {**filtered, "children": [{"type": batch, "batch_size": 4,
-                                                                     "children": [src]}]}) is None
+    assert (
+        batch_rescale_factor(filtered, {**filtered, "children": [{"type": batch, "batch_size": 4, "children": [src]}]})
+        is None
+    )
     assert batch_rescale_factor(saved, {**saved, "fn": "g"}) is None
 
 
@@ -445,8 +469,9 @@ def test_an_empty_share_is_an_empty_epoch_not_the_next_one():
     # N=10 on 2 ranks, 2 batches of 2 each consumed: 2 samples left for 4 new ranks
     def small(rank, world, drop_last=False):
         wc = sl.WorkerConfig(rank=rank, world_size=world, num_workers=0, seed=SEED)
-        return sl.SavableDataLoader(RandomMapDataset(10), batch_size=2, shuffle=True, drop_last=drop_last,
-                                    worker_config=wc)
+        return sl.SavableDataLoader(
+            RandomMapDataset(10), batch_size=2, shuffle=True, drop_last=drop_last, worker_config=wc
+        )
 
     states = []
     for rank in range(2):
@@ -511,6 +536,7 @@ def test_resume_at_every_step_of_a_resized_remainder(old, new, steps, drop_last,
     states = saved_states(old, steps, drop_last=drop_last)
 
     for rank in range(new):
+
         def resized(rank=rank):
             loader = make(rank, new, num_workers=num_workers, drop_last=drop_last)
             loader.restore_state_global(states)
@@ -518,8 +544,9 @@ def test_resume_at_every_step_of_a_resized_remainder(old, new, steps, drop_last,
 
         assert resized().save_state_rank().position.stages  # the remainder is a stage
         check_resume_everywhere(
-            resized, epochs=2, restore_factory=lambda rank=rank: make(rank, new, num_workers=num_workers,
-                                                                      drop_last=drop_last)
+            resized,
+            epochs=2,
+            restore_factory=lambda rank=rank: make(rank, new, num_workers=num_workers, drop_last=drop_last),
         )
 
 

@@ -118,9 +118,16 @@ def test_all_exports_and_top_level_names() -> None:
 
 def test_base_catches_everything() -> None:
     raised = [
-        StateError("s"), StateVersionError("v"), ConfigMismatchError("f", 1, 2), LoaderUsageError("u"),
-        WorkerError("w", 1), WorkerDiedError("d", 2), WorkerTimeoutError("t", 3),
-        StorageError("s"), RangeIgnoredError("r"), IntegrityError("i"),
+        StateError("s"),
+        StateVersionError("v"),
+        ConfigMismatchError("f", 1, 2),
+        LoaderUsageError("u"),
+        WorkerError("w", 1),
+        WorkerDiedError("d", 2),
+        WorkerTimeoutError("t", 3),
+        StorageError("s"),
+        RangeIgnoredError("r"),
+        IntegrityError("i"),
     ]
     for exc in raised:
         with pytest.raises(SavableLoaderError):
@@ -160,8 +167,12 @@ def _round_trips(exc: BaseException) -> list[BaseException]:
 
 @pytest.mark.parametrize(
     "exc",
-    [SavableLoaderError("base"), StateError("bad state"), StateVersionError("upgrade savable-loader"),
-     LoaderUsageError("bad call")],
+    [
+        SavableLoaderError("base"),
+        StateError("bad state"),
+        StateVersionError("upgrade savable-loader"),
+        LoaderUsageError("bad call"),
+    ],
     ids=lambda e: type(e).__name__,
 )
 def test_simple_errors_survive_pickling(exc: BaseException) -> None:
@@ -222,7 +233,11 @@ def test_storage_error_keeps_its_fields_through_pickling() -> None:
     for candidate in [exc, *_round_trips(exc)]:
         assert type(candidate) is StorageError
         assert (candidate.url, candidate.byte_range, candidate.attempts, candidate.cause) == (
-            "s3://b/x", (0, 10), 3, "HTTP 503 (...)")
+            "s3://b/x",
+            (0, 10),
+            3,
+            "HTTP 503 (...)",
+        )
         assert str(candidate) == "s3://b/x bytes [0, 10): 3 attempts ..."
     ranged = RangeIgnoredError("http://h/x bytes [5, 10): ...", "http://h/x", (5, 10), 1, "30 bytes")
     back = pickle.loads(pickle.dumps(ranged))

@@ -17,8 +17,19 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py"
 
 
 def torchrun(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), str(EXAMPLE), "--steps", "12", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(EXAMPLE),
+        "--steps",
+        "12",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
 
 

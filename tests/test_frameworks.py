@@ -32,6 +32,7 @@ RUN_TIMEOUT = 300
 
 pytestmark = pytest.mark.timeout(900)
 
+
 def _requires(*modules: str) -> pytest.MarkDecorator:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed")
@@ -39,8 +40,13 @@ def _requires(*modules: str) -> pytest.MarkDecorator:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONWARNINGS="ignore",
+    )
     return env
 
 
@@ -49,15 +55,35 @@ def _command(script: str, out: Path, run: str, procs: int, torchrun: bool, *args
     (Lightning and Fabric start their other ranks themselves from ``args``)."""
     cmd = [str(SCRIPTS / script), str(out), run, *args]
     if torchrun:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *cmd]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(procs),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            *cmd,
+        ]
     return [sys.executable, *cmd]
 
 
 def _run(cmds: list[list[str]], cwd: Path) -> list[subprocess.CompletedProcess[str]]:
     """Run the commands side by side; their results in order."""
-    procs = [subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              stdin=subprocess.DEVNULL, text=True) for cmd in cmds]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        for cmd in cmds
+    ]
     done = []
     for cmd, p in zip(cmds, procs):
         try:
@@ -85,8 +111,9 @@ def _assert_continues(got: list[dict], want: list[dict], what: str) -> None:
     assert len(got) == len(want), f"{what}: {len(got)} steps after the resume, expected {len(want)}"
 
 
-def check_scenario(tmp_path: Path, script: str, procs: int, torchrun: bool, *args: str,
-                   resume_from: tuple[int, ...] = SAVE_STEPS) -> None:
+def check_scenario(
+    tmp_path: Path, script: str, procs: int, torchrun: bool, *args: str, resume_from: tuple[int, ...] = SAVE_STEPS
+) -> None:
     """Reference run, then a resume from each checkpoint side by side; compare every rank."""
     _ok(_run([_command(script, tmp_path, "ref", procs, torchrun, *args)], tmp_path)[0])
     runs = [f"resume-{s}" for s in resume_from]
@@ -190,8 +217,18 @@ def test_docs_dcp_block_under_torchrun(tmp_path):
     dcp_block = next(b for b in blocks if "dcp.save(" in b)
     script = tmp_path / "dcp_block.py"
     script.write_text(f"{blocks[0]}\n{dcp_block}\nprint(f'rank {{dist.get_rank()}} of {{dist.get_world_size()}} ok')\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+    ]
     done = _run([cmd], tmp_path)[0]
     _ok(done)
     assert "rank 0 of 2 ok" in done.stdout and "rank 1 of 2 ok" in done.stdout, done.stdout

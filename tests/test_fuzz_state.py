@@ -89,8 +89,13 @@ def _replace(node: Any, path: tuple, value: Any) -> Any:
 
 
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=6)
-    | st.binary(max_size=6) | st.sampled_from(["rank", "global", "index", "pipeline", "", "x.Y"])
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=6)
+    | st.binary(max_size=6)
+    | st.sampled_from(["rank", "global", "index", "pipeline", "", "x.Y"])
     | st.builds(msgspec.msgpack.Ext, st.integers(-128, 127), st.binary(max_size=12)),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
     max_leaves=8,
@@ -175,7 +180,9 @@ def _header_offsets(data: bytes) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("kind", sorted(VALID))
-@pytest.mark.parametrize("prefix", [b"\xc6", b"\xdb", b"\xdd", b"\xdf", b"\xc9"], ids=["bin", "str", "array", "map", "ext"])
+@pytest.mark.parametrize(
+    "prefix", [b"\xc6", b"\xdb", b"\xdd", b"\xdf", b"\xc9"], ids=["bin", "str", "array", "map", "ext"]
+)
 def test_length_prefix_claiming_gigabytes_allocates_nothing(kind: str, prefix: bytes) -> None:
     valid = VALID[kind]
     offsets = _header_offsets(valid)
@@ -183,7 +190,7 @@ def test_length_prefix_claiming_gigabytes_allocates_nothing(kind: str, prefix: b
     for offset, n in offsets:
         # a 32-bit length of 4 GiB - 1 in place of the item's real header
         extra = b"\x01" if prefix == b"\xc9" else b""
-        data = valid[:offset] + prefix + b"\xff\xff\xff\xff" + extra + valid[offset + n:]
+        data = valid[:offset] + prefix + b"\xff\xff\xff\xff" + extra + valid[offset + n :]
         tracemalloc.start()
         try:
             result = _decode_or_state_error(data)
@@ -194,8 +201,14 @@ def test_length_prefix_claiming_gigabytes_allocates_nothing(kind: str, prefix: b
         assert peak < MAX_PEAK, f"offset {offset}: decoding allocated {peak} bytes"
 
 
-def _file(payload: bytes, *, length: int | None = None, version: int = 1, magic: bytes = b"SLSTATE\x00",
-          digest: bytes | None = None) -> bytes:
+def _file(
+    payload: bytes,
+    *,
+    length: int | None = None,
+    version: int = 1,
+    magic: bytes = b"SLSTATE\x00",
+    digest: bytes | None = None,
+) -> bytes:
     length = len(payload) if length is None else length
     digest = hashlib.blake2b(payload, digest_size=32).digest() if digest is None else digest
     return HEADER.pack(magic, version, length, digest) + payload
@@ -237,8 +250,9 @@ def test_load_file_with_mutated_payload_and_matching_checksum(kind: str, data: s
     st.one_of(st.none(), st.binary(min_size=32, max_size=32)),
     st.integers(0, 80),
 )
-def test_load_file_with_mutated_header(kind: str, length: int | None, version: int, magic: bytes,
-                                       digest: bytes | None, cut: int) -> None:
+def test_load_file_with_mutated_header(
+    kind: str, length: int | None, version: int, magic: bytes, digest: bytes | None, cut: int
+) -> None:
     raw = _file(VALID[kind], length=length, version=version, magic=magic, digest=digest)
     result = _load_or_state_error(raw[: len(raw) - cut] if cut else raw)
     if result is not None:

@@ -56,8 +56,11 @@ class _HoldsRng(sl.SavableDataset):
 def test_an_inner_dataset_not_returned_by_children_is_an_error_at_every_save() -> None:
     ds = _Hides(RangeSource(4, _wc()))
     for _ in range(2):  # a class that failed is checked again
-        with pytest.raises(DatasetContractError, match=r"_Hides holds the SavableDataset RangeSource in "
-                           r"_Hides.parts\['main'\] but _Hides.children\(\) does not return it"):
+        with pytest.raises(
+            DatasetContractError,
+            match=r"_Hides holds the SavableDataset RangeSource in "
+            r"_Hides.parts\['main'\] but _Hides.children\(\) does not return it",
+        ):
             ds.save_state()
     with pytest.raises(DatasetContractError):
         list(sl.SavableDataLoader(_Hides(RangeSource(4, _wc())), batch_size=None, worker_config=_wc()))
@@ -71,15 +74,23 @@ def test_wrappers_that_return_their_children_pass() -> None:
 
 
 @pytest.mark.parametrize(
-    "make", [lambda: random.Random(0), lambda: np.random.default_rng(0), lambda: np.random.RandomState(0),
-             lambda: torch.Generator().manual_seed(0)],
+    "make",
+    [
+        lambda: random.Random(0),
+        lambda: np.random.default_rng(0),
+        lambda: np.random.RandomState(0),
+        lambda: torch.Generator().manual_seed(0),
+    ],
     ids=["random", "numpy", "randomstate", "torch"],
 )
 def test_an_unsaved_generator_warns_once_per_class(make, monkeypatch) -> None:
     monkeypatch.setattr(_guards, "_checked", set())
     ds = _HoldsRng(_wc(), make())
-    with pytest.warns(UnsavedRngWarning, match=r"_HoldsRng holds a random generator in _HoldsRng.aug.rng, but 'aug' "
-                      r"is not in _HoldsRng._savable_fields"):
+    with pytest.warns(
+        UnsavedRngWarning,
+        match=r"_HoldsRng holds a random generator in _HoldsRng.aug.rng, but 'aug' "
+        r"is not in _HoldsRng._savable_fields",
+    ):
         ds.save_state()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -19,8 +19,16 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def mode(dataset=None, **kw) -> OrderMode:
-    kw = {"seed": 5, "seed_explicit": True, "shuffle": True, "rank": 0, "world_size": 1, "batch_size": 4,
-          "drop_last": False, **kw}
+    kw = {
+        "seed": 5,
+        "seed_explicit": True,
+        "shuffle": True,
+        "rank": 0,
+        "world_size": 1,
+        "batch_size": 4,
+        "drop_last": False,
+        **kw,
+    }
     return OrderMode(RandomMapDataset(10) if dataset is None else dataset, collate_fn=default_collate, **kw)
 
 
@@ -125,7 +133,14 @@ def test_loader_config_records_the_configuration():
     m = mode(rank=1, world_size=3, batch_size=2, drop_last=True, seed=9, shuffle=False)
     c = m.loader_config(4)
     assert (c.rank, c.world_size, c.num_workers, c.seed, c.batch_size, c.shuffle, c.drop_last) == (
-        1, 3, 4, 9, 2, False, True)
+        1,
+        3,
+        4,
+        9,
+        2,
+        False,
+        True,
+    )
     assert (c.seed_formula, c.sampler) == (2, "")
     assert c.dataset_config == {"type": "tests.common.RandomMapDataset", "len": 10}
     assert c.dataset_fingerprint == m.fingerprint
@@ -264,12 +279,27 @@ def test_map_dataset_config():
 @pytest.mark.parametrize(
     ("old", "new", "path", "saved", "current"),
     [
-        ({"aug": {"flip": True, "sizes": [32, 64]}}, {"aug": {"flip": True, "sizes": [32, 48]}},
-         "dataset_config.config.aug.sizes[1]", 64, 48),
-        ({"aug": {"flip": True, "sizes": [32, 64]}}, {"aug": {"flip": False, "sizes": [32, 48]}},
-         "dataset_config.config.aug.flip", True, False),  # the first differing key, in sorted order
-        ({"aug": {"sizes": [32, 64]}}, {"aug": {"sizes": [32]}},
-         "dataset_config.config.aug.sizes", [32, 64], [32]),  # lists of another length: whole list
+        (
+            {"aug": {"flip": True, "sizes": [32, 64]}},
+            {"aug": {"flip": True, "sizes": [32, 48]}},
+            "dataset_config.config.aug.sizes[1]",
+            64,
+            48,
+        ),
+        (
+            {"aug": {"flip": True, "sizes": [32, 64]}},
+            {"aug": {"flip": False, "sizes": [32, 48]}},
+            "dataset_config.config.aug.flip",
+            True,
+            False,
+        ),  # the first differing key, in sorted order
+        (
+            {"aug": {"sizes": [32, 64]}},
+            {"aug": {"sizes": [32]}},
+            "dataset_config.config.aug.sizes",
+            [32, 64],
+            [32],
+        ),  # lists of another length: whole list
         ({"root": "/a"}, {"root": "/a", "new": 1}, "dataset_config.config.new", "<missing>", 1),
         ({"root": "/a", "old": 1}, {"root": "/a"}, "dataset_config.config.old", 1, "<missing>"),
         ({"items": [{"a": 1}, {"a": 2}]}, {"items": [{"a": 1}, {"a": 3}]}, "dataset_config.config.items[1].a", 2, 3),
@@ -289,7 +319,10 @@ def test_dataset_type_change_is_named():
     with pytest.raises(ConfigMismatchError) as info:
         mode(OtherType(10, {"a": 1})).check(before.loader_config(0), before.start_position(0), 0)
     assert (info.value.field, info.value.saved, info.value.current) == (
-        "dataset_config.type", "tests.test_index_mode.Configured", "tests.test_index_mode.OtherType")
+        "dataset_config.type",
+        "tests.test_index_mode.Configured",
+        "tests.test_index_mode.OtherType",
+    )
 
 
 def test_check_dataset_config_passes_on_equal_fingerprints():

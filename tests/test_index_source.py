@@ -220,7 +220,9 @@ def test_build_reseeds_per_seed_epoch_position():
     # another position, epoch or seed: other draws for the same dataset index
     other_position = ds.build(BatchKey(1, (6,), (2,)))[0]
     other_epoch = ds.build(BatchKey(2, (5,), (2,)))[0]
-    other_seed = IndexedDataset(RandomMapDataset(20), seed=5, collate_fn=stack, batched=True).build(BatchKey(1, (5,), (2,)))[0]
+    other_seed = IndexedDataset(RandomMapDataset(20), seed=5, collate_fn=stack, batched=True).build(
+        BatchKey(1, (5,), (2,))
+    )[0]
     for name, x in (("position", other_position), ("epoch", other_epoch), ("seed", other_seed)):
         assert int(x[0]) == 2
         assert not torch.equal(x, a[0]), f"changing the {name} did not change the draws"
@@ -294,8 +296,9 @@ def test_own_getitems_loads_a_batch_in_one_call_after_one_reseed():
     seed_global(item_seed(counter_seed(derive_seed(1, "sample", 0), 4)))
     assert int(batch[0, 1]) == random.randint(0, 10**6)
     # torch's Subset forwards __getitems__ per sample: the per-sample seeds stay
-    sub = IndexedDataset(torch.utils.data.Subset(RandomMapDataset(10), range(10)), seed=1, collate_fn=stack,
-                         batched=True)
+    sub = IndexedDataset(
+        torch.utils.data.Subset(RandomMapDataset(10), range(10)), seed=1, collate_fn=stack, batched=True
+    )
     plain = IndexedDataset(RandomMapDataset(10), seed=1, collate_fn=stack, batched=True)
     key = BatchKey(0, (4, 5), (7, 8))
     assert_same(sub.build(key), plain.build(key), "Subset vs its dataset")

@@ -41,8 +41,11 @@ def read_all(folder: Path) -> list:
 
 
 def shard_snapshot(folder: Path) -> dict[str, tuple[str, int]]:
-    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in folder.rglob("*") if p.is_file() and p.suffix in (".tar", ".parquet", ".npy", ".pt", ".jsonl")}
+    return {
+        p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in folder.rglob("*")
+        if p.is_file() and p.suffix in (".tar", ".parquet", ".npy", ".pt", ".jsonl")
+    }
 
 
 def mixed_folder(folder: Path) -> Path:
@@ -104,8 +107,9 @@ def test_an_energon_folder_keeps_its_indexes(tmp_path):
     index_folder(folder, progress=False)
     (folder / "metadata.json").unlink()
     (folder / ".nv-meta").mkdir()
-    (folder / ".nv-meta" / ".info.json").write_text(json.dumps({"shard_counts": {"shard-000.tar": 3,
-                                                                                 "shard-001.tar": 4}}))
+    (folder / ".nv-meta" / ".info.json").write_text(
+        json.dumps({"shard_counts": {"shard-000.tar": 3, "shard-001.tar": 4}})
+    )
     stamps = {p.name: p.stat().st_mtime_ns for p in folder.glob("*.idx")}
     index_folder(folder, progress=False)
     assert {p.name: p.stat().st_mtime_ns for p in folder.glob("*.idx")} == stamps  # reused, not rewritten
@@ -171,7 +175,9 @@ def test_an_interrupted_run_resumes(tmp_path, monkeypatch):
         f.write(b'{"path": "shard-005.tar", "si')  # a torn last line
     calls = []
     real = indexing._index_one
-    monkeypatch.setattr(indexing, "_index_one", lambda store, entry, *a: calls.append(entry.path) or real(store, entry, *a))
+    monkeypatch.setattr(
+        indexing, "_index_one", lambda store, entry, *a: calls.append(entry.path) or real(store, entry, *a)
+    )
     progress = io.StringIO()
     meta = index_folder(folder, workers=2, progress=IndexProgress(progress))
     assert sorted(calls) == sorted({f"shard-{i:03d}.tar" for i in range(6)} - set(journaled))
@@ -186,13 +192,19 @@ def test_a_killed_command_resumes(tmp_path):
     """SIGKILL the command line mid-run (each shard slowed down), run it again: it finishes,
     skipping what the journal holds, and writes what an uninterrupted run writes."""
     folder = write_tar_folder(tmp_path / "d", [2] * 12)
-    script = ("import sys, time; import savable_loader.sources.indexing as ix; real = ix._index_one\n"
-              "def slow(*a): time.sleep(0.3); return real(*a)\n"
-              "ix._index_one = slow\n"
-              "from savable_loader.__main__ import main; sys.exit(main(sys.argv[1:]))\n")
+    script = (
+        "import sys, time; import savable_loader.sources.indexing as ix; real = ix._index_one\n"
+        "def slow(*a): time.sleep(0.3); return real(*a)\n"
+        "ix._index_one = slow\n"
+        "from savable_loader.__main__ import main; sys.exit(main(sys.argv[1:]))\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-c", script, "index", str(folder), "--workers", "2"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "index", str(folder), "--workers", "2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     journal = folder / JOURNAL
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not journal.exists() or len(journal.read_bytes().splitlines()) < 3):
@@ -202,8 +214,14 @@ def test_a_killed_command_resumes(tmp_path):
     assert not (folder / "metadata.json").exists()
     kept = len(journal.read_bytes().splitlines())
     assert 3 <= kept < 12
-    out = subprocess.run([sys.executable, "-m", "savable_loader", "index", str(folder), "--json", "--quiet"], env=env,
-                         capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "savable_loader", "index", str(folder), "--json", "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["samples"] == 24
     expected = write_tar_folder(tmp_path / "e", [2] * 12)

@@ -35,8 +35,17 @@ from tests.common import RangeSource
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = struct.Struct("<8sIQ32s")
-RANK_KEYS = {"rank", "path", "epoch", "num_workers", "encoded_size", "schema_version", "library_version",
-             "config", "position"}
+RANK_KEYS = {
+    "rank",
+    "path",
+    "epoch",
+    "num_workers",
+    "encoded_size",
+    "schema_version",
+    "library_version",
+    "config",
+    "position",
+}
 
 
 def _double(x: Any) -> Any:
@@ -45,8 +54,13 @@ def _double(x: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def dropin_state() -> RankState:
-    loader = sl.SavableDataLoader(list(range(100)), batch_size=4, shuffle=True, num_workers=0,
-                                  worker_config=sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=5))
+    loader = sl.SavableDataLoader(
+        list(range(100)),
+        batch_size=4,
+        shuffle=True,
+        num_workers=0,
+        worker_config=sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=5),
+    )
     it = iter(loader)
     for _ in range(3):
         next(it)
@@ -68,26 +82,58 @@ def pipeline_state() -> RankState:
 
 def synthetic_state(rank: int = 0, world_size: int = 1) -> RankState:
     """A pipeline state with an exhausted worker, a worker at the epoch start and arrays."""
-    node = DatasetState(type="pkg.Outer", fields={"n": 7, "name": "x" * 100, "blob": b"\x00" * 40},
-                        children=[DatasetState(type="pkg.Inner", fields={
-                            "arr": ArrayValue(library="numpy", dtype="float32", shape=(2, 3), data=b"\x00" * 24),
-                            "items": [1, "a"], "d": {"k": None},
-                            "pair": TupleValue([1, ArrayValue(library="numpy-scalar", dtype="float32", shape=(),
-                                                              data=b"\x00\x00\xc0?")])})])
+    node = DatasetState(
+        type="pkg.Outer",
+        fields={"n": 7, "name": "x" * 100, "blob": b"\x00" * 40},
+        children=[
+            DatasetState(
+                type="pkg.Inner",
+                fields={
+                    "arr": ArrayValue(library="numpy", dtype="float32", shape=(2, 3), data=b"\x00" * 24),
+                    "items": [1, "a"],
+                    "d": {"k": None},
+                    "pair": TupleValue(
+                        [1, ArrayValue(library="numpy-scalar", dtype="float32", shape=(), data=b"\x00\x00\xc0?")]
+                    ),
+                },
+            )
+        ],
+    )
     return RankState(
-        config=LoaderConfig(rank=rank, world_size=world_size, num_workers=2, seed=9, batch_size=None,
-                            shuffle=False, drop_last=False, dataset_fingerprint="b" * 24),
-        position=PipelinePosition(epoch=4, next_worker=1, workers=[
-            WorkerState(worker_id=0, index=10, snapshot_index=7, dataset=node, exhausted=True),
-            WorkerState(worker_id=1, index=0, snapshot_index=0),
-        ]),
+        config=LoaderConfig(
+            rank=rank,
+            world_size=world_size,
+            num_workers=2,
+            seed=9,
+            batch_size=None,
+            shuffle=False,
+            drop_last=False,
+            dataset_fingerprint="b" * 24,
+        ),
+        position=PipelinePosition(
+            epoch=4,
+            next_worker=1,
+            workers=[
+                WorkerState(worker_id=0, index=10, snapshot_index=7, dataset=node, exhausted=True),
+                WorkerState(worker_id=1, index=0, snapshot_index=0),
+            ],
+        ),
     )
 
 
 def index_state(rank: int, consumed: int) -> RankState:
     return RankState(
-        config=LoaderConfig(rank=rank, world_size=2, num_workers=3, seed=11, batch_size=8, shuffle=True,
-                            drop_last=True, dataset_fingerprint="f" * 24, dataset_config={"n": 1000}),
+        config=LoaderConfig(
+            rank=rank,
+            world_size=2,
+            num_workers=3,
+            seed=11,
+            batch_size=8,
+            shuffle=True,
+            drop_last=True,
+            dataset_fingerprint="f" * 24,
+            dataset_config={"n": 1000},
+        ),
         position=IndexPosition(epoch=1, consumed=consumed, dataset_len=1000),
     )
 
@@ -141,9 +187,17 @@ def test_dropin_state_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], d
     assert set(doc) == set(_inspect.DOCUMENT_KEYS)
     payload = encode(dropin_state)
     assert doc | {"ranks": None} == {
-        "format": 1, "file": str(path), "container": "state-file", "file_size": path.stat().st_size,
-        "encoded_size": len(payload), "kind": "rank", "schema_version": dropin_state.schema_version,
-        "library_version": sl.__version__, "world_size": 1, "num_ranks": 1, "ranks": None,
+        "format": 1,
+        "file": str(path),
+        "container": "state-file",
+        "file_size": path.stat().st_size,
+        "encoded_size": len(payload),
+        "kind": "rank",
+        "schema_version": dropin_state.schema_version,
+        "library_version": sl.__version__,
+        "world_size": 1,
+        "num_ranks": 1,
+        "ranks": None,
     }
     assert doc["file_size"] == HEADER.size + len(payload)
     (rank,) = doc["ranks"]
@@ -162,8 +216,9 @@ def test_dropin_state_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], d
     assert f"file            {path.stat().st_size:,} bytes: state file format 1, checksum ok" in text
 
 
-def test_pipeline_state_file_two_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                         pipeline_state: RankState) -> None:
+def test_pipeline_state_file_two_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], pipeline_state: RankState
+) -> None:
     path = tmp_path / "loader.state"
     save_file(path, pipeline_state)
     doc = inspect_json(path, capsys)
@@ -175,8 +230,12 @@ def test_pipeline_state_file_two_workers(tmp_path: Path, capsys: pytest.CaptureF
     assert len(position["workers"]) == 2
     for summary, worker in zip(position["workers"], pipeline_state.position.workers):
         assert {k: summary[k] for k in ("worker_id", "index", "snapshot_index", "exhausted", "skip")} == {
-            "worker_id": worker.worker_id, "index": worker.index, "snapshot_index": worker.snapshot_index,
-            "exhausted": worker.exhausted, "skip": worker.skip}
+            "worker_id": worker.worker_id,
+            "index": worker.index,
+            "snapshot_index": worker.snapshot_index,
+            "exhausted": worker.exhausted,
+            "skip": worker.skip,
+        }
         assert summary["dataset_size"] == len(encode_part(worker.dataset))
         assert_outline(summary["dataset"], worker.dataset)
     # 3 batches of 3 from 2 round-robin workers: worker 0 gave 2, worker 1 gave 1
@@ -239,8 +298,13 @@ def test_synthetic_pipeline_outline(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert outer["name"] == {"type": "str", "size": 102, "length": 100}  # long: no value
     assert outer["blob"] == {"type": "bytes", "size": 42, "length": 40}
     inner = workers[0]["dataset"]["children"][0]["fields"]
-    assert inner["arr"] | {"size": 0} == {"type": "array", "size": 0, "library": "numpy", "dtype": "float32",
-                                         "shape": [2, 3]}
+    assert inner["arr"] | {"size": 0} == {
+        "type": "array",
+        "size": 0,
+        "library": "numpy",
+        "dtype": "float32",
+        "shape": [2, 3],
+    }
     assert inner["items"]["item_types"] == ["int", "str"]
     assert inner["pair"] | {"size": 0} == {"type": "tuple", "size": 0, "length": 2, "item_types": ["array", "int"]}
     code, text, _ = inspect(path, capsys)
@@ -248,7 +312,7 @@ def test_synthetic_pipeline_outline(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "worker 0        consumed 10, snapshot at 7 (skip 3), exhausted; dataset state" in text
     assert "worker 1        consumed 0, snapshot at 0 (skip 0); no dataset state (epoch start)" in text
     assert ".arr: numpy float32[2,3] (" in text
-    assert '.n: int 7 (1 B)' in text
+    assert ".n: int 7 (1 B)" in text
     assert "x" * 49 not in text  # values are outlined, not printed
 
 
@@ -260,7 +324,12 @@ def test_every_schema_field_is_reported(tmp_path: Path, capsys: pytest.CaptureFi
     rank = inspect_json(path, capsys)["ranks"][0]
     assert set(rank["config"]) == set(LoaderConfig.__struct_fields__)
     assert set(rank["position"]) == {"type", *PipelinePosition.__struct_fields__}
-    assert set(rank["position"]["workers"][0]) == {"skip", "dataset_size", "carried_size", *WorkerState.__struct_fields__}
+    assert set(rank["position"]["workers"][0]) == {
+        "skip",
+        "dataset_size",
+        "carried_size",
+        *WorkerState.__struct_fields__,
+    }
     assert set(IndexPosition.__struct_fields__) <= set(_inspect._plain(index_state(0, 1).position))
 
 
@@ -330,14 +399,29 @@ def _garbage(tmp_path: Path, kind: str) -> tuple[Path, str]:
     raise AssertionError(kind)
 
 
-GARBAGE = ["empty", "missing", "directory", "json", "text", "truncated", "short-header", "checksum", "magic",
-           "format", "raw-truncated", "foreign-msgpack", "newer-schema", "zip"]
+GARBAGE = [
+    "empty",
+    "missing",
+    "directory",
+    "json",
+    "text",
+    "truncated",
+    "short-header",
+    "checksum",
+    "magic",
+    "format",
+    "raw-truncated",
+    "foreign-msgpack",
+    "newer-schema",
+    "zip",
+]
 
 
 @pytest.mark.parametrize("kind", GARBAGE)
 @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
-def test_garbage_exits_2_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str,
-                                         as_json: bool) -> None:
+def test_garbage_exits_2_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, as_json: bool
+) -> None:
     path, expected = _garbage(tmp_path, kind)
     code, out, err = inspect(path, capsys, *(["--json"] if as_json else []))
     assert code == 2
@@ -362,7 +446,9 @@ def test_runs_without_torch(tmp_path: Path, pipeline_state: RankState) -> None:
         "print(codes, 'torch' in sys.modules, 'numpy' in sys.modules, file=sys.stderr)\n"
     )
     paths = [str(good), str(tmp_path / "global.state"), str(tmp_path / "bad.state")]
-    out = subprocess.run([sys.executable, "-c", code, *paths], check=False, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *paths], check=False, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     last = out.stderr.strip().splitlines()[-1]
     assert last == "[0, 0, 0, 0, 2, 2] False False", out.stderr
     assert out.stdout.count("savable_loader state: ") == 2
@@ -372,19 +458,30 @@ def test_new_rank_state_fields_are_reported_as_extra() -> None:
     class FutureRankState(RankState, frozen=True, kw_only=True, tag="rank", tag_field="kind"):
         restore_keys: tuple[str, ...] = ()
 
-    state = FutureRankState(config=index_state(0, 3).config, position=index_state(0, 3).position,
-                            restore_keys=("a", "b"))
+    state = FutureRankState(
+        config=index_state(0, 3).config, position=index_state(0, 3).position, restore_keys=("a", "b")
+    )
     summary = _inspect._rank(state)
     assert summary["extra"] == {"restore_keys": ["a", "b"]}
-    doc = {"file": "f", "container": "raw", "file_size": 1, "encoded_size": 1, "kind": "rank",
-           "schema_version": 1, "library_version": "", "world_size": 2, "num_ranks": 1, "ranks": [summary]}
+    doc = {
+        "file": "f",
+        "container": "raw",
+        "file_size": 1,
+        "encoded_size": 1,
+        "kind": "rank",
+        "schema_version": 1,
+        "library_version": "",
+        "world_size": 2,
+        "num_ranks": 1,
+        "ranks": [summary],
+    }
     assert '  restore keys    ["a","b"]' in _inspect.render_text(doc).splitlines()
 
 
 def test_readme_documents_every_json_key() -> None:
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Inspecting a state file"):]
-    section = section[:section.index("\n## ")]
+    section = readme[readme.index("### Inspecting a state file") :]
+    section = section[: section.index("\n## ")]
     for key in (*_inspect.DOCUMENT_KEYS, *RANK_KEYS, "extra", "skip", "dataset_size", "item_types"):
         assert f"`{key}`" in section or f" {key}," in section or f"{key}?" in section, key
 
@@ -398,7 +495,9 @@ def test_a_carried_end_state_is_outlined(tmp_path: Path, capsys: pytest.CaptureF
     save_file(path, state)
     code, text, _ = inspect(path, capsys)
     assert code == 0
-    assert "worker 1        consumed 2, snapshot at 0 (skip 2); epoch start from the previous epoch's end state (" in text
+    assert (
+        "worker 1        consumed 2, snapshot at 0 (skip 2); epoch start from the previous epoch's end state (" in text
+    )
     assert "pkg.Epochize (" in text and ".count: int 3" in text
     doc = inspect_json(path, capsys)
     assert doc["ranks"][0]["position"]["workers"][1]["carried_size"] > 0

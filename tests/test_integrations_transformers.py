@@ -45,14 +45,29 @@ class Points(torch.utils.data.Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> dict:
-        return {"x": torch.full((4,), float(i)) + torch.randn(4), "labels": torch.tensor([i % 3 + random.random()]),
-                "idx": i, "note": "unused"}
+        return {
+            "x": torch.full((4,), float(i)) + torch.randn(4),
+            "labels": torch.tensor([i % 3 + random.random()]),
+            "idx": i,
+            "note": "unused",
+        }
 
 
 def _args(tmp_path, **kw) -> transformers.TrainingArguments:
-    base = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "max_steps": 12,
-            "save_strategy": "steps", "save_steps": 2, "logging_strategy": "no", "report_to": [], "use_cpu": True,
-            "seed": 0, "learning_rate": 0.05, "disable_tqdm": True, "dataloader_pin_memory": False}
+    base = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 4,
+        "max_steps": 12,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "logging_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "learning_rate": 0.05,
+        "disable_tqdm": True,
+        "dataloader_pin_memory": False,
+    }
     base.update(kw)
     return transformers.TrainingArguments(**base)
 
@@ -79,9 +94,17 @@ def _train(tmp_path, resume=None, dataset=None, **kw) -> Recording:
 
 
 def test_the_loader_takes_the_trainer_arguments(tmp_path):
-    args = _args(tmp_path, per_device_train_batch_size=3, dataloader_drop_last=True, dataloader_num_workers=2,
-                 dataloader_persistent_workers=True, dataloader_prefetch_factor=3, data_seed=11, seed=5,
-                 dataloader_multiprocessing_context="spawn")
+    args = _args(
+        tmp_path,
+        per_device_train_batch_size=3,
+        dataloader_drop_last=True,
+        dataloader_num_workers=2,
+        dataloader_persistent_workers=True,
+        dataloader_prefetch_factor=3,
+        data_seed=11,
+        seed=5,
+        dataloader_multiprocessing_context="spawn",
+    )
     trainer = SavableTrainer(model=Regression(), args=args, train_dataset=Points())
     loader = trainer.get_train_dataloader()
     assert isinstance(loader, sl.SavableDataLoader)
@@ -94,8 +117,9 @@ def test_the_loader_takes_the_trainer_arguments(tmp_path):
 def test_unused_columns_are_removed_as_the_trainer_removes_them(tmp_path):
     points = Points(8)
     rows = [points[i] for i in range(8)]
-    table = datasets.Dataset.from_dict({k: [r[k].tolist() if torch.is_tensor(r[k]) else r[k] for r in rows]
-                                        for k in rows[0]})
+    table = datasets.Dataset.from_dict(
+        {k: [r[k].tolist() if torch.is_tensor(r[k]) else r[k] for r in rows] for k in rows[0]}
+    )
     for data in (points, table):
         args = _args(tmp_path, train_sampling_strategy="sequential")
         trainer = SavableTrainer(model=Regression(), args=args, train_dataset=data)
@@ -107,13 +131,15 @@ def test_unused_columns_are_removed_as_the_trainer_removes_them(tmp_path):
 
 
 def test_sampling_strategies(tmp_path):
-    trainer = SavableTrainer(model=Regression(), args=_args(tmp_path, train_sampling_strategy="sequential"),
-                             train_dataset=Points())
+    trainer = SavableTrainer(
+        model=Regression(), args=_args(tmp_path, train_sampling_strategy="sequential"), train_dataset=Points()
+    )
     assert next(iter(trainer.get_train_dataloader()))["idx"].tolist() == [0, 1, 2, 3]
     trainer = SavableTrainer(model=Regression(), args=_args(tmp_path), train_dataset=Points())
     assert next(iter(trainer.get_train_dataloader()))["idx"].tolist() != [0, 1, 2, 3]
-    trainer = SavableTrainer(model=Regression(), args=_args(tmp_path, train_sampling_strategy="group_by_length"),
-                             train_dataset=Points())
+    trainer = SavableTrainer(
+        model=Regression(), args=_args(tmp_path, train_sampling_strategy="group_by_length"), train_dataset=Points()
+    )
     with pytest.raises(sl.LoaderUsageError, match="train_sampling_strategy.*'group_by_length'"):
         trainer.get_train_dataloader()
 
@@ -158,16 +184,20 @@ def test_a_checkpoint_without_loader_state_is_a_clear_error(tmp_path):
 
 def test_ignore_data_skip_starts_the_epoch_over(tmp_path):
     reference = _train(tmp_path, max_steps=3)
-    continued = _train(tmp_path / "again", resume=str(tmp_path / "out" / "checkpoint-2"), max_steps=4,
-                       ignore_data_skip=True)
+    continued = _train(
+        tmp_path / "again", resume=str(tmp_path / "out" / "checkpoint-2"), max_steps=4, ignore_data_skip=True
+    )
     assert_same(continued.seen[0][1]["idx"], reference.seen[0][1]["idx"])  # epoch 0's first batch again
 
 
 def test_a_trainer_position_that_differs_from_the_loader_state_is_an_error(tmp_path):
     """The checkpoint's trainer_state says 2 updates of 2 batches; the loader consumed 2."""
     _train(tmp_path, max_steps=2)
-    with pytest.raises(sl.StateError, match=r"loader state .* epoch 0, batch 2 .* Trainer's state resumes at epoch 0, "
-                                            r"batch 4"):
+    with pytest.raises(
+        sl.StateError,
+        match=r"loader state .* epoch 0, batch 2 .* Trainer's state resumes at epoch 0, "
+        r"batch 4",
+    ):
         _train(tmp_path, resume=str(tmp_path / "out" / "checkpoint-2"), gradient_accumulation_steps=2, max_steps=4)
 
 

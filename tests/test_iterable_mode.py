@@ -257,7 +257,9 @@ def test_seeds_are_below_2_63(num_workers):
 
 def _legacy(state: Any) -> Any:
     """``state`` as a state written before ``LoaderConfig.seed_formula`` existed."""
-    return msgspec.structs.replace(state, config=msgspec.structs.replace(state.config, seed_formula=LEGACY_SEED_FORMULA))
+    return msgspec.structs.replace(
+        state, config=msgspec.structs.replace(state.config, seed_formula=LEGACY_SEED_FORMULA)
+    )
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -294,9 +296,12 @@ def test_a_state_of_the_legacy_seed_formula_keeps_its_stream(num_workers):
 def test_a_drawn_seed_adopts_the_states(num_workers):
     """``seed=None`` draws a seed (torch's global RNG); a restore takes the state's; an
     explicit other seed is refused."""
+
     def factory(seed: int | None) -> sl.SavableDataLoader:
         kw = {"multiprocessing_context": "fork"} if num_workers else {}
-        return sl.SavableDataLoader(Seeds(), batch_size=None, collate_fn=_plain, num_workers=num_workers, seed=seed, **kw)
+        return sl.SavableDataLoader(
+            Seeds(), batch_size=None, collate_fn=_plain, num_workers=num_workers, seed=seed, **kw
+        )
 
     torch.manual_seed(1)
     ld = factory(None)

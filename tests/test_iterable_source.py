@@ -28,8 +28,12 @@ CALLS: list[tuple[str, int]] = []  # ("fn", 0) / ("seek", position) / ("item", v
 def build(value: int, epoch: int) -> torch.Tensor:
     """A sample that draws from the three global RNGs while it is produced."""
     return torch.tensor(
-        [value + 1000 * epoch, random.randint(0, 10**6), int(np.random.randint(0, 10**6)),
-         int(torch.randint(0, 10**6, ()))]
+        [
+            value + 1000 * epoch,
+            random.randint(0, 10**6),
+            int(np.random.randint(0, 10**6)),
+            int(torch.randint(0, 10**6, ())),
+        ]
     )
 
 
@@ -131,7 +135,9 @@ def test_restore_without_seek_replays_and_says_so(k):
         "samples through the function (no seek callback was given), which costs as long as producing them "
         "did; pass seek=... to jump there directly"
     )
-    assert CALLS[0] == ("fn", 0) and [c for c in CALLS if c[0] == "item"][:k + 1] == [("item", 2 * i) for i in range(k + 1)]
+    assert CALLS[0] == ("fn", 0) and [c for c in CALLS if c[0] == "item"][: k + 1] == [
+        ("item", 2 * i) for i in range(k + 1)
+    ]
 
 
 def test_no_warning_without_restore():
@@ -184,7 +190,9 @@ def test_bad_arguments():
         IterableSource([1, 2], wconf())
     with pytest.raises(LoaderUsageError, match="seek must be None or callable"):
         IterableSource(numbers, wconf(), seek=3)
-    with pytest.raises(LoaderUsageError, match=r"fn test_bad_arguments.<locals>.<lambda> must return an iterable, got int"):
+    with pytest.raises(
+        LoaderUsageError, match=r"fn test_bad_arguments.<locals>.<lambda> must return an iterable, got int"
+    ):
         list(IterableSource(lambda info: 3, wconf()))
     assert IterableSource(numbers, wconf()).config() == {"fn": numbers}
 

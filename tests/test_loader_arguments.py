@@ -27,10 +27,8 @@ class Stream(torch.utils.data.IterableDataset):
 def test_signature_is_torchs_plus_keyword_only_extras():
     ours = list(inspect.signature(sl.SavableDataLoader.__init__).parameters.values())
     theirs = list(inspect.signature(DataLoader.__init__).parameters.values())
-    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [
-        (p.name, p.kind, p.default) for p in theirs
-    ]
-    extras = ours[len(theirs):]
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [(p.name, p.kind, p.default) for p in theirs]
+    extras = ours[len(theirs) :]
     assert [p.name for p in extras] == ["seed", "worker_config", "snapshot_every_n_steps", "save_timeout", "reseed"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extras)
 
@@ -40,9 +38,23 @@ def test_positional_arguments_and_explicit_defaults():
     loader = sl.SavableDataLoader(ds, 4, True, None, None, 0, None, False, True, 0, None, None, None)
     assert (loader.batch_size, loader.drop_last, len(loader)) == (4, True, 2)
     sl.SavableDataLoader(
-        ds, batch_size=1, shuffle=None, sampler=None, batch_sampler=None, num_workers=0, collate_fn=None,
-        pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None, multiprocessing_context=None,
-        generator=None, prefetch_factor=None, persistent_workers=False, pin_memory_device="", in_order=True,
+        ds,
+        batch_size=1,
+        shuffle=None,
+        sampler=None,
+        batch_sampler=None,
+        num_workers=0,
+        collate_fn=None,
+        pin_memory=False,
+        drop_last=False,
+        timeout=0,
+        worker_init_fn=None,
+        multiprocessing_context=None,
+        generator=None,
+        prefetch_factor=None,
+        persistent_workers=False,
+        pin_memory_device="",
+        in_order=True,
         snapshot_every_n_steps=1,
     )
 

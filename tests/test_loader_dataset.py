@@ -113,8 +113,9 @@ def _pipeline_worker_dataset(worker_id: int) -> None:
 
 def test_get_worker_info_dataset_on_the_pipeline_path():
     wc = sl.WorkerConfig(num_workers=2, seed=0)
-    loader = sl.SavableDataLoader(RangeSource(6, wc), batch_size=None, worker_init_fn=_pipeline_worker_dataset,
-                                  multiprocessing_context="fork")
+    loader = sl.SavableDataLoader(
+        RangeSource(6, wc), batch_size=None, worker_init_fn=_pipeline_worker_dataset, multiprocessing_context="fork"
+    )
     assert len(list(loader)) == 6
 
 

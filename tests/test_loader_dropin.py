@@ -227,8 +227,13 @@ def test_a_state_of_the_64_bit_seed_formula_keeps_its_stream():
 
     state = sl.state.load_file(Path(__file__).parent / "data" / "schema1_dropin.state")
     assert state.config.seed_formula == 1  # written before the field existed
-    fresh = sl.SavableDataLoader(RandomMapDataset(40), batch_size=4, shuffle=True,
-                                 worker_config=sl.WorkerConfig(num_workers=2, seed=7), multiprocessing_context="fork")
+    fresh = sl.SavableDataLoader(
+        RandomMapDataset(40),
+        batch_size=4,
+        shuffle=True,
+        worker_config=sl.WorkerConfig(num_workers=2, seed=7),
+        multiprocessing_context="fork",
+    )
     fresh.restore_state_rank(state)
     assert fresh.save_state_rank().config.seed_formula == 1  # adopted, and kept in its states
     reference = epochs_of(legacy_factory(), 2)

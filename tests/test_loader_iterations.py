@@ -29,8 +29,15 @@ N = 16
 def dropin(num_workers: int = 0, persistent: bool = False, n: int = N, **kw) -> sl.SavableDataLoader:
     if num_workers:
         kw.setdefault("multiprocessing_context", "fork")
-    return sl.SavableDataLoader(RandomMapDataset(n), batch_size=2, shuffle=True, seed=3, num_workers=num_workers,
-                                persistent_workers=persistent, **kw)
+    return sl.SavableDataLoader(
+        RandomMapDataset(n),
+        batch_size=2,
+        shuffle=True,
+        seed=3,
+        num_workers=num_workers,
+        persistent_workers=persistent,
+        **kw,
+    )
 
 
 def pipeline(num_workers: int = 0, persistent: bool = False) -> sl.SavableDataLoader:
@@ -42,8 +49,9 @@ def pipeline(num_workers: int = 0, persistent: bool = False) -> sl.SavableDataLo
 
 def torch_loader(num_workers: int = 0, persistent: bool = False) -> DataLoader:
     kw = {"multiprocessing_context": "fork"} if num_workers else {}
-    return DataLoader(RandomMapDataset(N), batch_size=2, shuffle=True, num_workers=num_workers,
-                      persistent_workers=persistent, **kw)
+    return DataLoader(
+        RandomMapDataset(N), batch_size=2, shuffle=True, num_workers=num_workers, persistent_workers=persistent, **kw
+    )
 
 
 # -- break, dropped iterators, exceptions in the loop body, the last batch ------------------
@@ -57,8 +65,12 @@ def test_every_save_point_and_way_of_leaving_the_loop(make):
 @pytest.mark.parametrize("make", [dropin, pipeline], ids=["dropin", "pipeline"])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_break_with_workers(make, persistent):
-    check_resume_everywhere(lambda: make(num_workers=2, persistent=persistent), epochs=2, steps=[0, 3, 8, 11],
-                            variants=("live", "break", "raise"))
+    check_resume_everywhere(
+        lambda: make(num_workers=2, persistent=persistent),
+        epochs=2,
+        steps=[0, 3, 8, 11],
+        variants=("live", "break", "raise"),
+    )
 
 
 @pytest.mark.parametrize("make", [dropin, pipeline], ids=["dropin", "pipeline"])
@@ -242,7 +254,9 @@ def test_two_live_iterators_make_a_save_ambiguous():
     assert iter(loader).epoch == 1
 
 
-@pytest.mark.parametrize("make", [lambda: dropin(2, persistent=True), lambda: pipeline(0)], ids=["persistent", "pipeline"])
+@pytest.mark.parametrize(
+    "make", [lambda: dropin(2, persistent=True), lambda: pipeline(0)], ids=["persistent", "pipeline"]
+)
 def test_one_pool_a_new_iter_supersedes_the_live_iterator(make):
     loader = make()
     a = iter(loader)

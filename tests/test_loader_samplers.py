@@ -138,11 +138,24 @@ def test_resume_at_every_step_in_process(name):
     assert checked > 10
 
 
-@pytest.mark.parametrize("name", ["random+generator", "random", "distributed", "batch_sampler", "custom stateful",
-                                  "custom global rng", "generator="])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "random+generator",
+        "random",
+        "distributed",
+        "batch_sampler",
+        "custom stateful",
+        "custom global rng",
+        "generator=",
+    ],
+)
 def test_resume_with_workers(name):
     check_resume_everywhere(
-        factory(name, num_workers=2), epochs=2, steps=[0, 1, 3, 4, 6], variants=("live", "break"),
+        factory(name, num_workers=2),
+        epochs=2,
+        steps=[0, 1, 3, 4, 6],
+        variants=("live", "break"),
         check_live_next_epoch=name not in SHARED_GENERATOR,
     )
 

@@ -67,15 +67,23 @@ class Ints:
 def pipeline() -> sl.SavableDataLoader:
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=0)
     return sl.SavableDataLoader(
-        ShuffleBufferDataset(Count(3_000, wc), size=16), batch_size=None, worker_config=wc,
-        multiprocessing_context="fork", persistent_workers=True,
+        ShuffleBufferDataset(Count(3_000, wc), size=16),
+        batch_size=None,
+        worker_config=wc,
+        multiprocessing_context="fork",
+        persistent_workers=True,
     )
 
 
 def dropin() -> sl.SavableDataLoader:
     return sl.SavableDataLoader(
-        Ints(), batch_size=None, shuffle=True, seed=0, num_workers=2,
-        multiprocessing_context="fork", persistent_workers=True,
+        Ints(),
+        batch_size=None,
+        shuffle=True,
+        seed=0,
+        num_workers=2,
+        multiprocessing_context="fork",
+        persistent_workers=True,
     )
 
 
@@ -116,7 +124,7 @@ def test_long_run_memory_and_state_size_stay_flat(factory, total: int) -> None:
     growth = {name: rss_end[name] - rss_start[name] for name in rss_start}
     print(f"\nRSS growth over {total - WARMUP} steps (bytes): {growth}; state sizes {min(sizes)}..{max(sizes)}")
     assert all(g < MAX_RSS_GROWTH for g in growth.values()), growth
-    first = sizes[WARMUP // SAVE_EVERY: WARMUP // SAVE_EVERY + 1000]
+    first = sizes[WARMUP // SAVE_EVERY : WARMUP // SAVE_EVERY + 1000]
     assert max(sizes[-1000:]) <= max(first) + MAX_STATE_GROWTH, (max(first), max(sizes[-1000:]))
     del it, loader
     fresh = factory()

@@ -21,10 +21,17 @@ DEMO_TIMEOUT = 240
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, CI="true", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, CI="true", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
     return subprocess.run(
-        [sys.executable, "-m", "savable_loader", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "savable_loader", *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -63,8 +70,7 @@ def test_main_in_process_help_and_missing_command(capsys):
 
 def test_importing_the_command_line_does_not_import_torch():
     code = (
-        "import sys, savable_loader.__main__ as m; m.build_parser().parse_args(['demo']); "
-        "print('torch' in sys.modules)"
+        "import sys, savable_loader.__main__ as m; m.build_parser().parse_args(['demo']); print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -89,8 +95,22 @@ def _children_of(out_dir: Path) -> list[psutil.Process]:
 
 
 def test_demo_two_ranks_default_kill_point():
-    out = run_cli("demo", "--ranks", "2", "--steps", "12", "--workers", "1", "--seed", "1", "--save-every", "3",
-                  "--step-ms", "5", timeout=DEMO_TIMEOUT)
+    out = run_cli(
+        "demo",
+        "--ranks",
+        "2",
+        "--steps",
+        "12",
+        "--workers",
+        "1",
+        "--seed",
+        "1",
+        "--save-every",
+        "3",
+        "--step-ms",
+        "5",
+        timeout=DEMO_TIMEOUT,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "identical: yes" in out.stdout
     assert "on 2 ranks (gloo on 127.0.0.1)" in out.stdout
@@ -107,14 +127,31 @@ def test_demo_two_ranks_default_kill_point():
 
 def test_demo_explicit_kill_at_keeps_its_files(tmp_path):
     out_dir = tmp_path / "demo"
-    out = run_cli("demo", "--steps", "30", "--workers", "2", "--seed", "1", "--kill-at", "17",
-                  "--out", str(out_dir), "--step-ms", "10", timeout=DEMO_TIMEOUT)
+    out = run_cli(
+        "demo",
+        "--steps",
+        "30",
+        "--workers",
+        "2",
+        "--seed",
+        "1",
+        "--kill-at",
+        "17",
+        "--out",
+        str(out_dir),
+        "--step-ms",
+        "10",
+        timeout=DEMO_TIMEOUT,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "identical: yes" in out.stdout
     killed = int(re.search(r"after step (\d+) \(--kill-at 17\)", out.stdout).group(1))
     assert killed >= 17
-    restored = re.search(r"restored: +step-(\d+): rank 0 at epoch (\d+), (\d+) samples consumed "
-                         r"-> continues at step (\d+)", out.stdout)
+    restored = re.search(
+        r"restored: +step-(\d+): rank 0 at epoch (\d+), (\d+) samples consumed "
+        r"-> continues at step (\d+)",
+        out.stdout,
+    )
     assert restored is not None, out.stdout
     ckpt_step, epoch, consumed, next_step = map(int, restored.groups())
     # Checkpoints come every 5 steps, after the step's training; the kill lands during a step.

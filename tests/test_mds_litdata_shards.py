@@ -54,8 +54,14 @@ def test_mds_pickle_columns_are_refused_unless_left_out(tmp_path):
     folder = write_mds_folder(tmp_path, [2])
     edit_index(folder, lambda d: d["shards"][0]["column_encodings"].__setitem__(0, "pkl"))  # "blob"
     ds = ShardedFileDataset(folder, WC, shuffle=False)
-    with _ActiveWorker(0, 0), pytest.raises(sl.DataError, match=r"column 'blob' is a pickle \('pkl'\), which "
-                                                               r"savable_loader does not load"):
+    with (
+        _ActiveWorker(0, 0),
+        pytest.raises(
+            sl.DataError,
+            match=r"column 'blob' is a pickle \('pkl'\), which "
+            r"savable_loader does not load",
+        ),
+    ):
         next(iter(ds))
     assert read_all(folder, columns=["id"]) == [{"id": 0}, {"id": 1}]
 
@@ -64,9 +70,15 @@ def test_mds_pickle_columns_are_refused_unless_left_out(tmp_path):
     ("edit", "message"),
     [
         (lambda d: d.update(version=3), r"`\$.version` is 3"),
-        (lambda d: d["shards"][0].update(format="jsonl"), r"`\$.shards\[0\].format` is 'jsonl'; savable_loader reads MDS"),
+        (
+            lambda d: d["shards"][0].update(format="jsonl"),
+            r"`\$.shards\[0\].format` is 'jsonl'; savable_loader reads MDS",
+        ),
         (lambda d: d["shards"][0].update(compression="zstd"), r"`\$.shards\[0\]` is compressed \('zstd'\)"),
-        (lambda d: d["shards"][0]["column_encodings"].__setitem__(1, "avro"), "column 'f' has the unknown encoding 'avro'"),
+        (
+            lambda d: d["shards"][0]["column_encodings"].__setitem__(1, "avro"),
+            "column 'f' has the unknown encoding 'avro'",
+        ),
         (lambda d: d["shards"][0]["column_sizes"].pop(), "column_names, column_encodings and column_sizes differ"),
         (lambda d: d["shards"][0]["raw_data"].update(basename="../x.mds"), r"raw_data.basename` is '../x.mds'"),
         (lambda d: d["shards"][0].pop("samples"), "not a MosaicML Streaming index"),
@@ -92,11 +104,20 @@ def test_mds_damaged_shards(tmp_path):
     shard.write_bytes(data[:-5])
     edit_index(folder, lambda d: d["shards"][0]["raw_data"].update(bytes=len(data) - 5))
     ds = ShardedFileDataset(folder, WC)
-    with _ActiveWorker(0, 0), pytest.raises(sl.DataError, match=rf"shard.00000.mds: truncated: the samples end at "
-                                                               rf"byte {len(data)}, the file has {len(data) - 5}"):
+    with (
+        _ActiveWorker(0, 0),
+        pytest.raises(
+            sl.DataError,
+            match=rf"shard.00000.mds: truncated: the samples end at "
+            rf"byte {len(data)}, the file has {len(data) - 5}",
+        ),
+    ):
         next(iter(ds))
     shard.write_bytes(data)
-    with _ActiveWorker(0, 0), pytest.raises(sl.DataError, match=r"shard.00000.mds: the file has \d+ bytes, the folder's manifest says \d+"):
+    with (
+        _ActiveWorker(0, 0),
+        pytest.raises(sl.DataError, match=r"shard.00000.mds: the file has \d+ bytes, the folder's manifest says \d+"),
+    ):
         next(iter(ShardedFileDataset(folder, WC)))
 
 
@@ -106,13 +127,34 @@ def test_mds_against_its_own_writer(tmp_path):
     from streaming.base.format import reader_from_json
     from streaming.base.format.mds.writer import MDSWriter
 
-    columns = {"id": "int", "text": "str", "x": "ndarray", "y": "ndarray:float32:3", "u": "uint8", "j": "json",
-               "f": "float32", "b": "bytes", "si": "str_int", "sf": "str_float"}
+    columns = {
+        "id": "int",
+        "text": "str",
+        "x": "ndarray",
+        "y": "ndarray:float32:3",
+        "u": "uint8",
+        "j": "json",
+        "f": "float32",
+        "b": "bytes",
+        "si": "str_int",
+        "sf": "str_float",
+    }
     with MDSWriter(out=str(tmp_path), columns=columns, size_limit=600) as writer:
         for i in range(9):
-            writer.write({"id": i - 4, "text": f"s{i}", "x": np.arange(i + 1, dtype=np.int16).reshape(1, -1),
-                          "y": np.ones(3, np.float32) * i, "u": np.uint8(i), "j": {"a": [i]}, "f": np.float32(i / 3),
-                          "b": bytes([i]) * i, "si": i * 1000, "sf": i / 7})
+            writer.write(
+                {
+                    "id": i - 4,
+                    "text": f"s{i}",
+                    "x": np.arange(i + 1, dtype=np.int16).reshape(1, -1),
+                    "y": np.ones(3, np.float32) * i,
+                    "u": np.uint8(i),
+                    "j": {"a": [i]},
+                    "f": np.float32(i / 3),
+                    "b": bytes([i]) * i,
+                    "si": i * 1000,
+                    "sf": i / 7,
+                }
+            )
     index = json.loads((tmp_path / "index.json").read_text())
     theirs = []
     for shard in index["shards"]:
@@ -163,9 +205,14 @@ def test_litdata_structures_and_json_leaves(tmp_path):
     (tmp_path / "c.bin").write_bytes(indexed_blob(items))
     leaf = {"type": None, "context": None, "children_spec": []}
     spec = [1, {"type": "builtins.tuple", "context": "null", "children_spec": [leaf, leaf, leaf]}]
-    (tmp_path / "index.json").write_text(json.dumps({
-        "chunks": [{"chunk_bytes": None, "chunk_size": 3, "filename": "c.bin"}],
-        "config": {"data_format": ["int", "json", "json"], "data_spec": json.dumps(spec)}}))
+    (tmp_path / "index.json").write_text(
+        json.dumps(
+            {
+                "chunks": [{"chunk_bytes": None, "chunk_size": 3, "filename": "c.bin"}],
+                "config": {"data_format": ["int", "json", "json"], "data_spec": json.dumps(spec)},
+            }
+        )
+    )
     assert read_all(tmp_path) == values
 
 
@@ -176,8 +223,12 @@ def test_litdata_structures_and_json_leaves(tmp_path):
         (lambda d: d["config"].update(item_loader="TokensLoader"), "`\\$.config.item_loader` is 'TokensLoader'"),
         (lambda d: d["config"]["data_format"].__setitem__(5, "pickle"), r"'pickle' are not supported \(a pickle"),
         (lambda d: d["config"]["data_format"].__setitem__(5, "video"), "'video' are not supported"),
-        (lambda d: d["config"].update(data_spec=json.dumps([1, {"type": "mymod.Point", "context": "null",
-                                                                "children_spec": []}])), "holds a 'mymod.Point'"),
+        (
+            lambda d: d["config"].update(
+                data_spec=json.dumps([1, {"type": "mymod.Point", "context": "null", "children_spec": []}])
+            ),
+            "holds a 'mymod.Point'",
+        ),
         (lambda d: d["config"]["data_format"].pop(), "data_spec` has 8 leaves, `data_format` 7"),
         (lambda d: d.pop("config"), "neither a MosaicML Streaming index"),
     ],
@@ -201,9 +252,14 @@ def test_litdata_arrow_footer_chunks(tmp_path):
     (tmp_path / "c.bin").write_bytes(body + ipc + struct.pack("<I", len(ipc)) + b"LDARW01\0")
     leaf = {"type": None, "context": None, "children_spec": []}
     spec = [1, {"type": "builtins.dict", "context": json.dumps(["text", "a", "n"]), "children_spec": [leaf] * 3}]
-    (tmp_path / "index.json").write_text(json.dumps({
-        "chunks": [{"chunk_size": 4, "filename": "c.bin"}],
-        "config": {"data_format": ["str", "int", "json"], "data_spec": json.dumps(spec)}}))
+    (tmp_path / "index.json").write_text(
+        json.dumps(
+            {
+                "chunks": [{"chunk_size": 4, "filename": "c.bin"}],
+                "config": {"data_format": ["str", "int", "json"], "data_spec": json.dumps(spec)},
+            }
+        )
+    )
     assert read_all(tmp_path) == rows
     got = read_all(tmp_path)
     got[1]["n"].append(9)
@@ -218,9 +274,19 @@ def test_litdata_against_its_own_writer(tmp_path):
 
     writer = BinaryWriter(str(tmp_path), chunk_size=3)
     for i in range(8):
-        writer[i] = {"id": i - 3, "text": f"s{i}", "x": np.arange(i + 1, dtype=np.float32), "m": np.ones((2, 2)) * i,
-                     "t": torch.arange(3) * i, "tt": torch.ones(2, 2, dtype=torch.float16) * i, "b": b"xy" * i,
-                     "f": 0.5 * i, "ok": i % 2 == 0, "pair": (i, f"p{i}"), "l": [i, 2.5]}
+        writer[i] = {
+            "id": i - 3,
+            "text": f"s{i}",
+            "x": np.arange(i + 1, dtype=np.float32),
+            "m": np.ones((2, 2)) * i,
+            "t": torch.arange(3) * i,
+            "tt": torch.ones(2, 2, dtype=torch.float16) * i,
+            "b": b"xy" * i,
+            "f": 0.5 * i,
+            "ok": i % 2 == 0,
+            "pair": (i, f"p{i}"),
+            "l": [i, 2.5],
+        }
     writer.done()
     writer.merge()
     theirs = list(StreamingDataset(str(tmp_path), shuffle=False))

@@ -82,17 +82,28 @@ class OwnedRngDataset:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([
-            i, int(self.rng.integers(0, 2**30)), self.transform(i),
-            self.transforms[0](i), self.transforms[1](i), self.by_name["flip"](i),
-        ])
+        return torch.tensor(
+            [
+                i,
+                int(self.rng.integers(0, 2**30)),
+                self.transform(i),
+                self.transforms[0](i),
+                self.transforms[1](i),
+                self.by_name["flip"](i),
+            ]
+        )
 
 
 def loader(num_workers: int = 0, persistent: bool = False, context: str = "fork", **kw: Any) -> sl.SavableDataLoader:
     kw.setdefault("dataset", OwnedRngDataset())
     return sl.SavableDataLoader(
-        batch_size=3, shuffle=True, seed=4, num_workers=num_workers, persistent_workers=persistent,
-        multiprocessing_context=context if num_workers else None, **kw,
+        batch_size=3,
+        shuffle=True,
+        seed=4,
+        num_workers=num_workers,
+        persistent_workers=persistent,
+        multiprocessing_context=context if num_workers else None,
+        **kw,
     )
 
 
@@ -199,7 +210,10 @@ def test_paths_found_and_depth() -> None:
     ds = OwnedRngDataset()
     paths = [p for p, _ in find_generators(ds, "dataset")]
     assert paths == [
-        "dataset.rng", "dataset.transform.gen", "dataset.transforms[0].gen", "dataset.transforms[1].gen",
+        "dataset.rng",
+        "dataset.transform.gen",
+        "dataset.transforms[0].gen",
+        "dataset.transforms[1].gen",
         "dataset.by_name['flip'].gen",
     ]
 
@@ -301,6 +315,7 @@ def test_system_random_is_refused_naming_it() -> None:
 
 def test_other_bit_generators_are_reseeded() -> None:
     for bit in (np.random.Philox, np.random.SFC64, np.random.MT19937, np.random.PCG64DXSM):
+
         class Own:
             def __init__(self, bit: Any = bit) -> None:
                 self.gen = np.random.Generator(bit(0))
@@ -343,7 +358,9 @@ class RngSource(RangeSource):
 def pipeline(num_workers: int, listed: bool) -> sl.SavableDataLoader:
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=num_workers, seed=2)
     return sl.SavableDataLoader(
-        sl.wrappers.BatchDataset(RngSource(13, wc, listed), 2), batch_size=None, worker_config=wc,
+        sl.wrappers.BatchDataset(RngSource(13, wc, listed), 2),
+        batch_size=None,
+        worker_config=wc,
         multiprocessing_context="fork" if num_workers else None,
     )
 

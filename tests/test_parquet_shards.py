@@ -64,6 +64,7 @@ def test_nested_values_are_fresh_objects(folder):
 
 def test_ranged_reads_without_a_local_file(folder):
     """What a remote store does for restore_sample: no local path, only ranged reads."""
+
     class Ranged(LocalShardFile):
         reads = 0
 
@@ -86,18 +87,31 @@ def test_ranged_reads_without_a_local_file(folder):
 
 
 def test_changed_files_are_named(folder):
-    pq.write_table(pa.table({"id": list(range(5)), "text": ["x"] * 5, "tags": [[1]] * 5, "score": [0.0] * 5}),
-                   folder / "part-0.parquet", row_group_size=5)
+    pq.write_table(
+        pa.table({"id": list(range(5)), "text": ["x"] * 5, "tags": [[1]] * 5, "score": [0.0] * 5}),
+        folder / "part-0.parquet",
+        row_group_size=5,
+    )
     ds = ShardedFileDataset(folder, WC, shuffle=False)
-    with _ActiveWorker(0, 0), pytest.raises(sl.DataError, match="part-0.parquet: the file has .* bytes, the folder's manifest says"):
+    with (
+        _ActiveWorker(0, 0),
+        pytest.raises(sl.DataError, match="part-0.parquet: the file has .* bytes, the folder's manifest says"),
+    ):
         list(ds)
     meta = (folder / "metadata.json").read_text()
     size = (folder / "part-0.parquet").stat().st_size
     import re
+
     (folder / "metadata.json").write_text(re.sub(r'"size": \d+', f'"size": {size}', meta, count=1))
     ds = ShardedFileDataset(folder, WC, shuffle=False)
-    with _ActiveWorker(0, 0), pytest.raises(sl.DataError, match=r"part-0.parquet: the metadata says row groups of "
-                                                               r"\[2, 2, 1\] rows, the file has \[5\] \(it changed"):
+    with (
+        _ActiveWorker(0, 0),
+        pytest.raises(
+            sl.DataError,
+            match=r"part-0.parquet: the metadata says row groups of "
+            r"\[2, 2, 1\] rows, the file has \[5\] \(it changed",
+        ),
+    ):
         list(ds)
     (folder / "part-1.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(sl.DataError, match="part-1.parquet: cannot read the Parquet file"):
@@ -107,10 +121,12 @@ def test_changed_files_are_named(folder):
 def test_metadata_rules_for_parquet(tmp_path):
     write_parquet_folder(tmp_path, [3], row_group=2)
     (tmp_path / "metadata.json").write_text(
-        '{"format": 2, "shards": [{"path": "part-0.parquet", "samples": 3, "format": "parquet"}]}')
+        '{"format": 2, "shards": [{"path": "part-0.parquet", "samples": 3, "format": "parquet"}]}'
+    )
     with pytest.raises(sl.DataError, match=r"`\$.shards\[0\].row_groups` is missing"):
         ShardedFileDataset(tmp_path, WC)
     (tmp_path / "metadata.json").write_text(
-        '{"format": 2, "shards": [{"path": "part-0.parquet", "samples": 3, "format": "parquet", "row_groups": [2, 2]}]}')
+        '{"format": 2, "shards": [{"path": "part-0.parquet", "samples": 3, "format": "parquet", "row_groups": [2, 2]}]}'
+    )
     with pytest.raises(sl.DataError, match=r"`\$.shards\[0\].row_groups` add up to 4 rows, but `samples` is 3"):
         ShardedFileDataset(tmp_path, WC)

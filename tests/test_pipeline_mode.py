@@ -129,7 +129,7 @@ def test_save_restore_continues_exactly(k):
     d2 = Driver(restored, epoch=position.epoch, resume=position)
     assert d2.resumed is True
     assert d2.iteration.position() == position  # before iterating: the restored position
-    assert_streams(d2.rest(), ref[len(taken):], f"k={k} continuation")
+    assert_streams(d2.rest(), ref[len(taken) :], f"k={k} continuation")
 
 
 def test_save_before_the_in_process_runtime_started_is_an_error():
@@ -173,7 +173,8 @@ def test_next_worker_follows_the_rotation():
         # worker 0 has yielded nothing since its start, 1 and 2 are done: no worker is asked
         position = it.position()
         assert position == PipelinePosition(
-            epoch=4, next_worker=0,
+            epoch=4,
+            next_worker=0,
             workers=[
                 start0,
                 WorkerState(worker_id=1, index=1, snapshot_index=1, exhausted=True),
@@ -257,8 +258,11 @@ def test_check_rejects_changed_pipeline_config():
         ([fresh(1), fresh(2)], 0, r"worker ids \[1, 2\]"),
         ([fresh(0), fresh(1), fresh(2)], 0, r"worker ids \[0, 1, 2\]"),
         ([fresh(0), fresh(1)], 2, r"next worker 2"),
-        ([fresh(0), WorkerState(worker_id=1, index=2, snapshot_index=3)], 0,
-         "worker 1: snapshot index 3 is after index 2"),
+        (
+            [fresh(0), WorkerState(worker_id=1, index=2, snapshot_index=3)],
+            0,
+            "worker 1: snapshot index 3 is after index 2",
+        ),
     ],
 )
 def test_check_rejects_malformed_worker_states(workers, next_worker, match):

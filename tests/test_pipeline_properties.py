@@ -71,8 +71,13 @@ _COMMON = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 settings.register_profile(
-    "savable-loader-ci", max_examples=600, derandomize=True, database=None, print_blob=True,
-    phases=[Phase.explicit, Phase.generate, Phase.shrink], **_COMMON,
+    "savable-loader-ci",
+    max_examples=600,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    phases=[Phase.explicit, Phase.generate, Phase.shrink],
+    **_COMMON,
 )
 settings.register_profile("savable-loader-long", max_examples=LONG_CHUNK_DEFAULT, print_blob=True, **_COMMON)
 
@@ -84,16 +89,40 @@ pytestmark = [
 
 # The wrappers the generator draws from: every exported one (the test below checks).
 GENERATED_WRAPPERS = {
-    "BatchDataset", "BlendDataset", "ConcatDataset", "EpochizeDataset", "FilterDataset", "GcDataset",
-    "GroupBatchDataset", "LimitDataset", "LogSampleDataset", "MapDataset", "MicroBatchDataset",
-    "PackingDataset", "RepeatDataset", "ShuffleBufferDataset",
+    "BatchDataset",
+    "BlendDataset",
+    "ConcatDataset",
+    "EpochizeDataset",
+    "FilterDataset",
+    "GcDataset",
+    "GroupBatchDataset",
+    "LimitDataset",
+    "LogSampleDataset",
+    "MapDataset",
+    "MicroBatchDataset",
+    "PackingDataset",
+    "RepeatDataset",
+    "ShuffleBufferDataset",
 }
 
 # -- samples ------------------------------------------------------------------------------
 
 TORCH_DTYPES = ["float32", "float64", "bfloat16", "float16", "int64", "int32", "int16", "uint8", "bool", "complex64"]
-NUMPY_DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32",
-                "float64", "complex64", "complex128"]
+NUMPY_DTYPES = [
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+]
 
 
 @dataclass(frozen=True)
@@ -140,7 +169,8 @@ def make_sample(spec: Samples, source: int, i: int) -> Any:
     x, y, z = spec.numpy_dtypes
     if spec.kind == "numpy":
         return {
-            "x": _np_value(x, base + c / 1000), "y": np.array([a, b], dtype=np.int64).astype(y),
+            "x": _np_value(x, base + c / 1000),
+            "y": np.array([a, b], dtype=np.int64).astype(y),
             "z": np.array(_np_value(z, i + 0.5)),
         }
     return {
@@ -165,8 +195,11 @@ def augment(x: Any) -> Any:
     if isinstance(x, np.generic):
         if isinstance(x, np.str_):
             return np.str_(x + chr(97 + random.randrange(26)))
-        return _np_value(x.dtype.name, float(np.real(x)) + random.randrange(3)) if x.dtype.kind != "b" else \
-            np.bool_(x ^ (random.random() < 0.5))
+        return (
+            _np_value(x.dtype.name, float(np.real(x)) + random.randrange(3))
+            if x.dtype.kind != "b"
+            else np.bool_(x ^ (random.random() < 0.5))
+        )
     if isinstance(x, bool):
         return x
     if isinstance(x, int):
@@ -284,8 +317,9 @@ def build_source(samples: Samples, source: Source, wc: sl.WorkerConfig) -> sl.Sa
 
     def seek(info: StreamInfo, position: int) -> Any:
         step = info.num_global_workers
-        return (make_sample(samples, source.index, i) for i in range(info.global_worker + position * step,
-                                                                       source.n, step))
+        return (
+            make_sample(samples, source.index, i) for i in range(info.global_worker + position * step, source.n, step)
+        )
 
     return IterableSource(fn, wc, seek=seek if source.kind == "seek" else None)
 
@@ -304,8 +338,9 @@ def apply(step: Step, ds: sl.SavableDataset, log_dir: str) -> sl.SavableDataset:
     if name == "group":
         size, drop_last, collate, *key = args  # key: older examples have none
         key_fn = parity_as_numpy if key == ["numpy"] else parity
-        return w.GroupBatchDataset(ds, size, key_fn, drop_last=drop_last,
-                                   collate_fn=default_collate if collate else as_tuple)
+        return w.GroupBatchDataset(
+            ds, size, key_fn, drop_last=drop_last, collate_fn=default_collate if collate else as_tuple
+        )
     if name == "micro":
         return w.MicroBatchDataset(ds, args[0])
     if name == "packing":
@@ -406,8 +441,12 @@ def step_lists(draw: st.DrawFn, stream: _Stream, max_steps: int) -> tuple[Step, 
             size = draw(st.integers(1, 4))
             drop_last = draw(st.booleans())
             collate = stream.stackable and draw(st.booleans())
-            step = Step(name, (size, drop_last, collate) if name == "batch" else
-                        (size, drop_last, collate, draw(st.sampled_from(["int", "numpy"]))))
+            step = Step(
+                name,
+                (size, drop_last, collate)
+                if name == "batch"
+                else (size, drop_last, collate, draw(st.sampled_from(["int", "numpy"]))),
+            )
             stream.stackable = collate and drop_last
             stream.tokens = False
             if name == "batch" and collate:
@@ -416,8 +455,15 @@ def step_lists(draw: st.DrawFn, stream: _Stream, max_steps: int) -> tuple[Step, 
             step = Step(name, (draw(st.integers(1, batch_size)),))
             stream.stackable = False
         elif name == "packing":
-            step = Step(name, (draw(st.integers(1, 6)), draw(st.sampled_from(["greedy", "best_fit"])),
-                               draw(st.integers(1, 4)), draw(st.sampled_from([None, -1]))))
+            step = Step(
+                name,
+                (
+                    draw(st.integers(1, 6)),
+                    draw(st.sampled_from(["greedy", "best_fit"])),
+                    draw(st.integers(1, 4)),
+                    draw(st.sampled_from([None, -1])),
+                ),
+            )
             stream.stackable = True
         elif name == "limit":
             step = Step(name, (draw(st.integers(0, 12)),))
@@ -457,16 +503,21 @@ def pipelines(draw: st.DrawFn) -> Pipeline:
             steps = tuple(s for s in draw(step_lists(inner, 2)) if s.name in ("map", "filter", "shuffle", "repeat"))
             children.append((source, steps))
         if layout == "blend":
-            weights = tuple(draw(st.lists(st.sampled_from([0.5, 1.0, 3.0]), min_size=len(children),
-                                          max_size=len(children))))
+            weights = tuple(
+                draw(st.lists(st.sampled_from([0.5, 1.0, 3.0]), min_size=len(children), max_size=len(children)))
+            )
             base = Step("blend", (weights, draw(st.sampled_from(["drop", "stop"]))), tuple(children))
         else:
             base = Step("concat", (), tuple(children))
     stream = _Stream(tokens=tokens, stackable=not tokens, keyless=keyless)
     steps = draw(step_lists(stream, 5))
     return Pipeline(
-        samples=samples, base=base, steps=steps, num_workers=draw(st.sampled_from([0, 0, 0, 2])),
-        seed=draw(st.integers(0, 2**31)), policy=draw(st.sampled_from(["default", "every", "every"])),
+        samples=samples,
+        base=base,
+        steps=steps,
+        num_workers=draw(st.sampled_from([0, 0, 0, 2])),
+        seed=draw(st.integers(0, 2**31)),
+        policy=draw(st.sampled_from(["default", "every", "every"])),
     )
 
 
@@ -485,17 +536,49 @@ SAVE_POINTS = st.lists(st.integers(0, 1000), min_size=1, max_size=6, unique=True
 # run first by every profile; each also has its own regression test.
 FOUND = [
     # finding 1: a random map above a draining shuffle buffer over a source without seek
-    (Pipeline(Samples("numpy", numpy_dtypes=("bool", "bool", "bool")), Source("no_seek", 2, 0),
-              (Step("shuffle", (3,)), Step("map")), num_workers=0, seed=0, policy="default"), [126]),
+    (
+        Pipeline(
+            Samples("numpy", numpy_dtypes=("bool", "bool", "bool")),
+            Source("no_seek", 2, 0),
+            (Step("shuffle", (3,)), Step("map")),
+            num_workers=0,
+            seed=0,
+            policy="default",
+        ),
+        [126],
+    ),
     # an EpochizeDataset inside a RepeatDataset, saved between epochs
-    (Pipeline(Samples("tensor"), Step("blend", ((0.5, 0.5), "drop"), ((Source("seek", 1, 0), ()),
-                                                                      (Source("seek", 1, 1), ()))),
-              (Step("epochize", (1,)), Step("endless", ("limit", 9))), num_workers=0, seed=0, policy="default"),
-     [0, 500]),
+    (
+        Pipeline(
+            Samples("tensor"),
+            Step("blend", ((0.5, 0.5), "drop"), ((Source("seek", 1, 0), ()), (Source("seek", 1, 1), ()))),
+            (Step("epochize", (1,)), Step("endless", ("limit", 9))),
+            num_workers=0,
+            seed=0,
+            policy="default",
+        ),
+        [0, 500],
+    ),
     # a source without keys beside a drained shuffle buffer in a blend
-    (Pipeline(Samples("tensor"), Step("blend", ((0.5, 0.5, 0.5), "drop"), (
-        (Source("keyless", 3, 0), ()), (Source("seek", 1, 1), (Step("shuffle", (2,)),)), (Source("seek", 0, 2), ()))),
-        (), num_workers=0, seed=1, policy="default"), [250]),
+    (
+        Pipeline(
+            Samples("tensor"),
+            Step(
+                "blend",
+                ((0.5, 0.5, 0.5), "drop"),
+                (
+                    (Source("keyless", 3, 0), ()),
+                    (Source("seek", 1, 1), (Step("shuffle", (2,)),)),
+                    (Source("seek", 0, 2), ()),
+                ),
+            ),
+            (),
+            num_workers=0,
+            seed=1,
+            policy="default",
+        ),
+        [250],
+    ),
 ]
 
 
@@ -545,8 +628,10 @@ def test_random_pipelines_resume_exactly() -> None:
 def test_zz_report_runs() -> None:
     """Prints what the property test ran (run with ``-s`` to see it)."""
     minutes = (time.monotonic() - RUNS["started"]) / 60
-    print(f"\n[{PROFILE} profile] {RUNS['pipelines']} random pipelines ({RUNS['with_workers']} with 2 workers), "
-          f"{RUNS['save_points']} save points, {RUNS['items']} reference items, {minutes:.1f} min")
+    print(
+        f"\n[{PROFILE} profile] {RUNS['pipelines']} random pipelines ({RUNS['with_workers']} with 2 workers), "
+        f"{RUNS['save_points']} save points, {RUNS['items']} reference items, {minutes:.1f} min"
+    )
 
 
 def test_every_exported_wrapper_is_generated() -> None:
@@ -556,12 +641,22 @@ def test_every_exported_wrapper_is_generated() -> None:
 def test_the_generator_builds_every_step_kind() -> None:
     # a pipeline of every kind of step, built and iterated (the generator draws from these)
     samples = Samples("tokens")
-    base = Step("blend", ((1.0, 2.0), "drop"), ((Source("seek", 5, 0), (Step("map"),)),
-                                                  (Source("no_seek", 4, 1), (Step("shuffle", (2,)),))))
+    base = Step(
+        "blend",
+        ((1.0, 2.0), "drop"),
+        ((Source("seek", 5, 0), (Step("map"),)), (Source("no_seek", 4, 1), (Step("shuffle", (2,)),))),
+    )
     steps = (
-        Step("packing", (3, "best_fit", 2, -1)), Step("filter", ("hash",)), Step("gc", (2, False)), Step("log"),
-        Step("endless", ("epochize", 6)), Step("batch", (2, True, True)), Step("micro", (1,)),
-        Step("group", (2, False, False, "numpy")), Step("repeat", (2,)), Step("limit", (5,)),
+        Step("packing", (3, "best_fit", 2, -1)),
+        Step("filter", ("hash",)),
+        Step("gc", (2, False)),
+        Step("log"),
+        Step("endless", ("epochize", 6)),
+        Step("batch", (2, True, True)),
+        Step("micro", (1,)),
+        Step("group", (2, False, False, "numpy")),
+        Step("repeat", (2,)),
+        Step("limit", (5,)),
     )
     p = Pipeline(samples, base, steps, num_workers=0, seed=1, policy="default")
     log_dir = tempfile.mkdtemp(prefix="sl-prop-")

@@ -10,8 +10,12 @@ from typing import Any
 import pytest
 
 PUBLIC_MODULES = [
-    "savable_loader", "savable_loader.sources", "savable_loader.state", "savable_loader.storage",
-    "savable_loader.testing", "savable_loader.wrappers",
+    "savable_loader",
+    "savable_loader.sources",
+    "savable_loader.state",
+    "savable_loader.storage",
+    "savable_loader.testing",
+    "savable_loader.wrappers",
 ]
 
 # Exported names allowed to lack an "Example" (none today; the test fails on stale entries).

@@ -23,7 +23,10 @@ def _python_blocks() -> list[str]:
 def test_ci_runs_the_readme_test_command():
     out = subprocess.run(
         ["bash", "-c", "grep -m1 -E '^python -m pip install .*&& python -m pytest' README.md"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     # the suite runs in one process per core (pytest-xdist, installed by the test extra)
     assert out.endswith("python -m pytest -n auto")
@@ -50,9 +53,12 @@ def test_readme_pipeline_example_runs_and_resumes():
 
     def build():
         ns = {**namespace, "torch": torch}
-        code = (pipeline_block.replace("...", "items=[torch.tensor(float(i)) for i in range(50)]")
-                .replace("size=1000", "size=8").replace("batch_size=32", "batch_size=4")
-                .replace("num_workers=2", "num_workers=0"))
+        code = (
+            pipeline_block.replace("...", "items=[torch.tensor(float(i)) for i in range(50)]")
+            .replace("size=1000", "size=8")
+            .replace("batch_size=32", "batch_size=4")
+            .replace("num_workers=2", "num_workers=0")
+        )
         exec(code, ns)
         return ns["loader"]
 

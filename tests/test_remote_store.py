@@ -67,8 +67,9 @@ def no_faults(remotes: Remotes) -> Iterator[None]:
     remotes.reset_faults()
 
 
-def epoch(location: Any, workers: int = 0, context: str = "fork", rank: int = 0, world: int = 1,
-          **kw: Any) -> list[Any]:
+def epoch(
+    location: Any, workers: int = 0, context: str = "fork", rank: int = 0, world: int = 1, **kw: Any
+) -> list[Any]:
     ds = ShardedFileDataset(location, wconf(rank, world, workers), **kw)
     extra = {"multiprocessing_context": context} if workers else {}
     return list(sl.SavableDataLoader(ds, batch_size=None, worker_config=ds.worker_config, **extra))
@@ -79,8 +80,9 @@ def epoch(location: Any, workers: int = 0, context: str = "fork", rank: int = 0,
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_format_reads_the_same_through_every_backend(remotes: Remotes, backend: str, fmt: str,
-                                                           tmp_path: Path) -> None:
+def test_every_format_reads_the_same_through_every_backend(
+    remotes: Remotes, backend: str, fmt: str, tmp_path: Path
+) -> None:
     want = epoch(remotes.folders[fmt], rank=1, world=2)
     got = epoch(remotes.location(backend, fmt, tmp_path / "cache"), rank=1, world=2)
     assert_same(got, want)
@@ -134,8 +136,9 @@ def test_states_do_not_depend_on_where_the_data_is(remotes: Remotes, tmp_path: P
 
 
 @pytest.mark.parametrize(("backend", "fmt"), [("http", "tar"), ("s3", "parquet"), ("memory", "mds")])
-def test_resume_at_every_step_with_a_cold_cache(remotes: Remotes, backend: str, fmt: str, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_at_every_step_with_a_cold_cache(
+    remotes: Remotes, backend: str, fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rank 1 of 2, in process: every save point of two epochs; each restore starts from an
     empty cache folder."""
     set_snapshot_policy(monkeypatch, "every")
@@ -152,8 +155,9 @@ def test_resume_at_every_step_with_a_cold_cache(remotes: Remotes, backend: str, 
 
 
 @pytest.mark.parametrize(("backend", "fmt"), [("http", "tar"), ("s3", "parquet")])
-def test_resume_at_every_step_with_2_workers(remotes: Remotes, backend: str, fmt: str, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_at_every_step_with_2_workers(
+    remotes: Remotes, backend: str, fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     set_snapshot_policy(monkeypatch, "every")
 
     def factory() -> sl.SavableDataLoader:
@@ -162,13 +166,15 @@ def test_resume_at_every_step_with_2_workers(remotes: Remotes, backend: str, fmt
     assert check_resume_everywhere(factory, 2) == 2 * 10 + 3
 
 
-def test_a_restore_downloads_nothing_it_consumed(remotes: Remotes, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_restore_downloads_nothing_it_consumed(
+    remotes: Remotes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Unshuffled, one worker: after a save in the third shard, a restore with a cold cache
     GETs only the third shard, those after it, and small files (metadata, tar indexes).
     (With a snapshot at every item: a state is the newest snapshot plus items to replay,
     and the replay reads the snapshot's shard.)"""
     set_snapshot_policy(monkeypatch, "every")
+
     def location(cache: str) -> Any:
         return remotes.location("http", "tar", tmp_path / cache, prefetch=0)
 
@@ -204,6 +210,7 @@ def test_prefetch_downloads_the_next_shards_of_the_reading_order(remotes: Remote
     while not all(storage.cache.lookup(k, e.size) for k, e in zip(keys, entries)):
         assert time.monotonic() < deadline, "the next two shards were not prefetched"
         time.sleep(0.05)
+
     def shard_gets() -> int:
         return sum(1 for m, p, _, _ in remotes.http.faults.log if m == "GET" and p.endswith(".tar"))
 
@@ -230,8 +237,9 @@ def test_faults_mid_epoch_change_nothing(remotes: Remotes, backend: str, plan: d
 
 
 @pytest.mark.parametrize(("backend", "fault"), [("http", "503"), ("http", "short"), ("s3", "reset")])
-def test_a_persistent_fault_mid_epoch_is_a_storage_error(remotes: Remotes, backend: str, fault: str,
-                                                         tmp_path: Path) -> None:
+def test_a_persistent_fault_mid_epoch_is_a_storage_error(
+    remotes: Remotes, backend: str, fault: str, tmp_path: Path
+) -> None:
     """The first shards read fine, then every request fails: the samples before are the
     reference's, then a StorageError in the main process, within 60 s; never other data."""
     want = epoch(remotes.folders["tar"], workers=2)
@@ -258,8 +266,9 @@ def test_a_missing_shard_is_a_named_error(remotes: Remotes, tmp_path: Path) -> N
         if name.startswith("tar/"):
             memory.pipe(f"/{MEMORY}-missing/{name}", data)
     memory.rm(f"/{MEMORY}-missing/tar/shard-002.tar")
-    ds = ShardedFileDataset(Storage(f"memory://{MEMORY}-missing/tar", cache_dir=tmp_path, retry=FAST), wconf(),
-                            shuffle=False)
+    ds = ShardedFileDataset(
+        Storage(f"memory://{MEMORY}-missing/tar", cache_dir=tmp_path, retry=FAST), wconf(), shuffle=False
+    )
     with pytest.raises(StorageError, match=r"memory://sharded-remote-missing/tar/shard-002.tar.*FileNotFoundError"):
         list(make_loader(ds))
 
@@ -306,8 +315,11 @@ def test_index_a_url(remotes: Remotes, backend: str, tmp_path: Path) -> None:
     """Tars and Parquet files uploaded without metadata: indexed where they are (metadata.json
     and tar indexes written beside them), then read as the local folder reads."""
     for fmt in ("tar", "parquet"):
-        files = {name: data for name, data in remotes.files.items()
-                 if name.startswith(f"{fmt}/") and not name.endswith((".idx", "metadata.json"))}
+        files = {
+            name: data
+            for name, data in remotes.files.items()
+            if name.startswith(f"{fmt}/") and not name.endswith((".idx", "metadata.json"))
+        }
         if backend == "memory":
             memory = fsspec.filesystem("memory")
             for name, data in files.items():
@@ -316,19 +328,22 @@ def test_index_a_url(remotes: Remotes, backend: str, tmp_path: Path) -> None:
         else:
             remotes.s3()
             assert remotes.moto is not None
-            remotes.moto.bucket(f"index-{fmt}", {name[len(fmt) + 1:]: data for name, data in files.items()})
-            storage = Storage(f"s3://index-{fmt}", storage_options=remotes.moto.options(), cache_dir=tmp_path / "c",
-                              retry=FAST)
+            remotes.moto.bucket(f"index-{fmt}", {name[len(fmt) + 1 :]: data for name, data in files.items()})
+            storage = Storage(
+                f"s3://index-{fmt}", storage_options=remotes.moto.options(), cache_dir=tmp_path / "c", retry=FAST
+            )
         meta = index_folder(storage, progress=False, sha256=True, workers=2)
         assert [(e.path, e.samples, e.size, e.row_groups) for e in meta.shards] == [
-            (e.path, e.samples, e.size, e.row_groups) for e in sl.sources.read_metadata(remotes.folders[fmt]).shards]
+            (e.path, e.samples, e.size, e.row_groups) for e in sl.sources.read_metadata(remotes.folders[fmt]).shards
+        ]
         assert storage.read("metadata.json") is not None
         assert_same(epoch(storage), epoch(remotes.folders[fmt]))
         assert not list((tmp_path / "c" / "index-journals").glob("*.jsonl"))  # removed when done
 
 
-def test_the_index_command_takes_a_url(remotes: Remotes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_index_command_takes_a_url(
+    remotes: Remotes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from savable_loader.__main__ import main
 
     monkeypatch.setenv("SAVABLE_LOADER_CACHE", str(tmp_path / "cache"))
@@ -351,8 +366,9 @@ def test_an_energon_folder_in_a_bucket_is_read_unchanged(tmp_path: Path) -> None
     from tests.shard_writers import write_tar_folder
 
     folder = write_tar_folder(tmp_path / "en", [4, 6, 3])
-    WebdatasetPreparator.prepare_dataset(folder, sorted(p.name for p in folder.glob("*.tar")),
-                                         split_parts_ratio=[("train", 1.0)], workers=1)
+    WebdatasetPreparator.prepare_dataset(
+        folder, sorted(p.name for p in folder.glob("*.tar")), split_parts_ratio=[("train", 1.0)], workers=1
+    )
     memory = fsspec.filesystem("memory")
     for p in folder.rglob("*"):
         if p.is_file():

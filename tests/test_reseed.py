@@ -20,8 +20,13 @@ N = 23
 def make(num_workers=0, batch_size=4, reseed="batch", rank=0, world_size=1, **kw) -> sl.SavableDataLoader:
     wc = sl.WorkerConfig(rank=rank, world_size=world_size, num_workers=num_workers, seed=3)
     return sl.SavableDataLoader(
-        RandomMapDataset(N), batch_size=batch_size, shuffle=True, worker_config=wc, reseed=reseed,
-        multiprocessing_context="fork" if num_workers else None, **kw,
+        RandomMapDataset(N),
+        batch_size=batch_size,
+        shuffle=True,
+        worker_config=wc,
+        reseed=reseed,
+        multiprocessing_context="fork" if num_workers else None,
+        **kw,
     )
 
 
@@ -94,7 +99,9 @@ def test_elastic_resume_consumes_every_remaining_sample_once():
         for _ in range(rank + 1):
             next(it)
         states.append(loader.save_state_rank())
-    seen_before = {int(x) for rank in range(2) for b in list(make(rank=rank, world_size=2))[: rank + 1] for x in b[:, 0]}
+    seen_before = {
+        int(x) for rank in range(2) for b in list(make(rank=rank, world_size=2))[: rank + 1] for x in b[:, 0]
+    }
     after = []
     for rank in range(3):
         loader = make(rank=rank, world_size=3)

@@ -35,8 +35,13 @@ SEED = 13
 
 def dropin(num_workers: int, batch_size: int | None = 4, collate_fn=None) -> sl.SavableDataLoader:
     return sl.SavableDataLoader(
-        RandomMapDataset(30), batch_size=batch_size, shuffle=True, seed=SEED, num_workers=num_workers,
-        collate_fn=collate_fn, multiprocessing_context="fork" if num_workers else None,
+        RandomMapDataset(30),
+        batch_size=batch_size,
+        shuffle=True,
+        seed=SEED,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        multiprocessing_context="fork" if num_workers else None,
     )
 
 
@@ -306,8 +311,13 @@ for name, bad in cases:
 def test_malformed_keys_are_refused_in_constant_memory():
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CONSTANT_MEMORY)], check=False, capture_output=True, text=True, timeout=120,
-        cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        [sys.executable, "-c", textwrap.dedent(CONSTANT_MEMORY)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr
     outcomes = dict(line.split(" | ", 1) for line in result.stdout.strip().splitlines())

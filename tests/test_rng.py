@@ -50,7 +50,8 @@ def test_derive_seed_is_deterministic_and_64_bit() -> None:
     # pinned: the value must be stable across runs, processes and versions
     assert derive_seed() == int.from_bytes(__import__("hashlib").blake2b(b"", digest_size=8).digest(), "little")
     assert derive_seed(0, "sample", 3, 17) == int.from_bytes(
-        __import__("hashlib").blake2b(b"0\x1fsample\x1f3\x1f17", digest_size=8).digest(), "little")
+        __import__("hashlib").blake2b(b"0\x1fsample\x1f3\x1f17", digest_size=8).digest(), "little"
+    )
 
 
 def test_derive_seed_is_stable_across_processes() -> None:
@@ -58,8 +59,9 @@ def test_derive_seed_is_stable_across_processes() -> None:
     import sys
 
     code = "import hashlib;print(int.from_bytes(hashlib.blake2b(b'7\\x1fworker\\x1f1\\x1f2', digest_size=8).digest(), 'little'))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "123"}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "123"}
+    ).stdout
     assert derive_seed(7, "worker", 1, 2) == int(out)
 
 
@@ -67,9 +69,17 @@ def test_derive_seed_is_sensitive_to_every_part() -> None:
     base = (0, "sample", 3, 17)
     seen = {derive_seed(*base)}
     variants = [
-        (1, "sample", 3, 17), (0, "samplf", 3, 17), (0, "sample", 4, 17), (0, "sample", 3, 18),
-        (0, "sample", 3), (0, "sample", 3, 17, 0), (17, 3, "sample", 0), (-1, "sample", 3, 17),
-        (0, "sample", 317), (0, "sample", 31, 7), (2**64, "sample", 3, 17),
+        (1, "sample", 3, 17),
+        (0, "samplf", 3, 17),
+        (0, "sample", 4, 17),
+        (0, "sample", 3, 18),
+        (0, "sample", 3),
+        (0, "sample", 3, 17, 0),
+        (17, 3, "sample", 0),
+        (-1, "sample", 3, 17),
+        (0, "sample", 317),
+        (0, "sample", 31, 7),
+        (2**64, "sample", 3, 17),
     ]
     for parts in variants:
         seed = derive_seed(*parts)
@@ -209,8 +219,11 @@ def gen_draws(gen: Any, n: int = 5) -> list[float]:
     if isinstance(gen, random.Random):
         return [gen.random() for _ in range(n)] + [gen.gauss(0, 1), gen.gauss(0, 1), float(gen.getrandbits(100))]
     if isinstance(gen, np.random.Generator):
-        return (gen.random(n).tolist() + gen.standard_normal(3).tolist()
-                + [float(gen.integers(0, 2**31)), float(gen.integers(0, 2**31, dtype=np.int32))])
+        return (
+            gen.random(n).tolist()
+            + gen.standard_normal(3).tolist()
+            + [float(gen.integers(0, 2**31)), float(gen.integers(0, 2**31, dtype=np.int32))]
+        )
     if isinstance(gen, np.random.RandomState):
         return gen.random_sample(n).tolist() + gen.standard_normal(3).tolist() + [float(gen.randint(0, 2**31))]
     return torch.rand(n, generator=gen).tolist() + torch.randn(3, generator=gen).tolist()
@@ -301,8 +314,9 @@ def test_torch_state_is_bytes_and_device_is_recorded() -> None:
 # -- wrong kinds ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("obj", [None, 3, "random", object(), np.random.PCG64(1), torch.tensor([1])],
-                         ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize(
+    "obj", [None, 3, "random", object(), np.random.PCG64(1), torch.tensor([1])], ids=lambda o: type(o).__name__
+)
 def test_capture_of_non_rng_raises_state_error(obj: Any) -> None:
     assert capture_kind(obj) is None
     with pytest.raises(StateError, match="not a known RNG"):
@@ -311,8 +325,12 @@ def test_capture_of_non_rng_raises_state_error(obj: Any) -> None:
 
 @pytest.mark.parametrize(
     "source, target",
-    [(s, t) for s in GENERATORS for t in ("python", "numpy-generator-pcg64", "numpy-randomstate", "torch")
-     if KINDS[s] != KINDS[t]],
+    [
+        (s, t)
+        for s in GENERATORS
+        for t in ("python", "numpy-generator-pcg64", "numpy-randomstate", "torch")
+        if KINDS[s] != KINDS[t]
+    ],
 )
 def test_restore_into_wrong_kind_raises_state_error(source: str, target: str) -> None:
     plain = capture_generator(GENERATORS[source]())
@@ -361,9 +379,27 @@ def test_restore_corrupt_state_raises_state_error(name: str, corrupt: Callable[[
 
 
 _REPLACEMENTS = [
-    None, 0, -1, 2**64 - 1, 1.5, "x", b"\x00\x01", [], [1, 2], {}, True, [[1]], {"a": 1},
-    {"__array__": "<u4"}, {"__array__": "O", "values": [1]}, {"__array__": "bogus", "values": []},
-    {"__array__": "<u4", "values": "ab"}, {"__bigint__": "zz"}, {"__bigint__": "-1"}, "PCG64", "MT19937",
+    None,
+    0,
+    -1,
+    2**64 - 1,
+    1.5,
+    "x",
+    b"\x00\x01",
+    [],
+    [1, 2],
+    {},
+    True,
+    [[1]],
+    {"a": 1},
+    {"__array__": "<u4"},
+    {"__array__": "O", "values": [1]},
+    {"__array__": "bogus", "values": []},
+    {"__array__": "<u4", "values": "ab"},
+    {"__bigint__": "zz"},
+    {"__bigint__": "-1"},
+    "PCG64",
+    "MT19937",
 ]
 
 

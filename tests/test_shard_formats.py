@@ -55,7 +55,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def sample_id(sample: Any) -> int:
     if "__key__" in sample:
-        return int(sample["__key__"][len("sample"):])
+        return int(sample["__key__"][len("sample") :])
     return int(sample["id"])
 
 
@@ -235,8 +235,13 @@ def test_values_of_each_format(folders):
         with _ActiveWorker(0, 0):
             ds.reset_state_deep()
             reads[fmt] = list(ds)[7]
-    assert reads["tar"] == {"__key__": "sample00007", "bin": bytes(range(0)) * 8, "cls": b"1",
-                            "json": b'{"id": 7}', "txt": b"text 7"}
+    assert reads["tar"] == {
+        "__key__": "sample00007",
+        "bin": bytes(range(0)) * 8,
+        "cls": b"1",
+        "json": b'{"id": 7}',
+        "txt": b"text 7",
+    }
     assert reads["parquet"] == {"id": 7, "text": "row 7", "tags": [7, 1], "score": 1.75}
     mds = reads["mds"]
     assert list(mds) == sorted(mds) and mds["id"] == 7 and mds["text"] == "text 7" and mds["meta"] == {"j": [7]}
@@ -250,6 +255,7 @@ def test_values_of_each_format(folders):
 @pytest.mark.parametrize("fmt", ["tar"])
 def test_spawned_workers_read_what_one_process_reads(folders, fmt):
     """Readers (memory maps) are opened in each worker, never pickled."""
+
     def epoch(workers: int, context: str | None) -> list[int]:
         ds = ShardedFileDataset(folders[fmt], wconf(0, 1, workers), decode=True if fmt == "tar" else None)
         kw = {"multiprocessing_context": context} if context else {}

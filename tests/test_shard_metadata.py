@@ -36,7 +36,10 @@ def tar(path: str = "shard-000.tar", **kw: Any) -> dict[str, Any]:
         ([tar(size=-1)], r"Expected `int` >= 0 - at `\$.shards\[0\].size`"),
         ([tar(sha256="XYZ")], r"`\$.shards\[0\].sha256` is 'XYZ'; expected 64 lowercase hexadecimal digits"),
         ([tar(index="../x.idx")], r"`\$.shards\[0\].index` is '../x.idx'; expected a path relative"),
-        ([{"path": "a.npy", "samples": 2, "format": "npy", "index": "a.idx"}], r"`\$.shards\[0\].index` is set for a 'npy'"),
+        (
+            [{"path": "a.npy", "samples": 2, "format": "npy", "index": "a.idx"}],
+            r"`\$.shards\[0\].index` is set for a 'npy'",
+        ),
         ([tar(row_groups=[2])], r"`\$.shards\[0\].row_groups` is set for a 'tar' shard"),
         ([{"path": "s.mds", "samples": 2, "format": "mds"}], r"`\$.shards\[0\].options` is missing"),
         ([tar(colour="red")], r"unknown field `colour` - at `\$.shards\[0\]`"),
@@ -104,7 +107,9 @@ def test_local_store(tmp_path):
         store.read_small("sub")
     store.write_small("sub/c.json", b"{}")
     assert store.read_small("sub/c.json") == b"{}" and sorted(p.name for p in (tmp_path / "sub").iterdir()) == [
-        "b.bin", "c.json"]  # no temp file left
+        "b.bin",
+        "c.json",
+    ]  # no temp file left
     file = store.open_shard("sub/b.bin", 10, whole=False)
     assert file.read(2, 3) == b"234" and file.read(10, 0) == b""
     with pytest.raises(sl.DataError, match=r"b.bin: truncated: wanted bytes \[8, 12\), the file has 10 bytes"):

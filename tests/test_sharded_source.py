@@ -102,10 +102,17 @@ def epoch_ids(folder: Path, world: int, workers: int, epoch: int, **kw: Any) -> 
 def test_formats_read_back_exactly(folders, fmt):
     ds = ShardedFileDataset(folders[fmt], wconf(), shuffle=False)
     samples, keys = worker_stream(ds, 0, 0)
-    written = [row for shard in MAKERS[fmt](SIZES) for row in (
-        [{k: v[i] for k, v in shard.items()} for i in range(len(shard["id"]))] if fmt == ".pt"
-        else list(torch.from_numpy(shard)) if fmt == ".npy" else shard
-    )]
+    written = [
+        row
+        for shard in MAKERS[fmt](SIZES)
+        for row in (
+            [{k: v[i] for k, v in shard.items()} for i in range(len(shard["id"]))]
+            if fmt == ".pt"
+            else list(torch.from_numpy(shard))
+            if fmt == ".npy"
+            else shard
+        )
+    ]
     assert_streams(samples, written, fmt)
     assert keys[:8] == [[0, i, 0] for i in range(7)] + [[1, 0, 0]]
 
@@ -332,16 +339,37 @@ def shard(path: str, samples: Any = 4) -> dict[str, Any]:
         ("{not json", "metadata.json: not valid JSON"),
         ([1, 2], r"metadata.json: Expected `object`, got `array`"),
         ({"shards": []}, "metadata.json: Object missing required field `format`"),
-        ({"format": 3, "shards": []}, r"metadata.json: `\$.format` is 3, this version of savable_loader reads formats 1 and 2"),
+        (
+            {"format": 3, "shards": []},
+            r"metadata.json: `\$.format` is 3, this version of savable_loader reads formats 1 and 2",
+        ),
         ({"format": 1}, "missing required field `shards`"),
-        ({"format": 1, "shards": [shard("shard-00000.npy", "4")]}, r"Expected `int`, got `str` - at `\$.shards\[0\].samples`"),
+        (
+            {"format": 1, "shards": [shard("shard-00000.npy", "4")]},
+            r"Expected `int`, got `str` - at `\$.shards\[0\].samples`",
+        ),
         ({"format": 1, "shards": [shard("shard-00000.npy", -1)]}, r"Expected `int` >= 0 - at `\$.shards\[0\].samples`"),
         ({"format": 1, "shards": [{**shard("shard-00000.npy"), "x": 1}]}, r"unknown field `x` - at `\$.shards\[0\]`"),
-        ({"format": 1, "shards": [shard("a.txt")]}, r"`\$.shards\[0\].path` is 'a.txt'; expected a file ending in one of .npy, .pt, .jsonl"),
-        ({"format": 1, "shards": [shard("/etc/x.npy")]}, r"`\$.shards\[0\].path` is '/etc/x.npy'; expected a path relative"),
-        ({"format": 1, "shards": [shard("../x.npy")]}, r"`\$.shards\[0\].path` is '../x.npy'; expected a path relative"),
-        ({"format": 1, "shards": [shard("shard-00000.npy"), shard("shard-00000.npy")]}, r"`\$.shards\[1\].path` is 'shard-00000.npy', which is listed twice"),
-        ({"format": 1, "shards": [shard("shard-00000.npy"), shard("gone.npy")]}, r"`\$.shards\[1\].path`: shard file .*gone.npy does not exist"),
+        (
+            {"format": 1, "shards": [shard("a.txt")]},
+            r"`\$.shards\[0\].path` is 'a.txt'; expected a file ending in one of .npy, .pt, .jsonl",
+        ),
+        (
+            {"format": 1, "shards": [shard("/etc/x.npy")]},
+            r"`\$.shards\[0\].path` is '/etc/x.npy'; expected a path relative",
+        ),
+        (
+            {"format": 1, "shards": [shard("../x.npy")]},
+            r"`\$.shards\[0\].path` is '../x.npy'; expected a path relative",
+        ),
+        (
+            {"format": 1, "shards": [shard("shard-00000.npy"), shard("shard-00000.npy")]},
+            r"`\$.shards\[1\].path` is 'shard-00000.npy', which is listed twice",
+        ),
+        (
+            {"format": 1, "shards": [shard("shard-00000.npy"), shard("gone.npy")]},
+            r"`\$.shards\[1\].path`: shard file .*gone.npy does not exist",
+        ),
     ],
 )
 def test_bad_metadata(tmp_path, metadata, message):
@@ -412,7 +440,11 @@ def test_config_names_the_data(folders, tmp_path):
     ds = ShardedFileDataset(folders[".npy"], wconf())
     config = ds.config()
     assert {k: config[k] for k in ("shards", "samples", "strategy", "shuffle")} == {
-        "shards": 5, "samples": 30, "strategy": "exact", "shuffle": True}
+        "shards": 5,
+        "samples": 30,
+        "strategy": "exact",
+        "shuffle": True,
+    }
     write_shards(tmp_path, npy_shards([7, 3, 10, 4, 5]))
     assert ShardedFileDataset(tmp_path, wconf()).config()["metadata"] != config["metadata"]
 
@@ -440,6 +472,7 @@ def test_empty_shards_and_an_empty_folder(tmp_path):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_restore_sample(folders, num_workers):
     """Any batch of a 2-epoch run is rebuilt by ``loader.restore_sample`` from its key."""
+
     def build():
         ds = ShardedFileDataset(folders["uneven"], wconf(1, 2, num_workers), strategy="oversampling")
         return make_loader(sl.wrappers.BatchDataset(sl.wrappers.MapDataset(ds, lambda x: x + torch.rand(3)), 4))

@@ -32,20 +32,50 @@ from savable_loader.state.codec import decode_part, encode_part
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 TORCH_DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-    torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
 ]
 NUMPY_DTYPES = [
-    np.bool_, np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
-    np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
+    np.bool_,
+    np.uint8,
+    np.int8,
+    np.int16,
+    np.uint16,
+    np.int32,
+    np.uint32,
+    np.int64,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
 ]
 
 
 def make_config(**overrides: object) -> LoaderConfig:
     values: dict[str, object] = dict(
-        rank=1, world_size=4, num_workers=2, seed=-7, batch_size=32, shuffle=True,
-        drop_last=False, dataset_fingerprint="0123456789abcdef01234567",
+        rank=1,
+        world_size=4,
+        num_workers=2,
+        seed=-7,
+        batch_size=32,
+        shuffle=True,
+        drop_last=False,
+        dataset_fingerprint="0123456789abcdef01234567",
         dataset_config={"type": "x.Y", "n": 10, "children": [{"type": "x.Z", "p": 0.5}]},
     )
     values.update(overrides)
@@ -322,9 +352,13 @@ def test_encode_unencodable_field_raises_state_error() -> None:
     bad = RankState(
         config=make_config(),
         position=PipelinePosition(
-            epoch=0, next_worker=0,
-            workers=[WorkerState(worker_id=0, index=0, snapshot_index=0,
-                                 dataset=DatasetState(type="t", fields={"f": object()}))],
+            epoch=0,
+            next_worker=0,
+            workers=[
+                WorkerState(
+                    worker_id=0, index=0, snapshot_index=0, dataset=DatasetState(type="t", fields={"f": object()})
+                )
+            ],
         ),
     )
     with pytest.raises(StateError, match="cannot be encoded.*object"):
@@ -437,9 +471,11 @@ def _state_with_ext(ext: msgspec.msgpack.Ext) -> bytes:
     state = RankState(
         config=make_config(),
         position=PipelinePosition(
-            epoch=0, next_worker=0,
-            workers=[WorkerState(worker_id=0, index=1, snapshot_index=0,
-                                 dataset=DatasetState(type="t", fields={"a": ext}))],
+            epoch=0,
+            next_worker=0,
+            workers=[
+                WorkerState(worker_id=0, index=1, snapshot_index=0, dataset=DatasetState(type="t", fields={"a": ext}))
+            ],
         ),
     )
     return msgspec.msgpack.encode(state)
@@ -585,13 +621,36 @@ def test_fuzz_splices(valid: bytes, data: st.DataObject) -> None:
 
 
 _msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
-    | st.binary(max_size=8) | st.sampled_from(["rank", "global", "index", "pipeline", "kind", "type"]),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(
-        st.sampled_from(["kind", "type", "schema_version", "config", "position", "ranks", "workers",
-                         "epoch", "consumed", "dataset_len", "fields", "children", "x"]),
-        children, max_size=5,
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+    | st.sampled_from(["rank", "global", "index", "pipeline", "kind", "type"]),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "kind",
+                    "type",
+                    "schema_version",
+                    "config",
+                    "position",
+                    "ranks",
+                    "workers",
+                    "epoch",
+                    "consumed",
+                    "dataset_len",
+                    "fields",
+                    "children",
+                    "x",
+                ]
+            ),
+            children,
+            max_size=5,
+        )
     ),
     max_leaves=20,
 )
@@ -606,9 +665,29 @@ def test_fuzz_structured_msgpack(value: object) -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.sampled_from(["torch", "numpy", "numpy-scalar", "pickle", ""]),
-    st.sampled_from(["float32", "bfloat16", "int64", "bool", "object", "complex128", "S3", "U2", ">int32",
-                     "datetime64[ns]", "timedelta64", "str", "bytes", "float128", "U536870911", "S2147483647",
-                     "timedelta64[2147483647as]", ">datetime64[D]", ">float16"]),
+    st.sampled_from(
+        [
+            "float32",
+            "bfloat16",
+            "int64",
+            "bool",
+            "object",
+            "complex128",
+            "S3",
+            "U2",
+            ">int32",
+            "datetime64[ns]",
+            "timedelta64",
+            "str",
+            "bytes",
+            "float128",
+            "U536870911",
+            "S2147483647",
+            "timedelta64[2147483647as]",
+            ">datetime64[D]",
+            ">float16",
+        ]
+    ),
     st.lists(st.integers(-2, 5), max_size=4),
     st.binary(max_size=48),
 )
@@ -637,8 +716,16 @@ def test_newer_schema_inside_a_gathered_state_is_refused():
     from savable_loader.errors import StateVersionError
     from savable_loader.state import GlobalState, IndexPosition, LoaderConfig, RankState, encode
 
-    config = LoaderConfig(rank=0, world_size=1, num_workers=0, seed=0, batch_size=2, shuffle=False,
-                          drop_last=False, dataset_fingerprint="x")
+    config = LoaderConfig(
+        rank=0,
+        world_size=1,
+        num_workers=0,
+        seed=0,
+        batch_size=2,
+        shuffle=False,
+        drop_last=False,
+        dataset_fingerprint="x",
+    )
     rank = RankState(config=config, position=IndexPosition(epoch=0, consumed=0, dataset_len=4))
     plain = msgspec.to_builtins(GlobalState(ranks=[rank]))
     plain["ranks"][0]["schema_version"] = 99

@@ -41,8 +41,15 @@ HEADER = struct.Struct("<8sIQ32s")
 def rank_state(rank: int = 0, consumed: int = 64) -> RankState:
     return RankState(
         config=LoaderConfig(
-            rank=rank, world_size=2, num_workers=3, seed=11, batch_size=8, shuffle=True,
-            drop_last=True, dataset_fingerprint="f" * 24, dataset_config={"n": 1000},
+            rank=rank,
+            world_size=2,
+            num_workers=3,
+            seed=11,
+            batch_size=8,
+            shuffle=True,
+            drop_last=True,
+            dataset_fingerprint="f" * 24,
+            dataset_config={"n": 1000},
         ),
         position=IndexPosition(epoch=1, consumed=consumed, dataset_len=1000),
     )
@@ -51,19 +58,39 @@ def rank_state(rank: int = 0, consumed: int = 64) -> RankState:
 def pipeline_state() -> RankState:
     return RankState(
         config=LoaderConfig(
-            rank=0, world_size=1, num_workers=1, seed=0, batch_size=None, shuffle=False,
-            drop_last=False, dataset_fingerprint="a" * 24,
+            rank=0,
+            world_size=1,
+            num_workers=1,
+            seed=0,
+            batch_size=None,
+            shuffle=False,
+            drop_last=False,
+            dataset_fingerprint="a" * 24,
         ),
         position=PipelinePosition(
-            epoch=0, next_worker=0,
-            workers=[WorkerState(worker_id=0, index=3, snapshot_index=2,
-                                 dataset=DatasetState(type="m.C", fields={"pos": 2, "b": b"\x00\x01"}))],
+            epoch=0,
+            next_worker=0,
+            workers=[
+                WorkerState(
+                    worker_id=0,
+                    index=3,
+                    snapshot_index=2,
+                    dataset=DatasetState(type="m.C", fields={"pos": 2, "b": b"\x00\x01"}),
+                )
+            ],
         ),
     )
 
 
-def write_raw(path: Path, payload: bytes, *, magic: bytes = b"SLSTATE\x00", version: int = 1,
-              length: int | None = None, digest: bytes | None = None) -> None:
+def write_raw(
+    path: Path,
+    payload: bytes,
+    *,
+    magic: bytes = b"SLSTATE\x00",
+    version: int = 1,
+    length: int | None = None,
+    digest: bytes | None = None,
+) -> None:
     length = len(payload) if length is None else length
     digest = hashlib.blake2b(payload, digest_size=32).digest() if digest is None else digest
     path.write_bytes(HEADER.pack(magic, version, length, digest) + payload)
@@ -115,7 +142,7 @@ def test_file_layout_is_exact(tmp_path: Path) -> None:
     assert version == 1
     assert length == len(payload)
     assert digest == hashlib.blake2b(payload, digest_size=32).digest()
-    assert raw[HEADER.size:] == payload
+    assert raw[HEADER.size :] == payload
     assert len(raw) == HEADER.size + len(payload) == 52 + len(payload)
 
 
@@ -131,7 +158,9 @@ def test_no_temp_file_left_after_success(tmp_path: Path) -> None:
     assert load_file(path) == rank_state(consumed=2)
 
 
-@pytest.mark.parametrize("bad", [object(), None, [rank_state(), "x"], {"kind": "rank"}], ids=["object", "None", "list", "dict"])
+@pytest.mark.parametrize(
+    "bad", [object(), None, [rank_state(), "x"], {"kind": "rank"}], ids=["object", "None", "list", "dict"]
+)
 def test_failing_encode_leaves_old_file_and_no_temp(tmp_path: Path, bad: object) -> None:
     path = tmp_path / "loader.state"
     save_file(path, rank_state(consumed=7))
@@ -221,7 +250,9 @@ def test_file_truncated_inside_payload(tmp_path: Path) -> None:
     payload_len = len(raw) - HEADER.size
     for cut in (1, payload_len // 2, payload_len):
         path.write_bytes(raw[: len(raw) - cut])
-        _assert_state_error(path, rf"header says {payload_len} payload bytes, file has {payload_len - cut} \(truncated\?\)")
+        _assert_state_error(
+            path, rf"header says {payload_len} payload bytes, file has {payload_len - cut} \(truncated\?\)"
+        )
 
 
 def test_trailing_garbage(tmp_path: Path) -> None:
@@ -328,7 +359,11 @@ def test_state_package_loads_file_without_importing_torch(tmp_path: Path) -> Non
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     result = subprocess.run(
         [sys.executable, "-c", script, str(path), str(single)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     lines = dict(line.split(" ", 1) for line in result.stdout.strip().splitlines())
@@ -339,6 +374,7 @@ def test_state_package_loads_file_without_importing_torch(tmp_path: Path) -> Non
 
 
 # -- temporary files of killed writers (30 real kills: test_crash_consistency.py) ---------
+
 
 def _temps(folder: Path, name: str = "loader.state") -> list[str]:
     return [n for n in listing(folder) if n.startswith(f".{name}.tmp-")]
@@ -369,7 +405,7 @@ def test_sweep_removes_only_dead_writers_files_of_this_machine(tmp_path: Path) -
             (tmp_path / f".loader.state.tmp-{name}").write_bytes(b"partial")
         (tmp_path / f".other.state.tmp-{names['dead']}").write_bytes(b"another target's")
         save_file(tmp_path / "loader.state", rank_state())
-        kept = {n[len(".loader.state.tmp-"):] for n in _temps(tmp_path)}
+        kept = {n[len(".loader.state.tmp-") :] for n in _temps(tmp_path)}
         assert kept == {names[k] for k in ("live writer", "this process", "other machine", "earlier version")}
         assert (tmp_path / f".other.state.tmp-{names['dead']}").exists()
     finally:
@@ -390,7 +426,7 @@ def test_temp_file_names_carry_machine_pid_and_start(tmp_path: Path, monkeypatch
     save_file(tmp_path / "x.state", rank_state())
     prefix = ".x.state.tmp-"
     assert seen[0].startswith(prefix)
-    machine, pid, start, rand = seen[0][len(prefix):].split("_")
+    machine, pid, start, rand = seen[0][len(prefix) :].split("_")
     assert (int(pid), len(machine), len(rand)) == (os.getpid(), 8, 8)
     assert int(start) == files_mod._start_time(os.getpid())
 
@@ -453,8 +489,13 @@ def test_save_into_a_read_only_folder() -> None:
         folder.mkdir()
         folder.chmod(0o555)
         result = subprocess.run(
-            [sys.executable, "-c", READ_ONLY_CHILD, str(folder)], check=False, capture_output=True, text=True,
-            timeout=60, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            [sys.executable, "-c", READ_ONLY_CHILD, str(folder)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         )
         if result.returncode != 0 and "Operation not permitted" in result.stderr:
             pytest.skip("running as root without the right to drop privileges: a read-only folder stays writable")

@@ -40,8 +40,13 @@ def content(i: int, n: int) -> bytes:
     return bytes(out[:n])
 
 
-FILES = {"empty.bin": b"", "one.bin": b"\x07", "small.bin": content(2, 1000), "sub/two-chunks.bin": content(3, 100_000),
-         "big.bin": content(4, 300_000)}
+FILES = {
+    "empty.bin": b"",
+    "one.bin": b"\x07",
+    "small.bin": content(2, 1000),
+    "sub/two-chunks.bin": content(3, 100_000),
+    "big.bin": content(4, 300_000),
+}
 
 
 def ref(name: str, **kw: Any) -> FileRef:
@@ -133,7 +138,12 @@ def test_remote_files_are_fetched_in_chunks_and_ranges_read_alone(backends: Back
     ranges = [r for m, p, r, _ in backends.http.faults.log if m == "GET" and p.endswith("/big.bin")]
     assert ranges[0] == "bytes=10-19"
     assert sorted(ranges[1:], key=lambda r: int(r[6:].split("-")[0])) == [  # up to 4 in flight: any order
-        "bytes=0-65535", "bytes=65536-131071", "bytes=131072-196607", "bytes=196608-262143", "bytes=262144-299999"]
+        "bytes=0-65535",
+        "bytes=65536-131071",
+        "bytes=131072-196607",
+        "bytes=196608-262143",
+        "bytes=262144-299999",
+    ]
     before = backends.http.faults.gets()
     assert storage.read_range(ref("big.bin"), 5, 9) == FILES["big.bin"][5:9]  # now from the cached copy
     assert backends.http.faults.gets() == before
@@ -162,8 +172,9 @@ class FileDataset(torch.utils.data.Dataset):
 
 
 def loader_items(storage: Storage, method: str) -> list[dict[str, Any]]:
-    loader = sl.SavableDataLoader(FileDataset(storage), batch_size=None, num_workers=2, multiprocessing_context=method,
-                                  timeout=120)
+    loader = sl.SavableDataLoader(
+        FileDataset(storage), batch_size=None, num_workers=2, multiprocessing_context=method, timeout=120
+    )
     return list(loader)
 
 
@@ -172,8 +183,13 @@ def reference_items() -> list[dict[str, Any]]:
     out = []
     for i in range(2 * len(names)):
         data = FILES[names[i % len(names)]]
-        out.append({"name": names[i % len(names)], "sha256": hashlib.sha256(data).hexdigest(),
-                    "part": data[len(data) // 3 : len(data) // 2]})
+        out.append(
+            {
+                "name": names[i % len(names)],
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "part": data[len(data) // 3 : len(data) // 2],
+            }
+        )
     return out
 
 
@@ -196,8 +212,9 @@ def test_worker_processes_read_the_same_bytes(backends: Backends, backend: str, 
 @pytest.mark.parametrize("fault", ["503", "429", "reset", "short"])
 @pytest.mark.parametrize("k", [1, 2, 5])
 @pytest.mark.parametrize("backend", ["s3", "http"])
-def test_a_fault_on_the_kth_request_changes_nothing(backends: Backends, backend: str, fault: str, k: int,
-                                                    tmp_path: Path) -> None:
+def test_a_fault_on_the_kth_request_changes_nothing(
+    backends: Backends, backend: str, fault: str, k: int, tmp_path: Path
+) -> None:
     storage = backends.storage(backend, tmp_path / "cache")
     server = backends.server(backend)
     server.faults.plan = {k: fault}
@@ -216,10 +233,13 @@ def test_faults_in_workers_change_nothing(backends: Backends, backend: str, tmp_
     assert len([w for *_, w in server.faults.log if w in ("reset", "503", "short", "429")]) == 4
 
 
-@pytest.mark.parametrize(("backend", "fault"), [("http", "503"), ("http", "reset"), ("http", "short"),
-                                               ("http", "stall"), ("s3", "503"), ("s3", "stall")])
-def test_a_persistent_fault_is_a_storage_error_in_the_main_process(backends: Backends, backend: str, fault: str,
-                                                                   tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("backend", "fault"),
+    [("http", "503"), ("http", "reset"), ("http", "short"), ("http", "stall"), ("s3", "503"), ("s3", "stall")],
+)
+def test_a_persistent_fault_is_a_storage_error_in_the_main_process(
+    backends: Backends, backend: str, fault: str, tmp_path: Path
+) -> None:
     server = backends.server(backend)
     server.faults.always, server.faults.stall_seconds = fault, 5.0
     policy = RetryPolicy(attempts=3, initial_delay=0.05, timeout=1.0, deadline=8.0)
@@ -401,8 +421,7 @@ def test_storage_pickles_as_its_settings(backends: Backends, tmp_path: Path) -> 
     wait_for(lambda: storage.downloads == 1)
     for back in (pickle.loads(pickle.dumps(storage)), cloudpickle.loads(cloudpickle.dumps(storage))):
         assert back._runtime is None and back.remote._fs is None
-        assert (back.url, back.retry, back.prefetch_depth, back.chunk_bytes) == (
-            storage.url, storage.retry, 1, CHUNK)
+        assert (back.url, back.retry, back.prefetch_depth, back.chunk_bytes) == (storage.url, storage.retry, 1, CHUNK)
         with back.open(ref("small.bin")) as cached:
             assert cached.path.read_bytes() == FILES["small.bin"]
         assert back.downloads == 0
@@ -417,8 +436,12 @@ def test_bad_settings(tmp_path: Path) -> None:
         Storage("s3://b/x", cache_dir=tmp_path, chunk_bytes=0)
     with pytest.raises(LoaderUsageError, match="parallel_requests is 0"):
         Storage("s3://b/x", cache_dir=tmp_path, parallel_requests=0)
-    bads: list[dict[str, Any]] = [{"path": ""}, {"path": "x", "size": -1}, {"path": "x", "sha256": "abc"},
-                                  {"path": "x", "etag": 5}]
+    bads: list[dict[str, Any]] = [
+        {"path": ""},
+        {"path": "x", "size": -1},
+        {"path": "x", "sha256": "abc"},
+        {"path": "x", "etag": 5},
+    ]
     for bad in bads:
         with pytest.raises(LoaderUsageError, match="FileRef"):
             FileRef(**bad)  # type: ignore[arg-type]

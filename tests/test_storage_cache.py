@@ -62,7 +62,9 @@ def test_keys() -> None:
     digest = "ab" * 32
     moved = cache_key("s3://other/copy/shard-1.tar", 10, sha256=digest)
     assert moved == cache_key("s3://b/train/shard-1.tar", 10, sha256=digest.upper()) == f"{digest}-shard-1.tar"
-    assert "/" not in cache_key("http://h/a b?c=d", 1) and not cache_key("http://h/.hidden", 1).split("-", 1)[1].startswith(".")
+    assert "/" not in cache_key("http://h/a b?c=d", 1) and not cache_key("http://h/.hidden", 1).split("-", 1)[
+        1
+    ].startswith(".")
 
 
 def test_a_failed_write_leaves_nothing(tmp_path: Path) -> None:
@@ -148,8 +150,9 @@ def test_processes_asking_at_once_share_one_download(tmp_path: Path, method: str
     ctx = multiprocessing.get_context(method)
     barrier, queue = ctx.Barrier(4), ctx.Queue()
     log = tmp_path / "writers.log"
-    procs = [ctx.Process(target=_fill_slowly, args=(str(tmp_path / "cache"), str(log), barrier, queue))
-             for _ in range(4)]
+    procs = [
+        ctx.Process(target=_fill_slowly, args=(str(tmp_path / "cache"), str(log), barrier, queue)) for _ in range(4)
+    ]
     for p in procs:
         p.start()
     digests = [queue.get(timeout=60) for _ in procs]
@@ -210,8 +213,11 @@ def test_a_stalled_download_is_an_error_not_a_hang(tmp_path: Path) -> None:
         fd2 = os.open(tmp_path / "locks" / "k.lock", os.O_RDWR)
         fcntl.flock(fd2, fcntl.LOCK_EX)
         start = time.monotonic()
-        with pytest.raises(StorageError, match=r"http://h/k: another process has been downloading it .* 0.5 s "
-                                               r"without progress"):
+        with pytest.raises(
+            StorageError,
+            match=r"http://h/k: another process has been downloading it .* 0.5 s "
+            r"without progress",
+        ):
             cache.fill("k", 4, writer(b"data"), url="http://h/k", stall_timeout=0.5)
         assert time.monotonic() - start < 5
     finally:

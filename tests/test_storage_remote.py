@@ -202,6 +202,12 @@ IMPORTS = textwrap.dedent("""
 
 
 def test_importing_imports_no_backend(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", IMPORTS, str(tmp_path)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

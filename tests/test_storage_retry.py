@@ -108,7 +108,11 @@ def test_transient_failures(error: BaseException, reason: str) -> None:
     [
         FileNotFoundError("s3://bucket/x"),
         PermissionError("Access Denied"),
-        Status(404), Status(403), Status(416), RequestsHTTPError(401), ClientError("NoSuchKey", 404),
+        Status(404),
+        Status(403),
+        Status(416),
+        RequestsHTTPError(401),
+        ClientError("NoSuchKey", 404),
         caused(OSError(errno.EIO, "?"), Status(400)),
         OSError(errno.EIO, "disk"),
         ValueError("bad"),
@@ -129,8 +133,12 @@ def test_real_client_exceptions() -> None:
     assert transient_reason(aiohttp.ClientPayloadError("Response payload is not completed")) == "short read"
     assert transient_reason(aiohttp.ServerDisconnectedError()) == "connection closed"
     assert transient_reason(FSTimeoutError()) == "timeout"
-    info = aiohttp.RequestInfo(url=aiohttp.client.URL("http://h/x"), method="GET", headers={},  # type: ignore[call-arg]
-                               real_url=aiohttp.client.URL("http://h/x"))
+    info = aiohttp.RequestInfo(
+        url=aiohttp.client.URL("http://h/x"),
+        method="GET",
+        headers={},  # type: ignore[call-arg]
+        real_url=aiohttp.client.URL("http://h/x"),
+    )
     assert transient_reason(aiohttp.ClientResponseError(info, (), status=503)) == "HTTP 503"
     assert transient_reason(aiohttp.ClientResponseError(info, (), status=404)) is None
 
@@ -146,8 +154,18 @@ def test_a_cycle_in_the_chain_ends() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("attempts", 0), ("attempts", 1.5), ("attempts", True), ("initial_delay", -1), ("max_delay", float("nan")),
-     ("timeout", 0), ("deadline", 0), ("multiplier", 0.5), ("jitter", 1.5), ("jitter", -0.1)],
+    [
+        ("attempts", 0),
+        ("attempts", 1.5),
+        ("attempts", True),
+        ("initial_delay", -1),
+        ("max_delay", float("nan")),
+        ("timeout", 0),
+        ("deadline", 0),
+        ("multiplier", 0.5),
+        ("jitter", 1.5),
+        ("jitter", -0.1),
+    ],
 )
 def test_bad_policies_name_the_field(field: str, value: Any) -> None:
     with pytest.raises(LoaderUsageError, match=f"RetryPolicy {field} is {value!r}"):
@@ -187,7 +205,8 @@ def test_transient_failures_are_retried_with_jittered_backoff() -> None:
 def test_no_jitter_means_the_nominal_delays() -> None:
     slept: list[float] = []
     RetryPolicy(attempts=4, initial_delay=0.1, jitter=0.0).call(
-        flaky([TimeoutError()] * 3), url="u", sleep=slept.append)
+        flaky([TimeoutError()] * 3), url="u", sleep=slept.append
+    )
     assert slept == pytest.approx([0.1, 0.2, 0.4])
 
 

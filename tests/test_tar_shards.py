@@ -55,8 +55,9 @@ def tricky_samples() -> list[tuple[str, dict[str, bytes]]]:
     ]
 
 
-@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT],
-                         ids=["pax", "gnu", "ustar"])
+@pytest.mark.parametrize(
+    "fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT], ids=["pax", "gnu", "ustar"]
+)
 def test_samples_equal_webdataset_reading(tmp_path, fmt):
     samples = tricky_samples()
     if fmt == tarfile.USTAR_FORMAT:  # no room for non-ASCII names or a 100+ char file name
@@ -79,8 +80,16 @@ def test_webdataset_tarwriter_output_and_decoders(tmp_path):
     wds = pytest.importorskip("webdataset", reason="webdataset (test extra) is not installed")
     with wds.TarWriter(str(tmp_path / "w.tar")) as writer:
         for j in range(6):
-            writer.write({"__key__": f"k{j}", "txt": f"text {j}", "cls": j % 3, "json": {"j": j},
-                          "npy": np.arange(j, dtype=np.float32), "pth": torch.full((2,), float(j))})
+            writer.write(
+                {
+                    "__key__": f"k{j}",
+                    "txt": f"text {j}",
+                    "cls": j % 3,
+                    "json": {"j": j},
+                    "npy": np.arange(j, dtype=np.float32),
+                    "pth": torch.full((2,), float(j)),
+                }
+            )
     index_folder(tmp_path, progress=False)
     ours = read_all(tmp_path)
     assert ours == webdataset_reading([tmp_path / "w.tar"])
@@ -95,7 +104,10 @@ def test_webdataset_tarwriter_output_and_decoders(tmp_path):
     with pytest.raises(sl.LoaderUsageError, match="decode must be"):
         ShardedFileDataset(tmp_path, WC, decode="yes")
     failing = ShardedFileDataset(tmp_path, WC, shuffle=False, decode={"txt": int})
-    with _ActiveWorker(0, 0), pytest.raises(sl.DataError, match=r"w.tar: cannot decode 'txt' of sample 'k0' \(at byte \d+\): ValueError"):
+    with (
+        _ActiveWorker(0, 0),
+        pytest.raises(sl.DataError, match=r"w.tar: cannot decode 'txt' of sample 'k0' \(at byte \d+\): ValueError"),
+    ):
         next(iter(failing))
 
 
@@ -113,8 +125,11 @@ def test_image_decoding(tmp_path):
 
 
 def folder_snapshot(folder: Path) -> dict[str, tuple[str, int]]:
-    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def energon_prepare(folder: Path) -> None:
@@ -135,8 +150,9 @@ def test_energon_prepared_dataset_is_read_unchanged(tmp_path):
     split = ShardedFileDataset(folder, WC).metadata.shards  # the order of the train part of split.yaml
     assert sorted(e.path for e in split) == ["shard-000.tar", "shard-001.tar", "shard-002.tar"]
     assert ours == webdataset_reading([folder / e.path for e in split])
-    shuffled = ShardedFileDataset(folder, sl.WorkerConfig(rank=1, world_size=2, num_workers=0, seed=3),
-                                  strategy="undersampling")
+    shuffled = ShardedFileDataset(
+        folder, sl.WorkerConfig(rank=1, world_size=2, num_workers=0, seed=3), strategy="undersampling"
+    )
     assert shuffled.metadata.source == "energon"
     assert {e.index for e in shuffled.metadata.shards} == {f"shard-00{i}.tar.idx" for i in range(3)}
     with _ActiveWorker(0, 1):
@@ -195,12 +211,18 @@ def test_truncated_tar_is_named_when_indexing(tmp_path):
     path = folder / "shard-001.tar"
     third = header_offsets(path)[11]  # sample00005.bin, 30 bytes of data
     path.write_bytes(path.read_bytes()[: third + 512 + 3])  # cut inside its data
-    with pytest.raises(sl.DataError, match=rf"shard-001.tar: truncated: member 'sample00005.bin' \(header at byte "
-                                           rf"{third}\) needs bytes up to \d+, the file has {third + 515}"):
+    with pytest.raises(
+        sl.DataError,
+        match=rf"shard-001.tar: truncated: member 'sample00005.bin' \(header at byte "
+        rf"{third}\) needs bytes up to \d+, the file has {third + 515}",
+    ):
         index_folder(folder, progress=False)
     path.write_bytes(path.read_bytes()[:third])  # cut at a member boundary: no end-of-archive block
-    with pytest.raises(sl.DataError, match=rf"shard-001.tar: truncated: no end-of-archive block after the last "
-                                           rf"member \(it ends at byte {third}"):
+    with pytest.raises(
+        sl.DataError,
+        match=rf"shard-001.tar: truncated: no end-of-archive block after the last "
+        rf"member \(it ends at byte {third}",
+    ):
         index_folder(folder, progress=False)
 
 
@@ -234,8 +256,11 @@ def test_corrupt_header(tmp_path):
 def test_not_a_tar_and_gzip(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x.tar").write_bytes(b"hello" * 300)
-    with pytest.raises(sl.DataError, match=r"x.tar: no valid tar header at byte 0 \(bad checksum\); the file is "
-                                           "corrupt or not a tar"):
+    with pytest.raises(
+        sl.DataError,
+        match=r"x.tar: no valid tar header at byte 0 \(bad checksum\); the file is "
+        "corrupt or not a tar",
+    ):
         index_folder(tmp_path / "a", progress=False)
     write_tar(tmp_path / "y.tar", [("k", {"txt": b"x"})])
     (tmp_path / "b").mkdir()
@@ -257,12 +282,22 @@ def test_duplicate_extension_in_a_sample(tmp_path):
         (lambda o: o[1:].tobytes(), r"shard-001.tar.idx: indexes 3 samples, the metadata says 4"),
         (lambda o: o[[0, 2, 1, 3, 4]].tobytes(), r"offset 2 \(\d+\) does not grow"),
         (lambda o: (o + np.array([0, 8, 0, 0, 0], "<u8")).tobytes(), r"offset 1 \(\d+\) is not a multiple of 512"),
-        (lambda o: (o + np.array([0, 0, 0, 0, 10240], "<u8")).tobytes(), r"the samples end at byte \d+, but the tar has"),
-        (lambda o: (o - np.array([0, 512, 0, 0, 0], "<u8")).tobytes(),
-         r"the index says a sample ends at byte (\d+), but no tar header starts there"),
-        (lambda o: (o + np.array([0, 512, 0, 0, 0], "<u8")).tobytes(), r"hold the keys 'sample00003' and 'sample00004'"),
-        (lambda o: (o - np.array([0, 1024, 0, 0, 0], "<u8")).tobytes(),  # one member (header + data) too early
-         r"sample 'sample00003' continues past byte \d+, where the index says it ends"),
+        (
+            lambda o: (o + np.array([0, 0, 0, 0, 10240], "<u8")).tobytes(),
+            r"the samples end at byte \d+, but the tar has",
+        ),
+        (
+            lambda o: (o - np.array([0, 512, 0, 0, 0], "<u8")).tobytes(),
+            r"the index says a sample ends at byte (\d+), but no tar header starts there",
+        ),
+        (
+            lambda o: (o + np.array([0, 512, 0, 0, 0], "<u8")).tobytes(),
+            r"hold the keys 'sample00003' and 'sample00004'",
+        ),
+        (
+            lambda o: (o - np.array([0, 1024, 0, 0, 0], "<u8")).tobytes(),  # one member (header + data) too early
+            r"sample 'sample00003' continues past byte \d+, where the index says it ends",
+        ),
     ],
     ids=["length", "count", "order", "alignment", "end", "start", "boundaries", "early"],
 )
@@ -273,14 +308,18 @@ def test_bad_index(tmp_path, mutate, message):
     text = first_error(folder)
     assert "shard-001.tar" in text and "run `python -m savable_loader index" in text
     import re
+
     assert re.search(message, text), text
 
 
 def test_missing_index(tmp_path):
     folder = indexed(tmp_path)
     (folder / "shard-001.tar.idx").unlink()
-    with pytest.raises(sl.DataError, match=r"shard-001.tar.idx: the index of tar shard .*shard-001.tar does not "
-                                           r"exist: write it with `python -m savable_loader index"):
+    with pytest.raises(
+        sl.DataError,
+        match=r"shard-001.tar.idx: the index of tar shard .*shard-001.tar does not "
+        r"exist: write it with `python -m savable_loader index",
+    ):
         ShardedFileDataset(folder, WC)
 
 
@@ -312,8 +351,11 @@ def test_energon_splits(tmp_path):
     import yaml
 
     parts = yaml.safe_load((folder / ".nv-meta" / "split.yaml").read_text())["split_parts"]
-    with pytest.raises(sl.DataError, match=r"split.yaml: the dataset is split into 'train' \(2 shards\), "
-                                           r"'val' \(2 shards\): pass split= to choose one"):
+    with pytest.raises(
+        sl.DataError,
+        match=r"split.yaml: the dataset is split into 'train' \(2 shards\), "
+        r"'val' \(2 shards\): pass split= to choose one",
+    ):
         ShardedFileDataset(folder, WC)
     for part in ("train", "val"):
         got = read_all(folder, split=part)
@@ -324,13 +366,17 @@ def test_energon_splits(tmp_path):
     with pytest.raises(sl.DataError, match="an Energon folder needs no indexing"):
         index_folder(folder, progress=False)
     (folder / ".nv-meta" / "split.yaml").write_text(
-        "split_parts:\n  train:\n  - shard-00{0..2}.tar\n  val:\n  - shard-003.tar\nexclude:\n  - shard-001.tar\n")
+        "split_parts:\n  train:\n  - shard-00{0..2}.tar\n  val:\n  - shard-003.tar\nexclude:\n  - shard-001.tar\n"
+    )
     assert [s["__key__"] for s in read_all(folder, split="train")] == [f"sample{j:05d}" for j in (0, 1, 5, 6, 7, 8)]
     (folder / ".nv-meta" / "split.yaml").write_text(
-        "split_parts:\n  train:\n  - shard-000.tar\nexclude:\n  - shard-000.tar/sample00001\n")
+        "split_parts:\n  train:\n  - shard-000.tar\nexclude:\n  - shard-000.tar/sample00001\n"
+    )
     with pytest.raises(sl.DataError, match="sample-level excludes are not supported"):
         ShardedFileDataset(folder, WC)
-    (folder / ".nv-meta" / "split.yaml").write_text("split_parts:\n  train:\n  - shard-000.tar\nexclude:\n  - shard-000.tar\n")
+    (folder / ".nv-meta" / "split.yaml").write_text(
+        "split_parts:\n  train:\n  - shard-000.tar\nexclude:\n  - shard-000.tar\n"
+    )
     with pytest.raises(sl.DataError, match="split 'train' has no shards left"):
         ShardedFileDataset(folder, WC)
     (folder / ".nv-meta" / "split.yaml").write_text("split_parts:\n  train: shard-000.tar\n")

@@ -165,8 +165,8 @@ def test_assert_same_is_as_strict_as_the_project_tests() -> None:
 
 def test_expected_chunks() -> None:
     assert expected_chunks([3, 3], 0, False) == [3, 3]
-    assert expected_chunks([3, 3], 3, False) == [0, 3]   # at the epoch's last item
-    assert expected_chunks([3, 3], 3, True) == [3]       # after its StopIteration
+    assert expected_chunks([3, 3], 3, False) == [0, 3]  # at the epoch's last item
+    assert expected_chunks([3, 3], 3, True) == [3]  # after its StopIteration
     assert expected_chunks([3, 3], 4, False) == [2]
-    assert expected_chunks([0, 1], 0, True) == [1]       # after an empty first epoch
+    assert expected_chunks([0, 1], 0, True) == [1]  # after an empty first epoch
     assert expected_chunks([2, 0, 3], 2, True) == [0, 3]

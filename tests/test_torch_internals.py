@@ -59,8 +59,9 @@ class _Range(Dataset):
 
 
 def test_dataloader_iterator_attributes_exist_and_work():
-    loader = DataLoader(_Range(), batch_size=None, num_workers=1, persistent_workers=True,
-                        multiprocessing_context="fork")
+    loader = DataLoader(
+        _Range(), batch_size=None, num_workers=1, persistent_workers=True, multiprocessing_context="fork"
+    )
     assert ti.loader_iterator(loader) is None
     it = iter(loader)
     assert ti.loader_iterator(loader) is it
@@ -87,8 +88,10 @@ def test_a_missing_attribute_fails_loudly_naming_torch():
         def __init__(self) -> None:  # no torch state at all
             pass
 
-    with pytest.raises(AttributeError, match=re.escape(
-            f"_MultiProcessingDataLoaderIter._workers, which torch {torch.__version__} does not have")):
+    with pytest.raises(
+        AttributeError,
+        match=re.escape(f"_MultiProcessingDataLoaderIter._workers, which torch {torch.__version__} does not have"),
+    ):
         ti.worker_processes(Moved())
     with pytest.raises(AttributeError, match="DataLoader._iterator"):
         ti.loader_iterator(object())

@@ -61,7 +61,13 @@ class Sharded(IterableDataset):
                 with self.counter.get_lock():
                     self.counter.value += 1
             yield torch.tensor(
-                [i, offset, random.randint(0, 10**6), int(np.random.randint(0, 10**6)), int(torch.randint(0, 10**6, ()))]
+                [
+                    i,
+                    offset,
+                    random.randint(0, 10**6),
+                    int(np.random.randint(0, 10**6)),
+                    int(torch.randint(0, 10**6, ())),
+                ]
             )
 
 
@@ -94,7 +100,9 @@ class StatefulSharded(Sharded):
             if self.counter is not None:
                 with self.counter.get_lock():
                     self.counter.value += 1
-            yield torch.tensor([i, self.rng.randint(0, 10**6), random.randint(0, 10**6), int(torch.randint(0, 10**6, ()))])
+            yield torch.tensor(
+                [i, self.rng.randint(0, 10**6), random.randint(0, 10**6), int(torch.randint(0, 10**6, ()))]
+            )
 
 
 def loader(ds: IterableDataset, num_workers: int = 0, **kw: Any) -> sl.SavableDataLoader:
@@ -165,8 +173,11 @@ def test_len_and_torch_length_warning():
         warnings.simplefilter("error")
         for _ in range(5):
             next(it)
-    with pytest.warns(UserWarning, match=r"was reported to be 5\(when accessing len\(dataloader\)\), but 6 samples "
-                      r"have been fetched\. For multiprocessing data-loading, this"):
+    with pytest.warns(
+        UserWarning,
+        match=r"was reported to be 5\(when accessing len\(dataloader\)\), but 6 samples "
+        r"have been fetched\. For multiprocessing data-loading, this",
+    ):
         next(it)
     it.close()
     assert len(loader(Sharded(10), batch_size=3)) == 4
@@ -186,9 +197,13 @@ def test_error_in_iter_propagates(num_workers):
 
 
 def test_torch_argument_errors():
-    with pytest.raises(ValueError, match="DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle=True"):
+    with pytest.raises(
+        ValueError, match="DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle=True"
+    ):
         loader(Sharded(), shuffle=True)
-    with pytest.raises(ValueError, match="batch_size=None option disables auto-batching and is mutually exclusive with drop_last"):
+    with pytest.raises(
+        ValueError, match="batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
+    ):
         loader(Sharded(), batch_size=None, drop_last=True)
     with pytest.raises(ValueError, match="batch_size should be a positive integer value, but got batch_size=0"):
         loader(Sharded(), batch_size=0)
@@ -303,7 +318,9 @@ def test_state_dict_restore_produces_no_item_twice(num_workers, monkeypatch):
             next(it)
         state = ld.save_state_rank()
         it.close()
-        fresh = loader(StatefulSharded(N, counter), num_workers, batch_size=2, prefetch_factor=1 if num_workers else None)
+        fresh = loader(
+            StatefulSharded(N, counter), num_workers, batch_size=2, prefetch_factor=1 if num_workers else None
+        )
         fresh.restore_state_rank(decode(encode(state)))
         counter.value = 0
         rest = list(fresh)
@@ -365,6 +382,7 @@ class DifferentOwnSeed(IterableDataset):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_random_draws_outside_the_batches_resume(num_workers, dataset):
     """Draws made by ``__iter__`` itself, or by generators seeded from the worker's seed."""
+
     def factory():
         return loader(dataset(), num_workers, batch_size=2)
 
@@ -438,7 +456,9 @@ def test_changed_num_workers_world_size_and_batch_size_are_refused():
     it.close()
     with pytest.raises(ConfigMismatchError, match="num_workers was 2 when the state was saved, but is 3 now"):
         loader(Sharded(), 3, batch_size=3).restore_state_rank(state)
-    with pytest.raises(ConfigMismatchError, match=r"dataset_config.batch_size was 3 when the state was saved, but is 4"):
+    with pytest.raises(
+        ConfigMismatchError, match=r"dataset_config.batch_size was 3 when the state was saved, but is 4"
+    ):
         loader(Sharded(), 2, batch_size=4).restore_state_rank(state)
     with pytest.raises(ConfigMismatchError, match="world_size"):
         loader(Sharded(), 2, batch_size=3).restore_state_global([state, state])
@@ -457,8 +477,13 @@ def test_restore_keys_are_refused_with_the_reason():
     ("budget", "message"),
     [
         # a snapshot before every batch: this source replays to the saved position itself
-        (1e12, (r"Sharded: worker 0's iterator ended after 4 batches \(7 items\) while replaying to the saved "
-                r"position of 5 batches \(10 items\)")),
+        (
+            1e12,
+            (
+                r"Sharded: worker 0's iterator ended after 4 batches \(7 items\) while replaying to the saved "
+                r"position of 5 batches \(10 items\)"
+            ),
+        ),
         # one snapshot, after the first batch: the worker replays the other four (skip offset)
         (0.0, r"worker 0's pipeline ended after 4 samples while replaying to the saved position of 5 samples"),
     ],

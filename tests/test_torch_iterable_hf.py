@@ -143,7 +143,9 @@ def test_two_ranks_split_by_node():
 
 def test_shuffle_buffer_is_said_to_resume_inexactly():
     table = datasets.Dataset.from_dict({"x": list(range(N))})
-    with pytest.warns(UserWarning, match=r"shuffles with a buffer \(.shuffle\(buffer_size=...\)\): its load_state_dict") as record:
+    with pytest.warns(
+        UserWarning, match=r"shuffles with a buffer \(.shuffle\(buffer_size=...\)\): its load_state_dict"
+    ) as record:
         sl.SavableDataLoader(table.to_iterable_dataset(num_shards=4).shuffle(seed=1, buffer_size=5), batch_size=2)
     assert [w.filename for w in record] == [__file__]  # at the user's SavableDataLoader(...) call
     with warnings.catch_warnings():

@@ -27,8 +27,20 @@ from savable_loader.state.schema import ArrayValue, DatasetState, TupleValue
 from tests.common import assert_same
 
 NUMERIC = [
-    np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
-    np.float16, np.float32, np.float64, np.complex64, np.complex128,
+    np.bool_,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.uint16,
+    np.int32,
+    np.uint32,
+    np.int64,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
 ]
 
 
@@ -69,10 +81,18 @@ def test_numpy_scalars_keep_type_and_bits(kind: type) -> None:
 @pytest.mark.parametrize(
     "value",
     [
-        np.str_("héllo ✓"), np.str_(""), np.str_("a\x00"), np.str_("\ud800 lone surrogate"),
-        np.bytes_(b"\x00raw\xff"), np.bytes_(b""),
-        np.datetime64("2020-02-29T12:34:56.789", "ns"), np.datetime64("NaT"), np.datetime64("1969-12-31", "D"),
-        np.timedelta64(-5, "10s"), np.timedelta64("NaT"), np.timedelta64(3, "W"),
+        np.str_("héllo ✓"),
+        np.str_(""),
+        np.str_("a\x00"),
+        np.str_("\ud800 lone surrogate"),
+        np.bytes_(b"\x00raw\xff"),
+        np.bytes_(b""),
+        np.datetime64("2020-02-29T12:34:56.789", "ns"),
+        np.datetime64("NaT"),
+        np.datetime64("1969-12-31", "D"),
+        np.timedelta64(-5, "10s"),
+        np.timedelta64("NaT"),
+        np.timedelta64(3, "W"),
     ],
     ids=repr,
 )
@@ -129,9 +149,22 @@ def test_read_only_arrays_come_back_writeable_copies() -> None:
 
 @pytest.mark.parametrize(
     "dtype, code",
-    [("float32", "float32"), (">i2", ">int16"), ("<U3", "U3"), (">U2", ">U2"), ("S5", "S5"), ("?", "bool"),
-     ("datetime64[ns]", "datetime64[ns]"), ("m8[25s]", "timedelta64[25s]"), ("M8", "datetime64"),
-     ("f16", None), ("c32", None), ("O", None), ("V4", None), ([("a", "i4")], None)],
+    [
+        ("float32", "float32"),
+        (">i2", ">int16"),
+        ("<U3", "U3"),
+        (">U2", ">U2"),
+        ("S5", "S5"),
+        ("?", "bool"),
+        ("datetime64[ns]", "datetime64[ns]"),
+        ("m8[25s]", "timedelta64[25s]"),
+        ("M8", "datetime64"),
+        ("f16", None),
+        ("c32", None),
+        ("O", None),
+        ("V4", None),
+        ([("a", "i4")], None),
+    ],
 )
 def test_numpy_dtype_codes(dtype: Any, code: str | None) -> None:
     assert numpy_dtype_code(np.dtype(dtype)) == code
@@ -172,8 +205,15 @@ def test_tuples_stay_tuples_at_every_depth() -> None:
 
 def test_python_scalars_and_dicts_come_back_exact() -> None:
     value = {
-        "none": None, "bools": [True, False], "ints": [0, -(2**63), 2**64 - 1], "float": -0.0,
-        "nan": float("nan"), "inf": -math.inf, "str": "ünïcode", "bytes": b"\x00\xff", 7: "int key",
+        "none": None,
+        "bools": [True, False],
+        "ints": [0, -(2**63), 2**64 - 1],
+        "float": -0.0,
+        "nan": float("nan"),
+        "inf": -math.inf,
+        "str": "ünïcode",
+        "bytes": b"\x00\xff",
+        7: "int key",
         "nested": {"a": [{"b": ()}]},
     }
     check_round_trip(value)
@@ -205,10 +245,16 @@ def test_aliasing_is_not_kept() -> None:
 def test_random_nested_values_round_trip() -> None:
     rng = random.Random(0)
     leaves = [
-        lambda: rng.randint(-(2**63), 2**64 - 1), lambda: rng.random(), lambda: str(rng.random()),
-        lambda: np.float32(rng.random()), lambda: np.uint8(rng.randrange(256)), lambda: np.str_("s"),
+        lambda: rng.randint(-(2**63), 2**64 - 1),
+        lambda: rng.random(),
+        lambda: str(rng.random()),
+        lambda: np.float32(rng.random()),
+        lambda: np.uint8(rng.randrange(256)),
+        lambda: np.str_("s"),
         lambda: torch.randn(2, generator=torch.Generator().manual_seed(rng.randrange(99))),
-        lambda: np.arange(rng.randrange(4), dtype=np.int16), lambda: None, lambda: b"b",
+        lambda: np.arange(rng.randrange(4), dtype=np.int16),
+        lambda: None,
+        lambda: b"b",
     ]
 
     def build(depth: int) -> Any:
@@ -288,8 +334,9 @@ def test_rng_object_as_a_whole_field_is_captured() -> None:
 def test_int_out_of_range_is_refused_when_encoded_naming_the_field(big: int) -> None:
     frozen = freeze({"buffer": [0, [1, big]]}, "ShuffleBufferDataset.buffer")
     assert from_plain(frozen) == {"buffer": [0, [1, big]]}  # in memory it is exact
-    node = DatasetState(type="savable_loader.wrappers.shuffle_buffer.ShuffleBufferDataset",
-                        fields={"buffer": to_plain(frozen)})
+    node = DatasetState(
+        type="savable_loader.wrappers.shuffle_buffer.ShuffleBufferDataset", fields={"buffer": to_plain(frozen)}
+    )
     with pytest.raises(StateError, match=r"at ShuffleBufferDataset\.buffer\['buffer'\]\[1\]\[1\] \(integers"):
         encode_part(node)
 
@@ -306,12 +353,24 @@ def test_encode_error_of_a_rank_state_names_the_worker_and_the_field() -> None:
     inner = DatasetState(type="m.Source", fields={"pos": 2**70})
     outer = DatasetState(type="m.ShuffleBufferDataset", fields={"buffer": [1]}, children=[inner])
     state = RankState(
-        config=LoaderConfig(rank=0, world_size=1, num_workers=2, seed=0, batch_size=None, shuffle=False,
-                            drop_last=False, dataset_fingerprint="f"),
-        position=PipelinePosition(epoch=0, next_worker=0, workers=[
-            WorkerState(worker_id=0, index=1, snapshot_index=1, dataset=DatasetState(type="m.Other")),
-            WorkerState(worker_id=1, index=1, snapshot_index=1, dataset=outer),
-        ]),
+        config=LoaderConfig(
+            rank=0,
+            world_size=1,
+            num_workers=2,
+            seed=0,
+            batch_size=None,
+            shuffle=False,
+            drop_last=False,
+            dataset_fingerprint="f",
+        ),
+        position=PipelinePosition(
+            epoch=0,
+            next_worker=0,
+            workers=[
+                WorkerState(worker_id=0, index=1, snapshot_index=1, dataset=DatasetState(type="m.Other")),
+                WorkerState(worker_id=1, index=1, snapshot_index=1, dataset=outer),
+            ],
+        ),
     )
     with pytest.raises(StateError, match=r"at position\.workers\[1\]\.dataset: Source\.pos \(integers"):
         encode(state)

@@ -199,7 +199,9 @@ def test_run_reseeds_global_rngs_from_seed_rank_worker_epoch_index():
         assert_same(sample, torch.cat([torch.tensor([2 * i + 1]), source_draws, map_draws]), f"sample {i}")
     other_epoch = list(runtime(plain_pipeline(num_workers=2)).run(6, 1, None))
     assert [int(x.payload[0]) for x in other_epoch[:-1]] == [int(x.payload[0]) for x in items[:-1]]
-    assert not torch.equal(torch.stack([x.payload for x in other_epoch[:-1]]), torch.stack([x.payload for x in items[:-1]]))
+    assert not torch.equal(
+        torch.stack([x.payload for x in other_epoch[:-1]]), torch.stack([x.payload for x in items[:-1]])
+    )
 
 
 @pytest.mark.parametrize("budget", ["default", "every", "never"])
@@ -362,8 +364,11 @@ def test_snapshot_budget_controls_snapshot_count(budget, taken, monkeypatch):
 
 def test_snapshot_policy_bounds_the_replay_by_the_cold_start():
     due = worker_module.snapshot_due
-    frac, floor_s, floor_k = (worker_module.REPLAY_FRACTION, worker_module.REPLAY_FLOOR_SECONDS,
-                              worker_module.REPLAY_FLOOR_SNAPSHOTS)
+    frac, floor_s, floor_k = (
+        worker_module.REPLAY_FRACTION,
+        worker_module.REPLAY_FLOOR_SECONDS,
+        worker_module.REPLAY_FLOOR_SNAPSHOTS,
+    )
     assert (frac, floor_s, floor_k) == (0.15, 0.02, 3)  # the values the bench measured
     # the budget: 2 % of the work pays for the last snapshot's cost (0.1 ms: under the floors)
     assert due(work=0.006, cost=0.0001, cold=0.0) and not due(work=0.004, cost=0.0001, cold=0.0)
@@ -480,8 +485,9 @@ def test_saves_of_a_restored_loader_before_its_first_snapshot_restore_exactly(mo
 
     def make() -> sl.SavableDataLoader:
         ds = stateful_pipeline(num_workers=2, n=24)
-        return sl.SavableDataLoader(ds, batch_size=None, worker_config=ds.worker_config,
-                                    multiprocessing_context="fork", timeout=60)
+        return sl.SavableDataLoader(
+            ds, batch_size=None, worker_config=ds.worker_config, multiprocessing_context="fork", timeout=60
+        )
 
     ref = list(make())
     assert len(ref) == 24

@@ -120,7 +120,10 @@ def pipeline_loader(kind: str | None = None, at: int | None = None) -> sl.Savabl
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=WORKERS, seed=5)
     ds = MapDataset(FaultySource(N, wc, kind, at), FaultyFn(kind, at))
     return sl.SavableDataLoader(
-        ds, batch_size=None, worker_config=wc, multiprocessing_context="fork",
+        ds,
+        batch_size=None,
+        worker_config=wc,
+        multiprocessing_context="fork",
         timeout=STUCK_TIMEOUT if kind == "stuck" else 0,
     )
 
@@ -128,8 +131,13 @@ def pipeline_loader(kind: str | None = None, at: int | None = None) -> sl.Savabl
 def dropin_loader(kind: str | None = None, at: int | None = None) -> sl.SavableDataLoader:
     fn = FaultyFn(kind, at)
     return sl.SavableDataLoader(
-        FaultyMap(N, kind, at), batch_size=None, shuffle=True, seed=5, num_workers=WORKERS,
-        collate_fn=lambda x: fn(default_convert(x)), multiprocessing_context="fork",
+        FaultyMap(N, kind, at),
+        batch_size=None,
+        shuffle=True,
+        seed=5,
+        num_workers=WORKERS,
+        collate_fn=lambda x: fn(default_convert(x)),
+        multiprocessing_context="fork",
         timeout=STUCK_TIMEOUT if kind == "stuck" else 0,
     )
 
@@ -254,13 +262,21 @@ def test_persistent_loader_starts_new_workers_after_a_worker_death(path: str) ->
     def make() -> sl.SavableDataLoader:
         if path == "dropin":
             return sl.SavableDataLoader(
-                FaultyMap(N), batch_size=None, shuffle=True, seed=5, num_workers=WORKERS,
-                multiprocessing_context="fork", persistent_workers=True,
+                FaultyMap(N),
+                batch_size=None,
+                shuffle=True,
+                seed=5,
+                num_workers=WORKERS,
+                multiprocessing_context="fork",
+                persistent_workers=True,
             )
         wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=WORKERS, seed=5)
         return sl.SavableDataLoader(
-            MapDataset(FaultySource(N, wc), FaultyFn(None, None)), batch_size=None, worker_config=wc,
-            multiprocessing_context="fork", persistent_workers=True,
+            MapDataset(FaultySource(N, wc), FaultyFn(None, None)),
+            batch_size=None,
+            worker_config=wc,
+            multiprocessing_context="fork",
+            persistent_workers=True,
         )
 
     ref_loader = make()
@@ -276,4 +292,3 @@ def test_persistent_loader_starts_new_workers_after_a_worker_death(path: str) ->
     del it
     # the next iter() starts the next epoch with new workers
     assert_streams(list(loader), reference[1], f"{path}: epoch after a worker death")
-

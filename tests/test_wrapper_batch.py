@@ -107,7 +107,9 @@ def test_custom_collate_fn(num_workers):
     # and repeat across runs
     assert len({x["draw"] for x in a}) == len(a)
     assert [x["draw"] for x in a] != [x["draw"] for x in b]
-    assert [x["draw"] for x in a] == [x["draw"] for x in list(make_loader(BatchDataset(RangeSource(N, wc), 5, collate_fn=ids_and_draw)))]
+    assert [x["draw"] for x in a] == [
+        x["draw"] for x in list(make_loader(BatchDataset(RangeSource(N, wc), 5, collate_fn=ids_and_draw)))
+    ]
 
 
 def test_batch_larger_than_the_data():

@@ -22,7 +22,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def parts(wc):
-    return [RangeSource(5, wc), MapDataset(RangeSource(0, wc), lambda x: x), MapDataset(RangeSource(6, wc), lambda x: x + 100)]
+    return [
+        RangeSource(5, wc),
+        MapDataset(RangeSource(0, wc), lambda x: x),
+        MapDataset(RangeSource(6, wc), lambda x: x + 100),
+    ]
 
 
 def concat_loader(num_workers: int):

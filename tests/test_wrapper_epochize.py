@@ -33,7 +33,10 @@ from tests.wrapper_common import (
     worker_values,
 )
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::savable_loader.wrappers.EpochizeReplayWarning")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore::savable_loader.wrappers.EpochizeReplayWarning"),
+]
 
 N = 6  # per worker: 3 values (2 workers) or 6 (in-process)
 LENGTH = 5  # 2 workers: 3 + 2 a epoch
@@ -125,14 +128,20 @@ def test_a_boundary_state_without_its_carried_end_replays_exactly():
     loader = factory()
     reference = epochs_of(loader, 4)
     state = loader.save_state_rank()
-    old = msgspec.structs.replace(state, position=msgspec.structs.replace(
-        state.position, workers=[msgspec.structs.replace(w, carried=None) for w in state.position.workers]))
+    old = msgspec.structs.replace(
+        state,
+        position=msgspec.structs.replace(
+            state.position, workers=[msgspec.structs.replace(w, carried=None) for w in state.position.workers]
+        ),
+    )
     old = decode(encode(old))
     fresh = factory()
     fresh.restore_state_rank(old)
     pulled.clear()
     it = iter(fresh)
-    with pytest.warns(EpochizeReplayWarning, match="replayed 20 inner samples to rebuild the start of epoch 4 for worker 0"):
+    with pytest.warns(
+        EpochizeReplayWarning, match="replayed 20 inner samples to rebuild the start of epoch 4 for worker 0"
+    ):
         first = next(it)
     assert built[1].replayed == 20
     assert pulled == worker_stream(N, 0, 1, 4 * LENGTH + 1)

@@ -112,7 +112,9 @@ def test_restore_sample():
 
 def test_bad_group_key_and_arguments():
     wc = make_wc(0)
-    with pytest.raises(LoaderUsageError, match=r"key_fn must return None, bool, int, float, str or a tuple of them, got \[1\]"):
+    with pytest.raises(
+        LoaderUsageError, match=r"key_fn must return None, bool, int, float, str or a tuple of them, got \[1\]"
+    ):
         list(GroupBatchDataset(RangeSource(3, wc), 2, lambda x: [1]))
     with pytest.raises(LoaderUsageError, match="batch_size must be a positive int, got 0"):
         GroupBatchDataset(RangeSource(3, wc), 0, len)
@@ -124,7 +126,9 @@ def test_bad_group_key_and_arguments():
 
 def test_custom_collate():
     wc = make_wc(0)
-    ds = GroupBatchDataset(RangeSource(6, wc), 2, lambda x: int(x[0]) % 2, collate_fn=lambda s: torch.stack(s)[:, 0].tolist())
+    ds = GroupBatchDataset(
+        RangeSource(6, wc), 2, lambda x: int(x[0]) % 2, collate_fn=lambda s: torch.stack(s)[:, 0].tolist()
+    )
     assert list(ds) == [[0, 2], [1, 3], [4], [5]]
 
 

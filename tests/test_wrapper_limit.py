@@ -74,7 +74,9 @@ def test_per_worker_split(num_workers, length):
     got = limited_ids(num_workers, length)
     assert got == [want, want]
     assert len(want) == length
-    assert [len(mine) for mine in split_by_worker(want, workers)] == [worker_limit(length, w, workers) for w in range(workers)]
+    assert [len(mine) for mine in split_by_worker(want, workers)] == [
+        worker_limit(length, w, workers) for w in range(workers)
+    ]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -108,7 +108,10 @@ def test_plain_tensor_batches_and_last_smaller():
 
 def test_micro_larger_than_the_batch_is_a_clear_error():
     wc = make_wc(0)
-    with pytest.raises(LoaderUsageError, match=r"micro_batch_size=8 is larger than the batch size 4: expected a micro-batch size of at most 4"):
+    with pytest.raises(
+        LoaderUsageError,
+        match=r"micro_batch_size=8 is larger than the batch size 4: expected a micro-batch size of at most 4",
+    ):
         MicroBatchDataset(BatchDataset(RangeSource(10, wc), 4), 8)
     with pytest.raises(LoaderUsageError, match=r"micro_batch_size=8 is larger than the batch size 6"):
         MicroBatchDataset(MapDataset(BatchDataset(RangeSource(10, wc), 4), lambda x: x), 8, batch_size=6)
@@ -118,7 +121,11 @@ def test_micro_larger_than_the_batch_is_a_clear_error():
         list(ds)
     # known batch size: a short last batch is fine
     assert [micro_ids(x) for x in MicroBatchDataset(BatchDataset(RangeSource(10, wc), 4), 3)] == [
-        [0, 1, 2], [3], [4, 5, 6], [7], [8, 9]
+        [0, 1, 2],
+        [3],
+        [4, 5, 6],
+        [7],
+        [8, 9],
     ]
 
 
@@ -145,10 +152,14 @@ def test_restore_sample():
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, None])
 def test_bad_sizes(bad):
     wc = make_wc(0)
-    with pytest.raises(LoaderUsageError, match=rf"MicroBatchDataset micro_batch_size must be a positive int, got {bad!r}"):
+    with pytest.raises(
+        LoaderUsageError, match=rf"MicroBatchDataset micro_batch_size must be a positive int, got {bad!r}"
+    ):
         MicroBatchDataset(BatchDataset(RangeSource(3, wc), 2), bad)
     if bad is not None:
-        with pytest.raises(LoaderUsageError, match=rf"MicroBatchDataset batch_size must be a positive int, got {bad!r}"):
+        with pytest.raises(
+            LoaderUsageError, match=rf"MicroBatchDataset batch_size must be a positive int, got {bad!r}"
+        ):
             MicroBatchDataset(RangeSource(3, wc), 2, batch_size=bad)
 
 
@@ -177,7 +188,9 @@ def test_loader_restore_keys_through_the_new_wrappers(tmp_path):
         wc = make_wc(2)
 
         def docs(n, offset):
-            return MapDataset(RangeSource(n, wc), lambda x: offset + x[:1].repeat(1 + int(x[0]) % 5) + torch.randint(0, 9, (1,)))
+            return MapDataset(
+                RangeSource(n, wc), lambda x: offset + x[:1].repeat(1 + int(x[0]) % 5) + torch.randint(0, 9, (1,))
+            )
 
         mixed = BlendDataset([docs(12, 0), ConcatDataset([docs(6, 100), docs(8, 200)])], [1.0, 2.0])
         rows = PackingDataset(mixed, 6, strategy="best_fit", buffer_size=3, bos=-1)

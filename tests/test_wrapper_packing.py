@@ -131,7 +131,12 @@ def test_best_fit_accounts_for_every_token(workers, buffer_size):
 def test_best_fit_prefers_the_longest_fitting_document():
     wc = make_wc(0)
     lengths = [5, 3, 2, 6, 4]
-    ds = PackingDataset(MapDataset(RangeSource(5, wc), lambda x: [int(x[0])] * lengths[int(x[0])]), 8, strategy="best_fit", buffer_size=5)
+    ds = PackingDataset(
+        MapDataset(RangeSource(5, wc), lambda x: [int(x[0])] * lengths[int(x[0])]),
+        8,
+        strategy="best_fit",
+        buffer_size=5,
+    )
     rows = [r.tolist() for r in iter(ds)]
     # row 1: 6 (longest <= 8), then 2 (longest <= 2); row 2: 5 then 3; then 4 is left: dropped
     assert rows == [[3] * 6 + [2] * 2, [0] * 5 + [1] * 3]

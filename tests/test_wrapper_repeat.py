@@ -133,7 +133,9 @@ def test_restore_right_after_the_last_sample_of_a_pass():
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
 def test_bad_repeats(bad):
     wc = make_wc(0)
-    with pytest.raises(LoaderUsageError, match=rf"RepeatDataset repeats must be None or a non-negative int, got {bad!r}"):
+    with pytest.raises(
+        LoaderUsageError, match=rf"RepeatDataset repeats must be None or a non-negative int, got {bad!r}"
+    ):
         RepeatDataset(RangeSource(3, wc), bad)
 
 

@@ -43,10 +43,18 @@ DELAY = 0.005
 
 def sample(i: int) -> dict[str, Any]:
     return {
-        "f32": np.float32(i + 0.25), "i32": np.int32(-i), "u8": np.uint8(200 + i), "f16": np.float16(i / 3),
-        "b": np.bool_(i % 2), "c64": np.complex64(complex(i, -1)), "u16": np.uint16(i),
-        "s": np.str_(f"s{i}"), "pair": (i, "x"), "zero_d": np.array(i, dtype=np.int16),
-        "strings": np.array(["a", "bc"][: 1 + i % 2]), "bf16": torch.tensor([i / 7], dtype=torch.bfloat16),
+        "f32": np.float32(i + 0.25),
+        "i32": np.int32(-i),
+        "u8": np.uint8(200 + i),
+        "f16": np.float16(i / 3),
+        "b": np.bool_(i % 2),
+        "c64": np.complex64(complex(i, -1)),
+        "u16": np.uint16(i),
+        "s": np.str_(f"s{i}"),
+        "pair": (i, "x"),
+        "zero_d": np.array(i, dtype=np.int16),
+        "strings": np.array(["a", "bc"][: 1 + i % 2]),
+        "bf16": torch.tensor([i / 7], dtype=torch.bfloat16),
     }
 
 
@@ -81,16 +89,19 @@ def collate_without_strings(batch: list[dict[str, Any]]) -> Any:
 def columns(batch: list[dict[str, Any]]) -> dict[str, Any]:
     """A batch as lists of NumPy scalars, one array and a tuple of lists (micro-batch rests hold them)."""
     return {
-        "f32": [s["f32"] for s in batch], "zero_d": np.stack([s["zero_d"] for s in batch]),
-        "pair": ([s["i32"] for s in batch], [s["s"] for s in batch]), "c64": [s["c64"] for s in batch],
+        "f32": [s["f32"] for s in batch],
+        "zero_d": np.stack([s["zero_d"] for s in batch]),
+        "pair": ([s["i32"] for s in batch], [s["s"] for s in batch]),
+        "c64": [s["c64"] for s in batch],
     }
 
 
 PIPELINES: dict[str, Callable[[sl.SavableDataset], sl.SavableDataset]] = {
     "shuffle": lambda ds: ShuffleBufferDataset(ds, 3),
     "shuffle_collated": lambda ds: BatchDataset(ShuffleBufferDataset(ds, 3), 2, collate_fn=collate_without_strings),
-    "group_batch": lambda ds: GroupBatchDataset(ds, 2, lambda s: int(s["i32"]) % 3 == 0,
-                                                collate_fn=collate_without_strings),
+    "group_batch": lambda ds: GroupBatchDataset(
+        ds, 2, lambda s: int(s["i32"]) % 3 == 0, collate_fn=collate_without_strings
+    ),
     "micro_batch": lambda ds: MicroBatchDataset(BatchDataset(ds, 4, collate_fn=columns), 3),
 }
 
@@ -122,11 +133,11 @@ def test_the_reported_case_collates_float32_and_int32_after_a_restore(num_worker
     # the batches after a restore collated as float64 / int64 (from the first one on)
     loader_ = reported_case(num_workers)
     reference = [batch for _ in range(2) for batch in loader_]
-    assert reference and all(
-        b["f32"].dtype == torch.float32 and b["i32"].dtype == torch.int32 for b in reference
-    )
+    assert reference and all(b["f32"].dtype == torch.float32 and b["i32"].dtype == torch.int32 for b in reference)
     # whole streams against the uninterrupted run (assert_same compares dtypes too)
-    assert check_resume_everywhere(lambda: reported_case(num_workers), 2) == len(reference) + 3  # every step and both epoch ends
+    assert (
+        check_resume_everywhere(lambda: reported_case(num_workers), 2) == len(reference) + 3
+    )  # every step and both epoch ends
 
 
 @pytest.mark.parametrize("name", [*sorted(PIPELINES), "packing"])

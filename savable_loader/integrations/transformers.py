@@ -71,7 +71,10 @@ __all__ = ["LOADER_STATE_FILE", "SavableTrainer", "loader_state_path"]
 LOADER_STATE_FILE = "savable_loader_rank{rank}.state"
 
 _TRAINER_PARTS = (
-    "_run_epoch", "_save_checkpoint", "_get_output_dir", "_remove_unused_columns",
+    "_run_epoch",
+    "_save_checkpoint",
+    "_get_output_dir",
+    "_remove_unused_columns",
     "_get_collator_with_removed_columns",
 )
 _SAMPLING = ("random", "sequential")
@@ -242,8 +245,9 @@ class SavableTrainer(transformers.Trainer):
             checkpoint = os.fspath(resume_from_checkpoint)
         self._savable_resume = checkpoint
         try:
-            return super().train(resume_from_checkpoint=checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            return super().train(
+                resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
         finally:
             self._savable_resume = None
             self._savable_restored = None

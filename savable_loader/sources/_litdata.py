@@ -40,12 +40,48 @@ from savable_loader.sources._store import ShardFile, ShardStore, byte_getter
 
 __all__ = ["LitDataReader", "entries_from_index"]
 
-_NUMPY = [np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-                                np.float16, np.float32, np.float64, np.complex64, np.complex128, np.bool_)]
-_TORCH = {0: torch.float32, 1: torch.float32, 2: torch.float64, 3: torch.float64, 4: torch.complex64,
-          5: torch.complex64, 6: torch.complex128, 7: torch.complex128, 8: torch.float16, 9: torch.float16,
-          10: torch.bfloat16, 11: torch.uint8, 12: torch.int8, 13: torch.int16, 14: torch.int16, 15: torch.int32,
-          16: torch.int32, 17: torch.int64, 18: torch.int64, 19: torch.bool, 20: torch.uint16}
+_NUMPY = [
+    np.dtype(t)
+    for t in (
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+        np.bool_,
+    )
+]
+_TORCH = {
+    0: torch.float32,
+    1: torch.float32,
+    2: torch.float64,
+    3: torch.float64,
+    4: torch.complex64,
+    5: torch.complex64,
+    6: torch.complex128,
+    7: torch.complex128,
+    8: torch.float16,
+    9: torch.float16,
+    10: torch.bfloat16,
+    11: torch.uint8,
+    12: torch.int8,
+    13: torch.int16,
+    14: torch.int16,
+    15: torch.int32,
+    16: torch.int32,
+    17: torch.int64,
+    18: torch.int64,
+    19: torch.bool,
+    20: torch.uint16,
+}
 _ARROW_MAGIC = b"LDARW01\0"  # a chunk whose rows follow as an Arrow IPC table ends with it
 _CONTAINERS = ("builtins.dict", "builtins.list", "builtins.tuple", "collections.OrderedDict")
 
@@ -78,21 +114,30 @@ def entries_from_index(doc: Any, where: str) -> list[ShardEntry]:
         raise DataError(f"{where}: not a LitData index: {e}") from None
     config = index.config
     if config.item_loader != "PyTreeLoader":
-        raise DataError(f"{where}: `$.config.item_loader` is {config.item_loader!r}; savable_loader reads "
-                        "LitData chunks written with the default PyTreeLoader only")
+        raise DataError(
+            f"{where}: `$.config.item_loader` is {config.item_loader!r}; savable_loader reads "
+            "LitData chunks written with the default PyTreeLoader only"
+        )
     if config.compression or config.encryption or config.ipc_compression:
-        raise DataError(f"{where}: the chunks are compressed or encrypted; savable_loader reads plain LitData "
-                        "chunks only (optimize without compression=)")
+        raise DataError(
+            f"{where}: the chunks are compressed or encrypted; savable_loader reads plain LitData "
+            "chunks only (optimize without compression=)"
+        )
     for leaf in config.data_format:
         _leaf_decoder(leaf, where)  # refuses unknown leaves now, not in a worker
     _unflattener(config.data_spec, len(config.data_format), where)
     entries = []
     for i, chunk in enumerate(index.chunks):
         check_path(chunk.filename, f"{where}: `$.chunks[{i}].filename`")
-        entries.append(ShardEntry(
-            path=chunk.filename, samples=chunk.chunk_size, format="litdata", size=chunk.chunk_bytes,
-            options={"data_format": config.data_format, "data_spec": config.data_spec},
-        ))
+        entries.append(
+            ShardEntry(
+                path=chunk.filename,
+                samples=chunk.chunk_size,
+                format="litdata",
+                size=chunk.chunk_bytes,
+                options={"data_format": config.data_format, "data_spec": config.data_spec},
+            )
+        )
     return entries
 
 
@@ -233,8 +278,9 @@ def _leaf_decoder(leaf: str, where: str) -> Callable[[bytes], Any]:
             return lambda data: np.frombuffer(data, dtype).copy()
         if name == "no_header_tensor":
             torch_dtype = _TORCH[int(arg)]
-            return lambda data: (torch.frombuffer(bytearray(data), dtype=torch_dtype) if data
-                                 else torch.empty((0,), dtype=torch_dtype))
+            return lambda data: (
+                torch.frombuffer(bytearray(data), dtype=torch_dtype) if data else torch.empty((0,), dtype=torch_dtype)
+            )
     except (ValueError, IndexError, KeyError):
         raise DataError(f"{where}: unknown LitData leaf format {leaf!r}") from None
     if name in simple:
@@ -298,7 +344,9 @@ class LitDataReader(ShardReader):
         n = struct.unpack("<I", self._get(0, 4))[0]
         header = 4 * (n + 2)
         if file.size < header:
-            raise DataError(f"{where}: truncated: {n} samples need a header of {header} bytes, the file has {file.size}")
+            raise DataError(
+                f"{where}: truncated: {n} samples need a header of {header} bytes, the file has {file.size}"
+            )
         offsets = np.frombuffer(self._get(4, 4 * (n + 1)), "<u4").astype(np.int64)
         self.rows: list[Any] | None = None
         if file.size >= header + 12 and self._get(file.size - 8, 8) == _ARROW_MAGIC:

@@ -35,10 +35,35 @@ from savable_loader.sources._store import ShardFile, ShardStore, byte_getter
 
 __all__ = ["MdsReader", "entries_from_index"]
 
-_SCALARS = {name: np.dtype(name).newbyteorder("<") for name in (
-    "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32", "float64")}
-_ARRAY_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32", 33: "int32",
-                 34: "float32", 64: "uint64", 65: "int64", 66: "float64"}
+_SCALARS = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+    )
+}
+_ARRAY_DTYPES = {
+    8: "uint8",
+    9: "int8",
+    16: "uint16",
+    17: "int16",
+    18: "float16",
+    32: "uint32",
+    33: "int32",
+    34: "float32",
+    64: "uint64",
+    65: "int64",
+    66: "float64",
+}
 _SHAPE_DTYPES = {0: "<u1", 1: "<u2", 2: "<u4", 3: "<u8"}
 _IMAGES = ("pil", "jpeg", "png", "list[pil]", "list[jpeg]", "list[png]", "jpeg_array", "jpegarray")
 _OTHERS = ("bytes", "str", "int", "str_int", "str_float", "str_decimal", "json", "pkl")
@@ -97,11 +122,19 @@ def entries_from_index(doc: Any, where: str) -> list[ShardEntry]:
             if not _known(encoding):
                 raise DataError(f"{at}`: column {name!r} has the unknown encoding {encoding!r}")
         check_path(shard.raw_data.basename, f"{at}.raw_data.basename`")
-        entries.append(ShardEntry(
-            path=shard.raw_data.basename, samples=shard.samples, format="mds", size=shard.raw_data.bytes,
-            options={"column_names": shard.column_names, "column_encodings": shard.column_encodings,
-                     "column_sizes": shard.column_sizes},
-        ))
+        entries.append(
+            ShardEntry(
+                path=shard.raw_data.basename,
+                samples=shard.samples,
+                format="mds",
+                size=shard.raw_data.bytes,
+                options={
+                    "column_names": shard.column_names,
+                    "column_encodings": shard.column_encodings,
+                    "column_sizes": shard.column_sizes,
+                },
+            )
+        )
     return entries
 
 
@@ -133,8 +166,9 @@ def _image_module() -> Any:
     try:
         from PIL import Image
     except ImportError:
-        raise DataError("decoding MDS image columns needs Pillow (pip install pillow); or leave them out with "
-                        "columns=") from None
+        raise DataError(
+            "decoding MDS image columns needs Pillow (pip install pillow); or leave them out with columns="
+        ) from None
     return Image
 
 
@@ -181,17 +215,24 @@ def _decoder(encoding: str, column: str, where: str) -> Callable[[bytes], Any]:
         "str_float": lambda data: float(data.decode("utf-8")),
         "str_decimal": lambda data: Decimal(data.decode("utf-8")),
         "json": lambda data: json.loads(data.decode("utf-8")),
-        "pil": _pil, "jpeg": _encoded_image, "png": _encoded_image,
-        "list[pil]": _image_list(_pil), "list[jpeg]": _image_list(_encoded_image),
-        "list[png]": _image_list(_encoded_image), "jpeg_array": _jpeg_array, "jpegarray": _jpeg_array,
+        "pil": _pil,
+        "jpeg": _encoded_image,
+        "png": _encoded_image,
+        "list[pil]": _image_list(_pil),
+        "list[jpeg]": _image_list(_encoded_image),
+        "list[png]": _image_list(_encoded_image),
+        "jpeg_array": _jpeg_array,
+        "jpegarray": _jpeg_array,
     }
     if encoding in simple:
         return simple[encoding]
     if encoding.split(":")[0] == "ndarray":
         return _ndarray(encoding)
     if encoding == "pkl":
-        raise DataError(f"{where}: column {column!r} is a pickle ('pkl'), which savable_loader does not load "
-                        "(it can run code); leave it out with columns=[...]")
+        raise DataError(
+            f"{where}: column {column!r} is a pickle ('pkl'), which savable_loader does not load "
+            "(it can run code); leave it out with columns=[...]"
+        )
     raise DataError(f"{where}: column {column!r} has the unknown encoding {encoding!r}")
 
 
@@ -208,8 +249,9 @@ class MdsReader(ShardReader):
         if missing:
             raise DataError(f"{where}: no column {missing[0]!r} (columns: {names})")
         # (name, fixed size or None, decoder or None when not wanted), in the file's order
-        self.columns = [(n, s, _decoder(e, n, where) if n in wanted else None)
-                        for n, e, s in zip(names, encodings, sizes)]
+        self.columns = [
+            (n, s, _decoder(e, n, where) if n in wanted else None) for n, e, s in zip(names, encodings, sizes)
+        ]
         self.order = list(options.columns) if options.columns is not None else names
         self.variable = sum(1 for _, s, _ in self.columns if not s)
         self._get, self._mmap = byte_getter(file)
@@ -217,14 +259,14 @@ class MdsReader(ShardReader):
             raise DataError(f"{where}: {file.size} bytes, too short for an MDS shard")
         n = _u32(self._get(0, 4), 0)
         if file.size < 4 * (n + 2):
-            raise DataError(f"{where}: truncated: {n} samples need a header of {4 * (n + 2)} bytes, "
-                            f"the file has {file.size}")
+            raise DataError(
+                f"{where}: truncated: {n} samples need a header of {4 * (n + 2)} bytes, the file has {file.size}"
+            )
         offsets = np.frombuffer(self._get(4, 4 * (n + 1)), "<u4").astype(np.int64)
         if n and (bool(np.any(offsets[1:] < offsets[:-1])) or int(offsets[0]) < 4 * (n + 2)):
             raise DataError(f"{where}: the sample offsets of the header do not grow; not an MDS shard")
         if int(offsets[-1]) > file.size:
-            raise DataError(f"{where}: truncated: the samples end at byte {int(offsets[-1])}, "
-                            f"the file has {file.size}")
+            raise DataError(f"{where}: truncated: the samples end at byte {int(offsets[-1])}, the file has {file.size}")
         self.offsets = offsets.tolist()
 
     def __len__(self) -> int:
@@ -250,8 +292,9 @@ class MdsReader(ShardReader):
                 except DataError:
                     raise
                 except Exception as e:  # noqa: BLE001 - malformed column bytes
-                    raise DataError(f"{self.file.name}: sample {i}: cannot decode column {name!r} "
-                                    f"({type(e).__name__}: {e})") from None
+                    raise DataError(
+                        f"{self.file.name}: sample {i}: cannot decode column {name!r} ({type(e).__name__}: {e})"
+                    ) from None
             at += size
         return {name: out[name] for name in self.order}
 

@@ -141,9 +141,7 @@ def parse_metadata(raw: bytes, where: str) -> Metadata:
     """Decode and check the text of a ``metadata.json`` (``where`` names it in errors)."""
     meta = _decode(raw, _MetadataFile, where)
     if meta.format not in VERSIONS:
-        raise DataError(
-            f"{where}: `$.format` is {meta.format!r}, this version of savable_loader reads formats 1 and 2"
-        )
+        raise DataError(f"{where}: `$.format` is {meta.format!r}, this version of savable_loader reads formats 1 and 2")
     seen: set[str] = set()
     for i, shard in enumerate(meta.shards):
         _check_entry(shard, meta.format, f"{where}: `$.shards[{i}]", seen)
@@ -165,8 +163,11 @@ def _check_entry(shard: ShardEntry, version: int, where: str, seen: set[str]) ->
     check_path(shard.path, f"{where}.path`")
     suffix = PurePosixPath(shard.path).suffix
     if version == 1:
-        extra = [f for f in ("format", "size", "sha256", "etag", "index", "row_groups", "options")
-                 if getattr(shard, f) is not None]
+        extra = [
+            f
+            for f in ("format", "size", "sha256", "etag", "index", "row_groups", "options")
+            if getattr(shard, f) is not None
+        ]
         if extra:
             raise DataError(f"{where}.{extra[0]}` is a field of format 2, but `$.format` is 1")
         if suffix not in V1_SUFFIXES:
@@ -221,8 +222,11 @@ def load_metadata(store: ShardStore, check_files: bool = True, split: str | None
     if check_files:
         for i, shard in enumerate(meta.shards):
             if not store.exists(shard.path):
-                where = store.describe(METADATA_NAME) if meta.source == METADATA_NAME else store.describe(
-                    {"energon": ENERGON_INFO}.get(meta.source, INDEX_JSON))
+                where = (
+                    store.describe(METADATA_NAME)
+                    if meta.source == METADATA_NAME
+                    else store.describe({"energon": ENERGON_INFO}.get(meta.source, INDEX_JSON))
+                )
                 raise DataError(
                     f"{where}: `$.shards[{i}].path`: shard file {store.describe(shard.path)} does not exist"
                 )
@@ -268,8 +272,11 @@ def foreign_metadata(store: ShardStore, split: str | None = None) -> Metadata:
         )
     hint = f"write one with `python -m savable_loader index {store.describe()}`"
     if store.read_small(ENERGON_INFO_YAML) is not None:
-        hint = (f"found {ENERGON_INFO_YAML} of an older Energon version, which this reader does not parse: "
-                + hint + " (it reuses the .tar.idx files)")
+        hint = (
+            f"found {ENERGON_INFO_YAML} of an older Energon version, which this reader does not parse: "
+            + hint
+            + " (it reuses the .tar.idx files)"
+        )
     raise DataError(
         f"{store.describe(METADATA_NAME)}: cannot read the shard metadata (No such file; no Energon "
         f"{ENERGON_INFO}, MosaicML Streaming or LitData {INDEX_JSON} either): {hint}"
@@ -339,8 +346,10 @@ def _energon_split(store: ShardStore, shards: list[ShardEntry], split: str | Non
             continue
         samples_out = sorted(x for x in excluded if x.startswith(shard + "/"))
         if samples_out:
-            raise DataError(f"{where}: excludes samples of {shard!r} ({samples_out[0]!r}, ...); sample-level "
-                            "excludes are not supported")
+            raise DataError(
+                f"{where}: excludes samples of {shard!r} ({samples_out[0]!r}, ...); sample-level "
+                "excludes are not supported"
+            )
         if shard not in by_name:
             raise DataError(f"{where}: split {split!r} names {shard!r}, which {ENERGON_INFO} does not list")
         out.append(by_name[shard])

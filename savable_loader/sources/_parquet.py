@@ -130,9 +130,7 @@ class ParquetReader(ShardReader):
             table = self.parquet.read_row_group(g, columns=self.names, use_threads=False)
             columns = [table.column(name).to_pylist() for name in self.names]
         except Exception as e:  # noqa: BLE001
-            raise DataError(
-                f"{self.file.name}: cannot read row group {g} ({type(e).__name__}: {e})"
-            ) from None
+            raise DataError(f"{self.file.name}: cannot read row group {g} ({type(e).__name__}: {e})") from None
         self._groups[g] = columns
         while len(self._groups) > _CACHED_GROUPS:
             self._groups.popitem(last=False)
@@ -145,8 +143,10 @@ class ParquetReader(ShardReader):
             self._low, self._high = self.starts[g], self.starts[g + 1]
         j = i - self._low
         if self.any_nested:
-            return {name: copy.deepcopy(column[j]) if nested else column[j]
-                    for name, column, nested in zip(self.names, self._columns, self.nested)}
+            return {
+                name: copy.deepcopy(column[j]) if nested else column[j]
+                for name, column, nested in zip(self.names, self._columns, self.nested)
+            }
         return {name: column[j] for name, column in zip(self.names, self._columns)}
 
     def close(self) -> None:

@@ -219,4 +219,3 @@ def storage_store(folder: Any, storage_options: Any = None) -> ShardStore | None
 def _is_url(text: str) -> bool:
     head, sep, _ = text.partition("://")
     return bool(sep) and len(head) > 1 or "::" in text
-

@@ -89,8 +89,9 @@ class ShardReader:
     def _local(self) -> Path:
         path = self.file.local_path
         if path is None:
-            raise DataError(f"{self.file.name}: a {self.entry.format} shard is read from a local file, "
-                            "but the store gave none")
+            raise DataError(
+                f"{self.file.name}: a {self.entry.format} shard is read from a local file, but the store gave none"
+            )
         return path
 
     def project(self, sample: Any) -> Any:
@@ -99,8 +100,10 @@ class ShardReader:
         if columns is None:
             return sample
         if not isinstance(sample, dict):
-            raise DataError(f"{self.path}: columns={list(columns)} needs dict samples, "
-                            f"this shard holds {type(sample).__name__} samples")
+            raise DataError(
+                f"{self.path}: columns={list(columns)} needs dict samples, "
+                f"this shard holds {type(sample).__name__} samples"
+            )
         missing = [c for c in columns if c not in sample]
         if missing:
             raise DataError(f"{self.path}: no field {missing[0]!r} (fields: {sorted(sample)})")
@@ -146,7 +149,9 @@ class _PtReader(ShardReader):
         try:
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001
-            raise DataError(f"{path}: cannot read the .pt shard ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+            raise DataError(
+                f"{path}: cannot read the .pt shard ({type(e).__name__}: {str(e).splitlines()[0]})"
+            ) from None
         if isinstance(data, torch.Tensor):
             tensors = {"": data}
         elif isinstance(data, dict) and data and all(isinstance(k, str) for k in data):
@@ -217,7 +222,9 @@ class _JsonlReader(ShardReader):
 
 
 _READERS: dict[str, type[ShardReader] | str] = {
-    "npy": _NpyReader, "pt": _PtReader, "jsonl": _JsonlReader,
+    "npy": _NpyReader,
+    "pt": _PtReader,
+    "jsonl": _JsonlReader,
     "tar": "savable_loader.sources._tar:TarReader",
     "parquet": "savable_loader.sources._parquet:ParquetReader",
     "mds": "savable_loader.sources._mds:MdsReader",
@@ -257,7 +264,10 @@ def open_reader(store: ShardStore, entry: ShardEntry, whole: bool, options: Read
 
 
 def open_shard(
-    path: str | os.PathLike[str], expected: int | None = None, *, columns: Sequence[str] | None = None,
+    path: str | os.PathLike[str],
+    expected: int | None = None,
+    *,
+    columns: Sequence[str] | None = None,
     decode: Mapping[str, Callable[[bytes], Any]] | None = None,
 ) -> ShardReader:
     """Open one shard file by its suffix (``.npy``, ``.pt``, ``.jsonl``, ``.tar``,
@@ -272,9 +282,7 @@ def open_shard(
     path = Path(path)
     fmt = SUFFIX_FORMATS.get(path.suffix)
     if fmt is None:
-        raise DataError(
-            f"{path}: unknown shard format {path.suffix!r}; expected one of {', '.join(SUFFIX_FORMATS)}"
-        )
+        raise DataError(f"{path}: unknown shard format {path.suffix!r}; expected one of {', '.join(SUFFIX_FORMATS)}")
     if not path.is_file():
         raise DataError(f"{path}: shard file does not exist")
     store = LocalShardStore(path.parent)
@@ -341,5 +349,7 @@ def write_shards(
                     f.write(b"\n")
         entries.append(ShardEntry(path=name, samples=_shard_length(shard, fmt)))
     target = folder / METADATA_NAME
-    LocalShardStore(folder).write_small(METADATA_NAME, encode_metadata(Metadata(format=METADATA_VERSION, shards=entries)))
+    LocalShardStore(folder).write_small(
+        METADATA_NAME, encode_metadata(Metadata(format=METADATA_VERSION, shards=entries))
+    )
     return target

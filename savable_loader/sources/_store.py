@@ -173,8 +173,7 @@ class LocalShardFile(ShardFile):
         data = os.pread(self._fd, length, offset) if length else b""
         if len(data) != length:
             raise DataError(
-                f"{self.name}: truncated: wanted bytes [{offset}, {offset + length}), "
-                f"the file has {self.size} bytes"
+                f"{self.name}: truncated: wanted bytes [{offset}, {offset + length}), the file has {self.size} bytes"
             )
         return data
 
@@ -259,8 +258,9 @@ class LocalShardStore(ShardStore):
             raise
 
 
-def store_for(folder: str | os.PathLike[str] | ShardStore | Storage,
-              storage_options: Mapping[str, Any] | None = None) -> ShardStore:
+def store_for(
+    folder: str | os.PathLike[str] | ShardStore | Storage, storage_options: Mapping[str, Any] | None = None
+) -> ShardStore:
     """The store of ``folder``: a store is used as is, a local path becomes a
     LocalShardStore, a URL (``s3://...``) or a :class:`~savable_loader.storage.Storage`
     a :class:`~savable_loader.sources._remote_store.StorageShardStore`."""

@@ -120,22 +120,30 @@ def iter_members(get: Callable[[int, int], bytes], start: int, stop: int, size: 
         pax: dict[str, str] = {}
         while True:
             if pos + BLOCK > size:
-                raise DataError(f"{where}: truncated: a tar header at byte {pos} runs past the end of the file ({size} bytes)")
+                raise DataError(
+                    f"{where}: truncated: a tar header at byte {pos} runs past the end of the file ({size} bytes)"
+                )
             header = get(pos, BLOCK)
             if header == _ZERO:
                 if chain != pos:
-                    raise DataError(f"{where}: an extension header at byte {chain} is followed by the end of the archive")
+                    raise DataError(
+                        f"{where}: an extension header at byte {chain} is followed by the end of the archive"
+                    )
                 return
             if not _checksum_ok(header):
-                raise DataError(f"{where}: no valid tar header at byte {pos} (bad checksum); the file is corrupt"
-                                + (" or not a tar" if pos == 0 else ""))
+                raise DataError(
+                    f"{where}: no valid tar header at byte {pos} (bad checksum); the file is corrupt"
+                    + (" or not a tar" if pos == 0 else "")
+                )
             kind = header[156]
             length = _number(header[124:136], where, pos)
             data = pos + BLOCK
             padded = -(-length // BLOCK) * BLOCK
             if kind in b"xXgLK":
                 if data + length > size:
-                    raise DataError(f"{where}: truncated: the extension header at byte {pos} runs past the end of the file")
+                    raise DataError(
+                        f"{where}: truncated: the extension header at byte {pos} runs past the end of the file"
+                    )
                 body = get(data, length)
                 if kind == ord("L"):
                     long_name = body.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
@@ -241,8 +249,13 @@ def _is_header(get: Callable[[int, int], bytes], pos: int, size: int) -> bool:
 
 
 def tar_sample(
-    get: Callable[[int, int], bytes], start: int, stop: int, size: int, where: str,
-    columns: frozenset[str] | None = None, decoders: Mapping[str, Callable[[bytes], Any]] | None = None,
+    get: Callable[[int, int], bytes],
+    start: int,
+    stop: int,
+    size: int,
+    where: str,
+    columns: frozenset[str] | None = None,
+    decoders: Mapping[str, Callable[[bytes], Any]] | None = None,
 ) -> dict[str, Any]:
     """The sample whose members start in ``[start, stop)``; ``columns`` keeps only those
     extensions, ``decoders`` maps an extension to its decoder."""
@@ -329,8 +342,15 @@ class TarReader(ShardReader):
 
     def read(self, i: int) -> dict[str, Any]:
         try:
-            return tar_sample(self._get, self.offsets[i], self.offsets[i + 1], self.file.size, self.where,
-                              self.columns, self.options.decoders)
+            return tar_sample(
+                self._get,
+                self.offsets[i],
+                self.offsets[i + 1],
+                self.file.size,
+                self.where,
+                self.columns,
+                self.options.decoders,
+            )
         except TarIndexError as e:
             raise TarIndexError(f"{e}{self.hint}") from None
 

@@ -118,8 +118,10 @@ class IndexProgress:
         elapsed = now - self.started
         rate = self.done_bytes / elapsed if elapsed > 0 else 0.0
         left = (self.total_bytes - self.done_bytes) / rate if rate > 0 else 0.0
-        text = (f"indexing: {self.done}/{self.total} shards, {_size(self.done_bytes)}/{_size(self.total_bytes)}"
-                f" in {elapsed:.0f} s ({_size(rate)}/s)")
+        text = (
+            f"indexing: {self.done}/{self.total} shards, {_size(self.done_bytes)}/{_size(self.total_bytes)}"
+            f" in {elapsed:.0f} s ({_size(rate)}/s)"
+        )
         if self.done < self.total and rate > 0:
             text += f", about {left:.0f} s left"
         if self.reused:
@@ -142,14 +144,22 @@ def _plan(store: ShardStore) -> tuple[list[ShardEntry], str, list[str]]:
     raw = store.read_small(METADATA_NAME)
     if raw is not None:
         meta = parse_metadata(raw, store.describe(METADATA_NAME))
-        return [ShardEntry(path=e.path, samples=e.samples, format=e.format, index=e.index, options=e.options)
-                for e in meta.shards], METADATA_NAME, []
+        return (
+            [
+                ShardEntry(path=e.path, samples=e.samples, format=e.format, index=e.index, options=e.options)
+                for e in meta.shards
+            ],
+            METADATA_NAME,
+            [],
+        )
     if store.read_small(ENERGON_INFO) is not None or store.read_small(INDEX_JSON) is not None:
         try:
             meta = foreign_metadata(store)
         except SplitRequired as e:
-            raise DataError(f"{e}; an Energon folder needs no indexing: read it as it is, with "
-                            "ShardedFileDataset(folder, wc, split=...) (a metadata.json would hide its splits)") from None
+            raise DataError(
+                f"{e}; an Energon folder needs no indexing: read it as it is, with "
+                "ShardedFileDataset(folder, wc, split=...) (a metadata.json would hide its splits)"
+            ) from None
         return meta.shards, meta.source, []
     entries, ignored = [], []
     for name in store.list_files():
@@ -207,8 +217,9 @@ def _index_tar(store: ShardStore, entry: ShardEntry, file: ShardFile, stamp: int
 def _index_one(store: ShardStore, entry: ShardEntry, size: int, stamp: int, sha256: bool, force: bool) -> ShardEntry:
     file = store.open_shard(entry.path, size, whole=True)
     try:
-        out = ShardEntry(path=entry.path, samples=0, format=entry.format, size=file.size, etag=entry.etag,
-                         options=entry.options)
+        out = ShardEntry(
+            path=entry.path, samples=0, format=entry.format, size=file.size, etag=entry.etag, options=entry.options
+        )
         if entry.format == "tar":
             out.index = entry.tar_index
             out.samples = _index_tar(store, out, file, stamp, force)
@@ -221,7 +232,9 @@ def _index_one(store: ShardStore, entry: ShardEntry, size: int, stamp: int, sha2
             reader = reader_class(entry.format or "")(file, out, store, ReadOptions())
             out.samples = len(reader)
             if entry.format in ("mds", "litdata") and out.samples != entry.samples:
-                raise DataError(f"{file.name}: its index.json says {entry.samples} samples, the shard holds {out.samples}")
+                raise DataError(
+                    f"{file.name}: its index.json says {entry.samples} samples, the shard holds {out.samples}"
+                )
         if sha256:
             out.sha256 = _sha256(file)
         return out

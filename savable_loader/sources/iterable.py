@@ -123,10 +123,13 @@ class IterableSource(SavableDataset):
         """The :class:`StreamInfo` of the calling worker (or of logical ``worker``)."""
         wc = self.worker_config
         return StreamInfo(
-            rank=wc.rank, world_size=wc.world_size,
+            rank=wc.rank,
+            world_size=wc.world_size,
             worker=wc.rank_worker_id() if worker is None else worker,
-            workers_per_rank=wc.workers_per_rank, epoch=wc.active_epoch(),
-            repetitions=active_repetitions(), seed=wc.seed,
+            workers_per_rank=wc.workers_per_rank,
+            epoch=wc.active_epoch(),
+            repetitions=active_repetitions(),
+            seed=wc.seed,
         )
 
     def _open(self, what: str, call: Callable[[], Any]) -> Iterator[Any]:
@@ -180,7 +183,8 @@ class IterableSource(SavableDataset):
         if reason is not None:
             raise RestoreKeyError(reason)
         if (
-            not isinstance(key, (list, tuple)) or len(key) != 2
+            not isinstance(key, (list, tuple))
+            or len(key) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in key)
         ):
             raise RestoreKeyError(f"IterableSource key must be [worker, position], got {key!r}")

@@ -153,7 +153,12 @@ def private_regime(sampler: Any) -> str:
         if isinstance(obj, _TORCH_GLOBAL) and type(obj).__module__.startswith("torch.utils.data"):
             if getattr(obj, "generator", None) is None:
                 regime = regime or "torch"
-        elif isinstance(obj, BatchSampler) and type(obj).__module__.startswith("torch.utils.data") or isinstance(obj, _NO_GLOBAL) or _is_torchdata_sampler(obj):
+        elif (
+            isinstance(obj, BatchSampler)
+            and type(obj).__module__.startswith("torch.utils.data")
+            or isinstance(obj, _NO_GLOBAL)
+            or _is_torchdata_sampler(obj)
+        ):
             continue
         elif obj is sampler or isinstance(obj, Sampler):
             return "all"
@@ -206,7 +211,9 @@ def apply(sampler: Any, state: SamplerState) -> None:
     def target(path: str, what: str) -> Any:
         if path not in found:
             raise ConfigMismatchError(
-                f"sampler {what} at {path!r}", "present", "missing",
+                f"sampler {what} at {path!r}",
+                "present",
+                "missing",
                 "the sampler is not built like the one the state was saved with",
             )
         return found[path]

@@ -188,7 +188,9 @@ class ShardedFileDataset(SavableDataset):
         self.metadata: Metadata = load_metadata(self.store, split=split)
         self.counts = np.array([s.samples for s in self.metadata.shards], dtype=np.int64)
         self.total = int(self.counts.sum())
-        self.digest = hashlib.blake2b(msgspec.json.encode(order_digest_input(self.metadata)), digest_size=12).hexdigest()
+        self.digest = hashlib.blake2b(
+            msgspec.json.encode(order_digest_input(self.metadata)), digest_size=12
+        ).hexdigest()
         unit_shard, unit_first, unit_count = [], [], []
         for i, entry in enumerate(self.metadata.shards):
             first = 0
@@ -268,9 +270,13 @@ class ShardedFileDataset(SavableDataset):
             n = base + (1 if r < extra else 0)
             j0, _ = layout.locate(start) if n else (0, 0)
             j1, _ = layout.locate(start + n - 1) if n else (-1, 0)
-            files = list(dict.fromkeys(
-                self.metadata.shards[int(self.unit_shard[layout.order[j]])].path for j in range(j0, j1 + 1)
-                if self.unit_count[layout.order[j]]))
+            files = list(
+                dict.fromkeys(
+                    self.metadata.shards[int(self.unit_shard[layout.order[j]])].path
+                    for j in range(j0, j1 + 1)
+                    if self.unit_count[layout.order[j]]
+                )
+            )
             shown = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
             parts.append(f"rank {r} would read {n} samples (from {shown or 'no file'})")
             start += n
@@ -371,7 +377,8 @@ class ShardedFileDataset(SavableDataset):
     def restore_sample(self, key: Any) -> Any:
         """Sample ``[shard, index, lap]``, read alone (its shard is opened if needed)."""
         if (
-            not isinstance(key, (list, tuple)) or len(key) != 3
+            not isinstance(key, (list, tuple))
+            or len(key) != 3
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in key)
         ):
             raise RestoreKeyError(f"ShardedFileDataset key must be [shard, index, lap], got {key!r}")
@@ -413,7 +420,9 @@ def _check_columns(columns: Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(columns)
 
 
-def _decoders(decode: bool | Mapping[str, Callable[[bytes], Any]] | None) -> Mapping[str, Callable[[bytes], Any]] | None:
+def _decoders(
+    decode: bool | Mapping[str, Callable[[bytes], Any]] | None,
+) -> Mapping[str, Callable[[bytes], Any]] | None:
     if decode is None or decode is False:
         return None
     if decode is True:

@@ -30,9 +30,21 @@ _EXT_TUPLE = 2
 # dtypes an ArrayValue may carry, with their item sizes. Anything else is refused on
 # decode so that a state can never name an arbitrary type.
 _DTYPE_SIZES = {
-    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
-    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "complex64": 8, "complex128": 16,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
 }
 _TIME_UNITS = ("Y", "M", "W", "D", "h", "m", "s", "ms", "us", "ns", "ps", "fs", "as")
 # NumPy-only dtypes: fixed-width strings and dates/durations (a multiple of a unit)

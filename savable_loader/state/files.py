@@ -178,7 +178,7 @@ def _sweep(target: Path, folder: Path) -> None:
     for entry in entries:
         if not entry.name.startswith(prefix):
             continue
-        parts = entry.name[len(prefix):].split("_")
+        parts = entry.name[len(prefix) :].split("_")
         if len(parts) != 4 or parts[0] != machine or not (parts[1].isdigit() and parts[2].isdigit()):
             continue  # another machine's, an earlier version's, or not ours
         pid, start = int(parts[1]), int(parts[2])

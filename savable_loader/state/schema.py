@@ -69,7 +69,11 @@ class ArrayValue:
         if not isinstance(other, ArrayValue):
             return NotImplemented
         return (self.library, self.dtype, self.shape, self.data) == (
-            other.library, other.dtype, other.shape, other.data)
+            other.library,
+            other.dtype,
+            other.shape,
+            other.data,
+        )
 
     def __hash__(self) -> int:
         return hash((self.library, self.dtype, self.shape, self.data))

@@ -172,8 +172,13 @@ class ShardCache:
             for d in (data, tmp, locks):
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise StorageError(f"cache_dir {self.folder}: cannot create the cache there ({e.strerror or e})",
-                               str(self.folder), None, 1, str(e)) from e
+            raise StorageError(
+                f"cache_dir {self.folder}: cannot create the cache there ({e.strerror or e})",
+                str(self.folder),
+                None,
+                1,
+                str(e),
+            ) from e
         return data, tmp, locks
 
     # -- using complete files ---------------------------------------------------------
@@ -271,8 +276,9 @@ class ShardCache:
             _close_held(fd)
             tmp.unlink(missing_ok=True)
             if isinstance(e, OSError) and not isinstance(e, StorageError):
-                raise StorageError(f"{url}: cannot write its copy in cache_dir {self.folder} ({e.strerror or e})",
-                                   url, None, 1, str(e)) from e
+                raise StorageError(
+                    f"{url}: cannot write its copy in cache_dir {self.folder} ({e.strerror or e})", url, None, 1, str(e)
+                ) from e
             raise
         _fsync_dir(data)
         return CachedFile(data / key, written, fd)
@@ -304,7 +310,10 @@ class ShardCache:
                 elif time.monotonic() - since > stall_timeout:
                     raise StorageError(
                         f"{url}: another process has been downloading it into cache_dir {self.folder} for "
-                        f"{stall_timeout:g} s without progress (its lock is {lock_path})", url, None, 0,
+                        f"{stall_timeout:g} s without progress (its lock is {lock_path})",
+                        url,
+                        None,
+                        0,
                         "a stalled download",
                     )
         except BaseException:
@@ -425,7 +434,8 @@ class ShardCache:
             warnings.warn(
                 f"shard cache {self.folder}: {excess} bytes over its budget of {self.max_bytes} bytes, held by files "
                 "in use; give cache_bytes room for (prefetch + 1) shards per worker and job",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )
         return freed
 

@@ -161,11 +161,22 @@ class Remote:
         try:
             fs, _ = fsspec.core.url_to_fs(self.url, **{"skip_instance_cache": True, **options})
         except ImportError as e:
-            extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure",
-                     "abfss": "azure", "hf": "hf", "http": "http", "https": "http"}.get(self.protocol)
+            extra = {
+                "s3": "s3",
+                "s3a": "s3",
+                "gs": "gcs",
+                "gcs": "gcs",
+                "az": "azure",
+                "abfs": "azure",
+                "abfss": "azure",
+                "hf": "hf",
+                "http": "http",
+                "https": "http",
+            }.get(self.protocol)
             hint = f"pip install 'savable_loader[{extra}]'" if extra else "install the fsspec backend it names"
-            raise StorageError(f"{self.url}: the {self.protocol!r} backend is not installed ({e}); {hint}",
-                               self.url) from e
+            raise StorageError(
+                f"{self.url}: the {self.protocol!r} backend is not installed ({e}); {hint}", self.url
+            ) from e
         except Exception as e:
             raise StorageError(f"{self.url}: cannot open the filesystem ({type(e).__name__}: {e})", self.url) from e
         if self.protocol in ("s3", "s3a") and isinstance(getattr(fs, "retries", None), int):
@@ -321,11 +332,17 @@ class Remote:
                 f.seek(start)
                 data = f.read(end - start)
         except OSError as e:
-            raise StorageError(f"{describe(url, (start, end))}: {type(e).__name__}: {e.strerror or e}",
-                               url, (start, end), 1, str(e)) from e
+            raise StorageError(
+                f"{describe(url, (start, end))}: {type(e).__name__}: {e.strerror or e}", url, (start, end), 1, str(e)
+            ) from e
         if len(data) != end - start:
-            raise StorageError(f"{describe(url, (start, end))}: the file ends after {start + len(data)} bytes",
-                               url, (start, end), 1, "end of file")
+            raise StorageError(
+                f"{describe(url, (start, end))}: the file ends after {start + len(data)} bytes",
+                url,
+                (start, end),
+                1,
+                "end of file",
+            )
         return data
 
 
@@ -345,7 +362,10 @@ def check_length(data: bytes, url: str, start: int, end: int) -> bytes:
     raise RangeIgnoredError(
         f"{describe(url, (start, end))}: the server sent {n} bytes for a range of {want}: it ignores the Range "
         "header (Python's http.server does). Serve the files from a server that honours Range (nginx, a bucket)",
-        url, (start, end), 1, f"{n} bytes for a range of {want}",
+        url,
+        (start, end),
+        1,
+        f"{n} bytes for a range of {want}",
     )
 
 

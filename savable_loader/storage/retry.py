@@ -61,8 +61,16 @@ class ShortRead(Exception):
 
 
 _CONNECTION_ERRNOS = {
-    errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
-    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.ENETRESET, errno.EHOSTDOWN,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.ETIMEDOUT,
+    errno.EPIPE,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ENETDOWN,
+    errno.ENETRESET,
+    errno.EHOSTDOWN,
 }
 # Exception class names (anywhere in the class's MRO) of the clients fsspec uses, and of
 # redis: recognised without importing them.
@@ -90,8 +98,15 @@ _TRANSIENT_NAMES = {
     "TimeoutError": "timeout",
 }
 _S3_CODES = {
-    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeoutException",
-    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
 }
 
 
@@ -271,7 +286,10 @@ class RetryPolicy:
                 if reason is None:
                     raise StorageError(
                         f"{where}: {_cause(e)} (not retried: not a transient failure)",
-                        url, byte_range, attempt, _cause(e),
+                        url,
+                        byte_range,
+                        attempt,
+                        _cause(e),
                     ) from e
                 delay = next(delays, None)
                 if delay is not None:
@@ -282,6 +300,9 @@ class RetryPolicy:
                         f"{where}: {attempt} attempt{'s' * (attempt > 1)} in {elapsed:.1f} s failed, the last with "
                         f"{reason} ({_cause(e)}); the retry policy's {why} ran out "
                         f"(attempts={self.attempts}, deadline={self.deadline:g} s)",
-                        url, byte_range, attempt, f"{reason} ({_cause(e)})",
+                        url,
+                        byte_range,
+                        attempt,
+                        f"{reason} ({_cause(e)})",
                     ) from e
                 sleep(delay)

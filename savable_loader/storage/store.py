@@ -100,7 +100,9 @@ class FileRef:
             raise LoaderUsageError(f"FileRef path must be a non-empty str, got {self.path!r}")
         if self.size is not None and (not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 0):
             raise LoaderUsageError(f"FileRef({self.path!r}) size is {self.size!r}; expected an int >= 0 or None")
-        if self.sha256 is not None and not (isinstance(self.sha256, str) and re.fullmatch(r"[0-9a-fA-F]{64}", self.sha256)):
+        if self.sha256 is not None and not (
+            isinstance(self.sha256, str) and re.fullmatch(r"[0-9a-fA-F]{64}", self.sha256)
+        ):
             raise LoaderUsageError(f"FileRef({self.path!r}) sha256 is {self.sha256!r}; expected 64 hex digits or None")
         if self.etag is not None and not isinstance(self.etag, str):
             raise LoaderUsageError(f"FileRef({self.path!r}) etag is {self.etag!r}; expected a str or None")
@@ -405,8 +407,9 @@ class Storage:
         """
         ref = _ref(file)
         if ref.size is not None and not (isinstance(end, int) and end <= ref.size):
-            raise LoaderUsageError(f"{self.remote.url_of(ref.path)}: range [{start}, {end}) ends past the file's "
-                                   f"{ref.size} bytes")
+            raise LoaderUsageError(
+                f"{self.remote.url_of(ref.path)}: range [{start}, {end}) ends past the file's {ref.size} bytes"
+            )
         if self.remote.is_local:
             if ref.size is not None:
                 self._open_local(ref)  # size check
@@ -437,7 +440,10 @@ def _mismatch(url: str, field: str, expected: Any, found: Any) -> IntegrityError
         text = f"{url}: the metadata's {what} is {expected}, the file's is {found}"
     return IntegrityError(
         f"{text}: the file changed since the metadata was written (write the metadata again, or restore the file)",
-        url, field, expected, found,
+        url,
+        field,
+        expected,
+        found,
     )
 
 

@@ -31,12 +31,7 @@ def check_datasets(owner: str, datasets: Any) -> list[SavableDataset]:
 def split_index_key(owner: str, key: Any, count: int) -> tuple[int, Any]:
     """``(index, inner key)`` of a ``[index, inner key]`` key whose index picks one of
     ``count`` datasets; RestoreKeyError naming ``owner`` otherwise."""
-    if (
-        not isinstance(key, (list, tuple))
-        or len(key) != 2
-        or not isinstance(key[0], int)
-        or not 0 <= key[0] < count
-    ):
+    if not isinstance(key, (list, tuple)) or len(key) != 2 or not isinstance(key[0], int) or not 0 <= key[0] < count:
         raise RestoreKeyError(f"{owner} key must be [dataset index below {count}, inner key], got {key!r}")
     return key[0], key[1]
 
@@ -55,9 +50,7 @@ class BaseWrapperDataset(SavableDataset):
 
     def __init__(self, dataset: SavableDataset) -> None:
         if not isinstance(dataset, SavableDataset):
-            raise LoaderUsageError(
-                f"{type(self).__name__} wraps a SavableDataset, got {type(dataset).__qualname__}"
-            )
+            raise LoaderUsageError(f"{type(self).__name__} wraps a SavableDataset, got {type(dataset).__qualname__}")
         super().__init__(dataset.worker_config)
         self.dataset = dataset
 

@@ -83,7 +83,11 @@ class LogSampleDataset(BaseWrapperDataset):
         for sample in inner:
             key = inner.sample_key
             line = {
-                "epoch": wc.active_epoch(), "rank": wc.rank, "worker": wc.rank_worker_id(), "index": self.index, "key": key,
+                "epoch": wc.active_epoch(),
+                "rank": wc.rank,
+                "worker": wc.rank_worker_id(),
+                "index": self.index,
+                "key": key,
             }
             self.index += 1
             f.write(encode(line).decode() + "\n")

@@ -50,7 +50,14 @@ class PackingDataset(BaseWrapperDataset):
     # ``ended`` (best_fit): the wrapped dataset has ended this epoch and the buffer
     # drains; a restore then does not run its end of stream again (see ``SavableDataset``).
     _savable_fields = (
-        "carry", "carry_key", "carry_start", "buffer", "keys", "tokens_cropped", "tokens_dropped", "ended",
+        "carry",
+        "carry_key",
+        "carry_start",
+        "buffer",
+        "keys",
+        "tokens_cropped",
+        "tokens_dropped",
+        "ended",
     )
     _savable_optional = frozenset({"ended"})
 
@@ -190,7 +197,9 @@ class PackingDataset(BaseWrapperDataset):
     def restore_sample(self, key: Any) -> torch.Tensor:
         """The row made of the pieces ``[[document key, start, stop], ...]``."""
         if not isinstance(key, (list, tuple)) or not key:
-            raise RestoreKeyError(f"PackingDataset key must be a non-empty list of [document key, start, stop], got {key!r}")
+            raise RestoreKeyError(
+                f"PackingDataset key must be a non-empty list of [document key, start, stop], got {key!r}"
+            )
         parts = []
         for piece in key:
             if (

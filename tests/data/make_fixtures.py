@@ -86,8 +86,13 @@ def main() -> None:
     for name, (loader, steps, state) in entries.items():
         file = f"{prefix}{name}.state"
         save_file(HERE / file, state)
-        manifest[file] = {"loader": loader, "steps": steps, "schema_version": SCHEMA_VERSION,
-                          "library_version": sl.__version__, "ranks": 2 if isinstance(state, list) else 1}
+        manifest[file] = {
+            "loader": loader,
+            "steps": steps,
+            "schema_version": SCHEMA_VERSION,
+            "library_version": sl.__version__,
+            "ranks": 2 if isinstance(state, list) else 1,
+        }
     # A state from a schema newer than any release: must be refused with "upgrade".
     plain = msgspec.msgpack.decode(encode(entries["dropin"][2]))
     plain["schema_version"] = 999

@@ -78,14 +78,27 @@ def digest(tensors: Any) -> str:
     return h.hexdigest()
 
 
-def log_step(out: Path, run: str, rank: int, step: int, epoch: int, batch: Any, loss: torch.Tensor | float,
-             index: torch.Tensor | None = None) -> None:
+def log_step(
+    out: Path,
+    run: str,
+    rank: int,
+    step: int,
+    epoch: int,
+    batch: Any,
+    loss: torch.Tensor | float,
+    index: torch.Tensor | None = None,
+) -> None:
     """Append one step's line to ``OUT/<run>.rank<r>.jsonl``."""
     tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
     if index is None:
         index = tensors[2]
-    line = {"step": step, "epoch": epoch, "index": index.tolist(), "digest": digest(tensors),
-            "loss": float(loss.detach() if isinstance(loss, torch.Tensor) else loss).hex()}
+    line = {
+        "step": step,
+        "epoch": epoch,
+        "index": index.tolist(),
+        "digest": digest(tensors),
+        "loss": float(loss.detach() if isinstance(loss, torch.Tensor) else loss).hex(),
+    }
     with open(out / f"{run}.rank{rank}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
         f.flush()

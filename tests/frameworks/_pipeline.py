@@ -23,7 +23,7 @@ class _Order:
 
     def __call__(self, info: StreamInfo, position: int = 0) -> list[int]:
         order = torch.randperm(self.n, generator=torch.Generator().manual_seed(info.epoch)).tolist()
-        return order[info.global_worker::info.num_global_workers][position:]
+        return order[info.global_worker :: info.num_global_workers][position:]
 
 
 def pipeline_loader(world_size: int) -> sl.SavableDataLoader:

@@ -43,8 +43,9 @@ class Progress:
 accelerator = Accelerator(cpu=True)
 set_seed(0)
 model, opt = c.make_model()
-loader = sl.SavableDataLoader(c.Augmented(c.dataset_len(accelerator.num_processes)), batch_size=c.BATCH,
-                              shuffle=True, num_workers=c.WORKERS)
+loader = sl.SavableDataLoader(
+    c.Augmented(c.dataset_len(accelerator.num_processes)), batch_size=c.BATCH, shuffle=True, num_workers=c.WORKERS
+)
 progress = Progress()
 accelerator.register_for_checkpointing(progress)
 if HOW == "prepare":

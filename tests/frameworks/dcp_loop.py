@@ -44,8 +44,9 @@ dist.init_process_group("gloo")
 lin, _ = c.make_model()
 model = torch.nn.parallel.DistributedDataParallel(lin)
 opt = c.make_model_optimizer(model)
-loader = sl.SavableDataLoader(c.Augmented(c.dataset_len(dist.get_world_size())), batch_size=c.BATCH, shuffle=True,
-                              num_workers=c.WORKERS)
+loader = sl.SavableDataLoader(
+    c.Augmented(c.dataset_len(dist.get_world_size())), batch_size=c.BATCH, shuffle=True, num_workers=c.WORKERS
+)
 train = TrainState(model, opt)
 if RUN.startswith("resume-"):
     dcp.load({"train": train, "loader": loader}, checkpoint_id=str(OUT / "dcp" / f"step-{RUN.split('-')[1]}"))

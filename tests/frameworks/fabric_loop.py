@@ -27,8 +27,9 @@ fabric.launch()
 fabric.seed_everything(0, verbose=False)
 model, opt = c.make_model()
 model, opt = fabric.setup(model, opt)
-loader = sl.SavableDataLoader(c.Augmented(c.dataset_len(fabric.world_size)), batch_size=c.BATCH, shuffle=True,
-                              num_workers=c.WORKERS)
+loader = sl.SavableDataLoader(
+    c.Augmented(c.dataset_len(fabric.world_size)), batch_size=c.BATCH, shuffle=True, num_workers=c.WORKERS
+)
 loader = fabric.setup_dataloaders(loader)
 state = {"model": model, "optimizer": opt, "loader": loader, "step": 0, "epoch": 0}
 if RUN.startswith("resume-"):

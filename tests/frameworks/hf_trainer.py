@@ -63,8 +63,16 @@ def logged(base):
     class Logged(base):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            c.log_step(OUT, RUN, self.args.process_index, self.state.global_step + 1, EpochCounter.epoch,
-                       inputs, loss, index=inputs["idx"])
+            c.log_step(
+                OUT,
+                RUN,
+                self.args.process_index,
+                self.state.global_step + 1,
+                EpochCounter.epoch,
+                inputs,
+                loss,
+                index=inputs["idx"],
+            )
             return loss
 
     return Logged
@@ -72,21 +80,38 @@ def logged(base):
 
 class OverrideTrainer(transformers.Trainer):
     def get_train_dataloader(self):
-        return sl.SavableDataLoader(self.train_dataset, batch_size=self.args.per_device_train_batch_size,
-                                    shuffle=True, collate_fn=self.data_collator,
-                                    num_workers=self.args.dataloader_num_workers)
+        return sl.SavableDataLoader(
+            self.train_dataset,
+            batch_size=self.args.per_device_train_batch_size,
+            shuffle=True,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+        )
 
 
 args = transformers.TrainingArguments(
-    output_dir=str(OUT / f"hf_{RUN}"), per_device_train_batch_size=c.BATCH, max_steps=c.TOTAL_STEPS,
-    save_strategy="steps", save_steps=3, logging_strategy="no", report_to=[], use_cpu=True,
-    dataloader_num_workers=c.WORKERS, seed=0, learning_rate=0.05, disable_tqdm=True,
+    output_dir=str(OUT / f"hf_{RUN}"),
+    per_device_train_batch_size=c.BATCH,
+    max_steps=c.TOTAL_STEPS,
+    save_strategy="steps",
+    save_steps=3,
+    logging_strategy="no",
+    report_to=[],
+    use_cpu=True,
+    dataloader_num_workers=c.WORKERS,
+    seed=0,
+    learning_rate=0.05,
+    disable_tqdm=True,
 )
 base = c.Augmented(c.dataset_len(args.world_size))
-train = datasets.Dataset.from_dict({
-    "x": base.x.tolist(), "labels": base.y.tolist(), "idx": list(range(len(base))),
-    "note": [f"sample {i}" for i in range(len(base))],
-}).with_transform(augment)
+train = datasets.Dataset.from_dict(
+    {
+        "x": base.x.tolist(),
+        "labels": base.y.tolist(),
+        "idx": list(range(len(base))),
+        "note": [f"sample {i}" for i in range(len(base))],
+    }
+).with_transform(augment)
 if HOW == "savable":
     from savable_loader.integrations.transformers import SavableTrainer
 

@@ -46,22 +46,33 @@ class ModelWithData(Model):
             from _pipeline import pipeline_loader
 
             return pipeline_loader(self.trainer.world_size)
-        return sl.SavableDataLoader(c.Augmented(c.dataset_len(self.trainer.world_size)), batch_size=c.BATCH,
-                                    shuffle=True, num_workers=c.WORKERS)
+        return sl.SavableDataLoader(
+            c.Augmented(c.dataset_len(self.trainer.world_size)), batch_size=c.BATCH, shuffle=True, num_workers=c.WORKERS
+        )
 
 
 L.seed_everything(0, verbose=False)
-checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=OUT / f"ckpt_{RUN}", every_n_train_steps=3,
-                                                  save_top_k=-1, filename="{step}")
-trainer = L.Trainer(max_steps=c.TOTAL_STEPS, accelerator="cpu", devices=DEVICES,
-                    strategy="ddp" if DEVICES > 1 else "auto", callbacks=[checkpoints], logger=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+checkpoints = L.pytorch.callbacks.ModelCheckpoint(
+    dirpath=OUT / f"ckpt_{RUN}", every_n_train_steps=3, save_top_k=-1, filename="{step}"
+)
+trainer = L.Trainer(
+    max_steps=c.TOTAL_STEPS,
+    accelerator="cpu",
+    devices=DEVICES,
+    strategy="ddp" if DEVICES > 1 else "auto",
+    callbacks=[checkpoints],
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+)
 ckpt = None
 if RUN.startswith("resume-"):
     ckpt = str(OUT / "ckpt_ref" / f"step={RUN.split('-')[1]}.ckpt")
 if BEFORE_FIT:
-    loader = sl.SavableDataLoader(c.Augmented(c.dataset_len(DEVICES)), batch_size=c.BATCH, shuffle=True,
-                                  num_workers=c.WORKERS)
+    loader = sl.SavableDataLoader(
+        c.Augmented(c.dataset_len(DEVICES)), batch_size=c.BATCH, shuffle=True, num_workers=c.WORKERS
+    )
     trainer.fit(Model(), train_dataloaders=loader, ckpt_path=ckpt)
 else:
     trainer.fit(ModelWithData(), ckpt_path=ckpt)
