@@ -8,6 +8,7 @@ from typing import Any
 from savable_loader.config import _Repetition
 from savable_loader.dataset import SavableDataset, wrap_key
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
+from savable_loader.state.schema import DatasetState
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["RepeatDataset"]
@@ -63,6 +64,17 @@ class RepeatDataset(BaseWrapperDataset):
                 self.dataset.reset_state_deep()
             if empty and self.repeats is None:
                 return
+
+    def restore_state(self, state: DatasetState | None) -> None:
+        """Put back a state, the wrapped dataset's inside the pass it was saved in: a
+        dataset that records its repetition context (``EpochizeDataset``'s end-of-epoch
+        carry) sees the context it saw when the state was taken, not the top level."""
+        repetition = state.fields.get("repetition") if isinstance(state, DatasetState) else None
+        if not isinstance(repetition, int) or isinstance(repetition, bool):
+            super().restore_state(state)  # the epoch's start, or a malformed state (refused there)
+            return
+        with _Repetition(repetition):
+            super().restore_state(state)
 
     def restore_sample(self, key: Any) -> Any:
         """The sample of pass ``key[0]`` whose inner key is ``key[1]``."""
