@@ -515,3 +515,20 @@ def test_a_stream_source_job_comes_back_with_fewer_workers() -> None:
         loader = make(1)
         loader.restore_state_rank(state)
         assert_exactly_once([before, tagged(loader, iter(loader))], reference, f"3 -> 1 at {k}")
+
+
+def test_a_save_leaving_out_the_last_item_in_a_hosted_epoch() -> None:
+    """A framework that fetched one item ahead saves without it (``held=1``): restored,
+    that item comes first again, and the rest is the hosted run's."""
+    make = resized(shuffled, 3, 4, 0)
+    reference = make()
+    run = tagged(reference, iter(reference))
+    for j in (1, 3, 6):
+        loader = make()
+        it = iter(loader)
+        head = tagged(loader, it, limit=j)
+        state = decode(encode(loader._save(held=1)))
+        del it
+        again = shuffled(0)
+        again.restore_state_rank(state)
+        assert_streams(head[:-1] + tagged(again, iter(again)), run, f"held item after {j}")
