@@ -34,7 +34,7 @@ from torch.utils.data import Dataset, Sampler, get_worker_info
 from savable_loader._elastic import Share, epoch_length, rank_share, share_length
 from savable_loader._owned_rng import OwnedRngs
 from savable_loader._permutation import ORDER_FEISTEL, EpochOrder
-from savable_loader._seeds import collate_seed, owned_stream_seed, sample_base, sample_item
+from savable_loader._seeds import collate_seed, owned_stream_seed, sample_base, sample_item, sample_items
 from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import (
     SEED_FORMULA,
@@ -271,10 +271,16 @@ class IndexedDataset(Dataset):
             samples = many(list(key.indices)) if many is not None else [dataset[index] for index in key.indices]
         else:
             samples = []
-            for position, index in zip(key.positions, key.indices):
-                seed_global(sample_item(base, position, formula))
-                owned.seed_sample(position)
-                samples.append(dataset[index])
+            seeds = sample_items(base, key.positions, formula)
+            if owned.has_sample_generators:
+                for seed, position, index in zip(seeds, key.positions, key.indices):
+                    seed_global(seed)
+                    owned.seed_sample(position)
+                    samples.append(dataset[index])
+            else:  # the common case: nothing but the global RNGs to re-seed
+                for seed, index in zip(seeds, key.indices):
+                    seed_global(seed)
+                    samples.append(dataset[index])
         seed_global(collate_seed(self.seed, key.epoch, key.positions[0], formula))
         owned.seed_collate(key.positions[0])
         return self.collate_fn(samples if self.batched else samples[0])
