@@ -47,6 +47,7 @@ __all__ = [
     "shard_samples_seed",
     "torch_iterable_base",
     "torch_worker_info_seed",
+    "undeclared_rngs_seed",
     "worker_epoch_seed",
     "worker_seed",
 ]
@@ -74,6 +75,7 @@ NAMESPACES = (
     "torch-iterable",
     "torch-worker-info",
     "order",
+    "undeclared-rngs",
 )
 
 
@@ -109,6 +111,12 @@ def sample_items(base: int, positions: Sequence[int], formula: int) -> list[int]
 def collate_seed(seed: int, epoch: int, position: int, formula: int) -> int:
     """The global RNGs' seed before collating the batch that starts at ``position``."""
     return item_seed(derive_seed(seed, "collate", epoch, position), formula)
+
+
+def undeclared_rngs_seed(seed: int, epoch: int) -> int:
+    """The seed of the global generators a loader's ``global_rngs=`` leaves out, in every
+    batch of ``epoch`` (they are re-seeded only when something changed them)."""
+    return item_seed(derive_seed(seed, "undeclared-rngs", epoch))
 
 
 def owned_stream_seed(seed: int, salt: tuple[str | int, ...]) -> int:

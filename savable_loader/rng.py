@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +36,7 @@ from savable_loader._torch_internals import C_RANDOM_SEED, PY_RANDOM
 from savable_loader.errors import StateError
 
 __all__ = [
+    "GLOBAL_RNG_NAMES",
     "LEGACY_SEED_FORMULA",
     "SEED_FORMULA",
     "GlobalRngState",
@@ -44,6 +45,7 @@ __all__ = [
     "counter_seed",
     "counter_seeds",
     "derive_seed",
+    "global_seeder",
     "hash_seed",
     "item_seed",
     "preserve_global_rng",
@@ -169,6 +171,45 @@ def seed_global(seed: int) -> None:
     _PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
     _NP_SEED(seed & 0xFFFFFFFF)
     _TORCH_SEED(seed)
+
+
+#: The global generators by the name of the module they are drawn through, sorted.
+GLOBAL_RNG_NAMES = ("numpy", "random", "torch")
+
+
+def global_seeder(names: Collection[str]) -> Callable[[int], None]:
+    """A function seeding the global generators in ``names`` (of :data:`GLOBAL_RNG_NAMES`)
+    exactly as :func:`seed_global` seeds each of them, and leaving the others alone.
+
+    Example::
+
+        seed_torch = global_seeder(("torch",))
+        seed_torch(s)     # torch.default_generator.manual_seed(s & (2**64 - 1)), nothing else
+    """
+    unknown = set(names) - set(GLOBAL_RNG_NAMES)
+    if unknown:
+        raise ValueError(f"unknown global generators {sorted(unknown)}, expected names of {GLOBAL_RNG_NAMES}")
+    if set(names) == set(GLOBAL_RNG_NAMES):
+        return seed_global
+    python, numpy, torch_ = "random" in names, "numpy" in names, "torch" in names
+
+    def seed_some(seed: int) -> None:
+        seed &= _MASK64
+        if python:
+            _PY_SEED(_PY_RANDOM, seed)
+            _PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
+        if numpy:
+            _NP_SEED(seed & 0xFFFFFFFF)
+        if torch_:
+            _TORCH_SEED(seed)
+
+    if names and set(names) == {"torch"}:  # the common declaration: one call
+
+        def seed_torch(seed: int) -> None:
+            _TORCH_SEED(seed & _MASK64)
+
+        return seed_torch
+    return seed_some
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ GOLDEN = [
     ("shard_samples_seed", S.shard_samples_seed(7, (3, 1), 5), 7841282420573183072),
     ("torch_iterable_base", S.torch_iterable_base(7, 1, 2, 3, (4,)), 17581849285874706381),
     ("torch_worker_info_seed", S.torch_worker_info_seed(7, 1, 2, 3, (4,)), 8788869791747196609),
+    ("undeclared_rngs_seed", S.undeclared_rngs_seed(7, 3), 1565907000821936681),
     ("datapipe_shuffle_seed", S.datapipe_shuffle_seed(7, 3, (4,)), 6035231451759496595),
 ]
 
