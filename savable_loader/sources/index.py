@@ -254,32 +254,16 @@ class IndexedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    #: What crosses to a spawn/forkserver worker (process-local caches stay behind).
+    _FIELDS = ("dataset", "seed", "collate_fn", "batched", "salt", "seed_formula", "reseed", "global_rngs")
+
     def __getstate__(self) -> dict[str, Any]:
         # cloudpickle carries lambdas and local classes to spawn/forkserver workers.
-        fields = (
-            self.dataset,
-            self.seed,
-            self.collate_fn,
-            self.batched,
-            self.salt,
-            self.seed_formula,
-            self.reseed,
-            self.global_rngs,
-        )
-        return {"payload": cloudpickle.dumps(fields)}
+        return {"payload": cloudpickle.dumps(tuple(getattr(self, name) for name in self._FIELDS))}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        fields = cloudpickle.loads(state["payload"])
-        (
-            self.dataset,
-            self.seed,
-            self.collate_fn,
-            self.batched,
-            self.salt,
-            self.seed_formula,
-            self.reseed,
-            self.global_rngs,
-        ) = fields
+        for name, value in zip(self._FIELDS, cloudpickle.loads(state["payload"]), strict=True):
+            setattr(self, name, value)
 
     def build(self, key: BatchKey) -> Any:
         """The batch (or sample, when unbatched) that ``key`` names."""
