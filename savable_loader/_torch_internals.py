@@ -266,10 +266,19 @@ def numpy_mt_fingerprint(state: np.random.RandomState) -> Callable[[], Any]:
     if isinstance(bit, np.random.MT19937) and _numpy_layout_ok():
         address = bit.ctypes.state_address
         string_at = ctypes.string_at
-        return lambda: string_at(address, _NP_MT_BYTES)
+        # np.random.set_bit_generator() gives the RandomState another bit generator: it shows
+        return lambda: (state._bit_generator is bit, string_at(address, _NP_MT_BYTES))
 
     def whole() -> Any:
-        name, key, pos, has_gauss, gauss = state.get_state(legacy=True)
-        return name, np.asarray(key).tobytes(), pos, has_gauss, gauss
+        return state._bit_generator is bit, _comparable(state.get_state(legacy=False))
 
     return whole
+
+
+def _comparable(value: Any) -> Any:
+    """A bit generator's state (dicts, arrays, ints) in a form ``==`` compares whole."""
+    if isinstance(value, dict):
+        return tuple((k, _comparable(v)) for k, v in value.items())
+    if isinstance(value, np.ndarray):
+        return value.dtype.str, value.tobytes()
+    return value

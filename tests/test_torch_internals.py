@@ -155,3 +155,19 @@ def test_fingerprints_change_exactly_when_the_state_does(monkeypatch, fast):
     ti.PY_RANDOM.setstate(state)
     np.random.seed(3)
     assert numpy() == before[1]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_numpy_fingerprint_sees_another_bit_generator(monkeypatch, fast):
+    if not fast:
+        monkeypatch.setattr(ti, "_numpy_layout_ok", lambda: False)
+    state = ti.numpy_global_randomstate()
+    old = np.random.get_bit_generator()
+    look = ti.numpy_mt_fingerprint(state)
+    before = look()
+    np.random.set_bit_generator(np.random.PCG64(1))
+    try:
+        assert look() != before
+    finally:
+        np.random.set_bit_generator(old)
+    assert look() == before
