@@ -557,6 +557,19 @@ def test_mark_sample_seed_is_the_key_formula_in_every_epoch_and_pass(key: Any) -
         assert got == draws(), (epoch, passes)
 
 
+def test_mark_sample_prefixes_stay_bounded_and_right_over_many_epochs() -> None:
+    from savable_loader import dataset as D
+
+    ds = Source(WorkerConfig(rank=0, world_size=1, num_workers=0, seed=2))
+    for epoch in [*range(D._MAX_PREFIXES + 40), 3]:
+        with _ActiveWorker(0, epoch):
+            ds.mark_sample([epoch])
+            got = draws()
+        seed_global(derive_seed(2, "key", epoch, "Source", f"[{epoch}]"))
+        assert got == draws(), epoch
+        assert len(D._KEY_PREFIXES) <= D._MAX_PREFIXES
+
+
 def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
