@@ -21,7 +21,15 @@ import msgspec
 
 from savable_loader._version import __version__
 from savable_loader.errors import StateError, StateVersionError
-from savable_loader.state.schema import SCHEMA_VERSION, ArrayValue, DatasetState, GlobalState, RankState, TupleValue
+from savable_loader.state.schema import (
+    ARRAY_TYPECODES,
+    SCHEMA_VERSION,
+    ArrayValue,
+    DatasetState,
+    GlobalState,
+    RankState,
+    TupleValue,
+)
 
 __all__ = ["decode", "decode_part", "encode", "encode_part"]
 
@@ -51,7 +59,7 @@ _TIME_UNITS = ("Y", "M", "W", "D", "h", "m", "s", "ms", "us", "ns", "ps", "fs", 
 _NUMPY_DTYPE = re.compile(r"(U|S)([1-9][0-9]{0,9})|(datetime64|timedelta64)(?:\[([1-9][0-9]{0,9})?([a-zA-Z]{1,2})\])?")
 _MAX_ITEMSIZE = (1 << 31) - 1  # NumPy's limit for U / S, and for a time unit's multiplier
 _MAX_NDIM = 32
-_LIBRARIES = ("torch", "numpy", "numpy-scalar")
+_LIBRARIES = ("torch", "numpy", "numpy-scalar", "array")
 
 _TopLevel = RankState | GlobalState
 
@@ -68,6 +76,10 @@ def _itemsize(library: str, dtype: str) -> int | None:
     ``"str"`` and ``"bytes"``); ValueError if an ArrayValue cannot carry it."""
     if library == "numpy-scalar" and dtype in ("str", "bytes"):
         return None
+    if library == "array":
+        if dtype not in ARRAY_TYPECODES:
+            raise ValueError(f"array.array typecode must be one of {''.join(ARRAY_TYPECODES)}, got {dtype!r}")
+        return ARRAY_TYPECODES[dtype]
     name = dtype
     if library != "torch" and name.startswith(">"):
         name = name[1:]  # big-endian NumPy data
@@ -108,7 +120,12 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     if library not in _LIBRARIES:
         raise ValueError(f"array library must be one of {list(_LIBRARIES)}, got {library!r}")
     size = _itemsize(library, dtype)
-    if len(shape) > _MAX_NDIM or any(d < 0 for d in shape) or (library == "numpy-scalar" and shape):
+    if (
+        len(shape) > _MAX_NDIM
+        or any(d < 0 for d in shape)
+        or (library == "numpy-scalar" and shape)
+        or (library == "array" and len(shape) != 1)
+    ):
         raise ValueError(f"invalid array shape {shape} for library {library!r}")
     if size is None:
         if dtype == "str":
