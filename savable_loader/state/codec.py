@@ -136,6 +136,55 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     return ArrayValue(library=library, dtype=dtype, shape=tuple(shape), data=raw)
 
 
+class _Malformed:
+    """An extension value that failed to decode, in place (see :func:`_where_malformed`)."""
+
+    __slots__ = ()
+
+
+def _lenient_ext_hook(code: int, data: memoryview) -> Any:
+    try:
+        return _ext_hook(code, data)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return _Malformed()
+
+
+def _where_malformed(data: bytes | bytearray | memoryview, type: Any) -> str:
+    """`` at <path>`` of the first malformed extension value (an array, a tuple) in
+    ``data``, named as :func:`_locate` names a field (``""``: none found, or the rest of
+    ``data`` is malformed too)."""
+    try:
+        obj = msgspec.msgpack.decode(data, type=type, ext_hook=_lenient_ext_hook)
+        where = _find_malformed(obj, "")
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
+        return ""
+    return "" if where is None else f" at {where}"
+
+
+def _find_malformed(value: Any, path: str, node: str = "") -> str | None:
+    if isinstance(value, _Malformed):
+        return path or "<root>"
+    found: str | None = None
+    if isinstance(value, DatasetState):
+        node = node or path
+        owner = value.type.rsplit(".", 1)[-1]
+        for name, field in value.fields.items():
+            found = found or _find_malformed(field, f"{node}: {owner}.{name}" if node else f"{owner}.{name}")
+        for child in value.children:
+            found = found or _find_malformed(child, path, node)
+    elif isinstance(value, msgspec.Struct):
+        for name in value.__struct_fields__:
+            found = found or _find_malformed(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = found or _find_malformed(item, f"{path}[{key!r}]")
+    elif isinstance(value, (list, TupleValue)):
+        items = value.items if isinstance(value, TupleValue) else value
+        for i, item in enumerate(items):
+            found = found or _find_malformed(item, f"{path}[{i}]")
+    return found
+
+
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _peek_decoder = msgspec.msgpack.Decoder(_Peek, ext_hook=lambda code, data: None)
 _decoder = msgspec.msgpack.Decoder(_TopLevel, ext_hook=_ext_hook)
@@ -242,7 +291,7 @@ def decode(data: bytes | bytearray | memoryview) -> RankState | list[RankState]:
     try:
         obj = _decoder.decode(data)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as e:
-        raise StateError(f"malformed savable_loader state: {e}") from e
+        raise StateError(f"malformed savable_loader state: {e}{_where_malformed(data, _TopLevel)}") from e
     if isinstance(obj, GlobalState):
         for i, rank in enumerate(obj.ranks):
             if rank.schema_version > SCHEMA_VERSION:
@@ -267,4 +316,4 @@ def decode_part(data: bytes | memoryview, type: Any) -> Any:
     try:
         return msgspec.msgpack.decode(data, type=type, ext_hook=_ext_hook)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as e:
-        raise StateError(f"malformed state part: {e}") from e
+        raise StateError(f"malformed state part: {e}{_where_malformed(data, type)}") from e
