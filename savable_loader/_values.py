@@ -212,7 +212,9 @@ def _freeze(value: Any, path: str) -> Any:
             raise StateError(f"{_where(path)} holds an array of dtype {value.dtype}, which a state cannot hold")
         return value.copy()
     if cls is array.array and ARRAY_TYPECODES.get(value.typecode) == value.itemsize:
-        return value[:]  # one copy of the memory
+        # already in its plain form (bytes, immutable): one copy of the memory, which
+        # to_plain and the encoding of the snapshot take as it is
+        return to_plain(value)
     if isinstance(value, np.generic) and _scalar_code(value) is not None:
         return value  # NumPy scalars are immutable
     raise _refuse(value, path)
