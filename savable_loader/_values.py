@@ -73,7 +73,7 @@ def _all_scalars(values: list[Any] | tuple[Any, ...]) -> bool:
 _SAMPLED = 64
 
 
-class _Scalars(list):  # type: ignore[type-arg]
+class _Scalars(list[Any]):
     """A frozen list whose items ``freeze`` found to be exact scalars: ``to_plain`` and
     ``from_plain`` copy it without looking at the items again (a snapshot of a big buffer
     checks it once). Never leaves this module's functions: both return plain lists."""
