@@ -233,6 +233,7 @@ class ValuesSource(sl.SavableDataset):
 NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF8_0000_DEAD_BEEF))[0]  # a NaN with a payload
 STREAMS = {
     "ints": list(range(-12, 12)),
+    "ints-widening": [*range(8), 2**31, *range(8, 16), -(2**31) - 1, 2**31 - 1, *range(16, 24)],
     "floats": [0.5 * i for i in range(20)] + [NAN, -0.0, float("inf"), -NAN],
     # a bool, an IntEnum and ints beyond 64 bits turn the packed buffer into a list
     "ints-then-bool": [*range(10), True, *range(10, 20), False],
@@ -262,7 +263,7 @@ def test_packed_and_mixed_streams_resume_at_every_step(name, monkeypatch):
     assert check_resume_everywhere(lambda: stream_loader(name, 0), 2) >= len(STREAMS[name])
 
 
-@pytest.mark.parametrize("name", ["ints", "floats", "ints-then-bool", "ints-at-the-bounds"])
+@pytest.mark.parametrize("name", ["ints", "ints-widening", "floats", "ints-then-bool", "ints-at-the-bounds"])
 def test_packed_streams_resume_with_worker_processes(name, monkeypatch):
     set_snapshot_policy(monkeypatch, "every")
     n = len(STREAMS[name])
@@ -286,13 +287,13 @@ def test_buffer_of_ints_or_floats_is_packed_and_the_state_holds_its_memory():
     ds = ShuffleBufferDataset(ValuesSource(list(range(100)), wc), 10)
     it = iter(ds)
     next(it)
-    assert type(ds.buffer) is array.array and ds.buffer.typecode == "q" and len(ds.buffer) == 9
+    assert type(ds.buffer) is array.array and ds.buffer.typecode == "i" and len(ds.buffer) == 9
     frozen = ds.save_state()
     held = ds.buffer.tolist()
     next(it), next(it)  # the dataset swaps and pops its live buffer right after the save
     node = decode_part(encode_part(plain_dataset_state(frozen)), DatasetState)
     value = node.fields["buffer"]
-    assert isinstance(value, ArrayValue) and (value.library, value.dtype, value.shape) == ("array", "q", (9,))
+    assert isinstance(value, ArrayValue) and (value.library, value.dtype, value.shape) == ("array", "i", (9,))
     for back in (from_plain(frozen.fields["buffer"]), from_plain(value)):
         assert type(back) is array.array and back.tolist() == held
     # floats: typecode "d"; a restored buffer stays packed and yields the same floats
@@ -314,6 +315,15 @@ def test_a_sample_of_another_type_turns_the_buffer_into_a_list():
     ds.buffer = array.array("q", [1])
     ds._append(2**63)
     assert type(ds.buffer) is list and ds.buffer == [1, 2**63]
+    ds.buffer = array.array("i", [1, -5])
+    ds._append(-(2**40))  # beyond 32 bits: widened
+    assert type(ds.buffer) is array.array and ds.buffer.typecode == "q" and ds.buffer.tolist() == [1, -5, -(2**40)]
+    ds.buffer = array.array("i", [1])
+    ds._append(2**63)  # beyond 64 bits: a list
+    assert type(ds.buffer) is list and ds.buffer == [1, 2**63]
+    ds.buffer = []
+    ds._append(2**62)
+    assert type(ds.buffer) is array.array and ds.buffer.typecode == "q"
     ds.buffer = []
     ds._append(2**63)  # beyond int64 from the start: a list
     assert type(ds.buffer) is list
@@ -350,12 +360,12 @@ def test_malformed_packed_bytes_in_a_state_file_name_the_field(tmp_path):
     packed = buffer.data
     assert raw.count(packed) == 1
     where = r"position\.workers\[0\]\.dataset: ShuffleBufferDataset\.buffer"
-    n = len(packed) // 8
-    assert raw.count(b"\xa1q\x91" + bytes([n])) == 1
+    n = len(packed) // 4
+    assert raw.count(b"\xa1i\x91" + bytes([n])) == 1
     for bad in (
-        raw.replace(b"\xa1q\x91" + bytes([n]), b"\xa1q\x91" + bytes([n - 1])),  # 8 bytes too many for the shape
-        raw.replace(b"\xa1q\x91", b"\xa1d\x92"),  # a 2-d shape (and floats)
-        raw.replace(b"\xa1q\x91", b"\xa1l\x91"),  # a typecode of platform-dependent size
+        raw.replace(b"\xa1i\x91" + bytes([n]), b"\xa1i\x91" + bytes([n - 1])),  # 4 bytes too many for the shape
+        raw.replace(b"\xa1i\x91", b"\xa1d\x92"),  # a 2-d shape (and floats)
+        raw.replace(b"\xa1i\x91", b"\xa1l\x91"),  # a typecode of platform-dependent size
         raw.replace(b"\xa5array", b"\xa5arrax"),  # an unknown library
     ):
         with pytest.raises(StateError, match=where):

@@ -16,8 +16,9 @@ __all__ = ["ShuffleBufferDataset"]
 # A buffer of exact ints (int64 range) or exact floats is held packed, in an array.array:
 # a snapshot then copies its memory instead of checking and encoding every sample (a
 # list of 100k ints costs milliseconds at every snapshot, the array a few microseconds).
-_TYPECODES = {int: "q", float: "d"}
-_ITEM_TYPES = {"q": int, "d": float}
+# Ints start 4 bytes wide and widen to 8 at the first that does not fit.
+_TYPECODES = {int: ("i", "q") if array.array("i").itemsize == 4 else ("q",), float: ("d",)}
+_ITEM_TYPES = {"i": int, "q": int, "d": float}
 
 
 class ShuffleBufferDataset(BaseWrapperDataset):
@@ -34,9 +35,10 @@ class ShuffleBufferDataset(BaseWrapperDataset):
     not the pipeline can restore samples (the RNG rule of ``SavableDataset``).
 
     While every buffered sample is an ``int`` (within the 64-bit signed range) or every
-    one a ``float``, the buffer is an ``array.array`` (typecode ``"q"`` or ``"d"``), whose
-    snapshot is one copy of its memory; the samples come out as the same ints and floats,
-    bit for bit. Any other sample turns it into a list for the rest of the epoch.
+    one a ``float``, the buffer is an ``array.array`` (typecode ``"i"``, widened to
+    ``"q"`` at the first int beyond 32 bits, or ``"d"``), whose snapshot is one copy of
+    its memory; the samples come out as the same ints and floats, bit for bit. Any other
+    sample turns it into a list until the buffer is next empty.
 
     Example::
 
@@ -102,16 +104,15 @@ class ShuffleBufferDataset(BaseWrapperDataset):
                 try:
                     buffer.append(sample)
                     return
-                except OverflowError:  # an int beyond 64 bits
-                    pass
+                except OverflowError:  # too wide for the typecode: a wider one, or a list
+                    wider = _packed(buffer, sample)
+                    if wider is not None:
+                        self.buffer = wider
+                        return
             buffer = self.buffer = buffer.tolist()  # another kind of sample: a list from now on
-        elif not buffer and type(sample) in _TYPECODES:
-            packed = array.array(_TYPECODES[type(sample)])
-            try:
-                packed.append(sample)
-            except OverflowError:
-                pass
-            else:
+        elif not buffer:
+            packed = _packed(buffer, sample)
+            if packed is not None:
                 self.buffer = packed
                 return
         buffer.append(sample)
@@ -124,3 +125,18 @@ class ShuffleBufferDataset(BaseWrapperDataset):
 
     def config(self) -> dict[str, Any]:
         return {"size": self.size}
+
+
+def _packed(items: list[Any] | array.array[Any], sample: Any) -> array.array[Any] | None:
+    """``items`` and ``sample`` in the narrowest array.array that holds them exactly (None:
+    none does); ``items`` are exact ints or floats of the same type as ``sample``."""
+    codes = _TYPECODES.get(type(sample), ())
+    start = codes.index(items.typecode) + 1 if isinstance(items, array.array) else 0
+    for code in codes[start:]:
+        packed = array.array(code, items)
+        try:
+            packed.append(sample)
+        except OverflowError:
+            continue
+        return packed
+    return None
