@@ -170,6 +170,9 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     #: their stream; ``"feistel-1"``: the constant-memory keyed bijection of
     #: ``savable_loader/_permutation.py``, which new drop-in loaders write.
     order_algorithm: str = "numpy-permutation"
+    #: Drop-in path: the global RNGs re-seeded before every sample, sorted
+    #: (``SavableDataLoader(global_rngs=...)``); all three by default, as earlier versions did.
+    global_rngs: list[str] = msgspec.field(default_factory=lambda: ["numpy", "random", "torch"])
 
 
 class IndexStage(msgspec.Struct, kw_only=True, frozen=True):
@@ -363,6 +366,9 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     order_algorithm: str = "numpy-permutation"
     #: ``"index"`` keys: ``LoaderConfig.reseed`` of the loader that made the key.
     reseed: str = "sample"
+    #: ``"index"`` keys: ``LoaderConfig.global_rngs`` of the loader that made the key
+    #: (the default, all three, is left out of ``str(key)``).
+    global_rngs: tuple[str, ...] = ("numpy", "random", "torch")
 
     def __str__(self) -> str:
         return msgspec.json.encode(self).decode()
