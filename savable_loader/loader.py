@@ -732,8 +732,10 @@ class SavableDataLoader(DataLoader[T_co]):
 
         The next ``iter()`` continues the saved position; later ones start the next
         epochs. The loader may have iterated before (persistent workers are restarted),
-        but no iteration may be in progress. A changed ``num_workers`` is honoured on the
-        drop-in path; other changes the loader cannot honour raise
+        but no iteration may be in progress. A changed ``num_workers`` is honoured (a
+        savable pipeline's saved logical workers are hosted by this loader's workers for
+        the rest of their epoch; a plain IterableDataset only at an epoch's start); other
+        changes the loader cannot honour raise
         :class:`ConfigMismatchError` naming the field. A loader built with ``seed=None``
         takes the state's seed.
         """
@@ -842,8 +844,8 @@ class SavableDataLoader(DataLoader[T_co]):
         or its ``str()``. The loader must be built like the one that made the key: same
         dataset and seed (drop-in path with the loader's own order: ``num_workers``, rank
         and world size may differ; with a sampler of the user's: the same rank, as the
-        key carries the dataset indices; savable pipelines: the same rank, world size and
-        ``num_workers``, since sources split the data by them). Savable pipelines rebuild
+        key carries the dataset indices; savable pipelines: the same rank and world size,
+        since sources split the data by them, and any ``num_workers``). Savable pipelines rebuild
         when every dataset of the pipeline supports it (``dataset.can_restore_sample()``;
         ``restore_sample_blocker()`` says why not). Raises :class:`RestoreKeyError`
         otherwise. Example::

@@ -275,6 +275,13 @@ class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
 class PipelinePosition(msgspec.Struct, kw_only=True, frozen=True, tag="pipeline"):
     """Savable-pipeline path: per-worker states and the logical worker that yields next.
 
+    ``workers`` holds one state per logical worker: as many as the ``num_workers`` the
+    epoch started with (at least 1), which after a restore under another
+    ``num_workers`` may differ from ``LoaderConfig.num_workers`` (the logical workers
+    were then hosted by the loader's workers, see ``savable_loader/_hosting.py``);
+    ``next_worker`` is then the lowest logical worker of the hosting worker that yields
+    next.
+
     Example::
 
         position = loader.save_state_rank().position
