@@ -40,7 +40,12 @@ from typing import Any
 
 from savable_loader.config import _LogicalWorkers
 
-__all__ = ["hosted_by", "hosts", "in_view", "interleave", "slot_of"]
+__all__ = ["MAX_LOGICAL_WORKERS", "hosted_by", "hosts", "in_view", "interleave", "slot_of"]
+
+#: The most logical workers a restored pipeline state may have per rank: each one hosted
+#: is a copy of the pipeline, so a state claiming a huge number (a corrupt or hostile
+#: file) would exhaust memory instead of raising.
+MAX_LOGICAL_WORKERS = 1024
 
 
 def hosts(logical: int, contexts: int) -> int:

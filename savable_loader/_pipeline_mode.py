@@ -29,7 +29,7 @@ from torch.utils.data import default_convert
 
 from savable_loader._elastic import batch_rescale_factor
 from savable_loader._guards import release
-from savable_loader._hosting import hosts, slot_of
+from savable_loader._hosting import MAX_LOGICAL_WORKERS, hosts, slot_of
 from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting
 from savable_loader._mode import SKIP, Iteration, Mode
 from savable_loader._seeds import pipeline_base, pipeline_item
@@ -382,6 +382,11 @@ class PipelineMode(Mode):
         if factor is None:
             check_dataset_config(saved, current)
         n = len(position.workers)
+        if n > MAX_LOGICAL_WORKERS:
+            raise StateError(
+                f"pipeline state has {n} logical workers, expected at most {MAX_LOGICAL_WORKERS} (num_workers of the "
+                "loader that saved it): each would be a copy of the pipeline in this loader's workers"
+            )
         ids = sorted(ws.worker_id for ws in position.workers)
         if not n or ids != list(range(n)) or position.next_worker >= n:
             raise StateError(

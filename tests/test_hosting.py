@@ -19,12 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 import savable_loader as sl
-from savable_loader._hosting import hosted_by, hosts, interleave
+from savable_loader._hosting import MAX_LOGICAL_WORKERS, hosted_by, hosts, interleave
 from savable_loader._worker import End, Item
 from savable_loader.sources import ShardedFileDataset, write_shards
 from savable_loader.state import decode, encode
@@ -423,6 +424,17 @@ def test_a_malformed_position_is_refused() -> None:
     )
     with pytest.raises(sl.StateError, match=r"worker ids \[1\]"):
         shuffled(3).restore_state_rank(broken)
+
+
+def test_a_state_with_too_many_logical_workers_is_refused() -> None:
+    # each hosted logical worker is a copy of the pipeline: a hostile count must raise,
+    # not exhaust memory
+    _, state = saved_at(shuffled, 2, 3, False)
+    template = state.position.workers[0]
+    many = [msgspec.structs.replace(template, worker_id=w) for w in range(MAX_LOGICAL_WORKERS + 1)]
+    broken = msgspec.structs.replace(state, position=msgspec.structs.replace(state.position, workers=many))
+    with pytest.raises(sl.StateError, match=rf"{MAX_LOGICAL_WORKERS + 1} logical workers, expected at most"):
+        shuffled(1).restore_state_rank(broken)
 
 
 # -- two ranks (gloo on 127.0.0.1) ---------------------------------------------------------
