@@ -22,14 +22,17 @@ from __future__ import annotations
 import hashlib
 import http.client
 import http.server
+import json
 import os
 import re
+import shutil
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +246,107 @@ class FaultProxy(_Running):
         super().__init__(server)
 
 
+class _HubHandler(_Handler):
+    """The Hugging Face Hub routes ``HfFileSystem`` calls to read a dataset repository:
+    the repository's info, its tree (listing), ``paths-info`` (``info``) and ``resolve``
+    (the bytes, honouring ``Range``). Sizes, git blob ids, LFS SHA-256s and ETags are the
+    files' own; any other route is a 404."""
+
+    server: _HubImpl
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_HEAD(self) -> None:
+        self._route("HEAD")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def _route(self, method: str) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if method == "POST" else b""
+        if self._fault(method):
+            return
+        path, _, query = self.path.partition("?")
+        path = urllib.parse.unquote(path)
+        repo, sha = re.escape(self.server.repo_id), self.server.sha
+        if method == "POST" and (m := re.fullmatch(rf"/api/datasets/{repo}/paths-info/[^/]+", path)):
+            asked = urllib.parse.parse_qs(body.decode()).get("paths", [])
+            return self._json(method, [e for p in asked if (e := self._entry(p.strip("/"))) is not None])
+        if re.fullmatch(rf"/api/datasets/{repo}(/revision/[^/]+)?", path):
+            return self._json(method, {"id": self.server.repo_id, "sha": sha, "private": False, "siblings": []})
+        if m := re.fullmatch(rf"/api/datasets/{repo}/tree/[^/]+(/.*)?", path):
+            under = (m.group(1) or "").strip("/")
+            recursive = urllib.parse.parse_qs(query).get("recursive", ["False"])[0].lower() == "true"
+            base = self.server.root / under
+            if not base.is_dir():
+                return self._json(method, {"error": "not found"}, 404)
+            found = base.rglob("*") if recursive else base.iterdir()
+            rel = sorted(p.relative_to(self.server.root).as_posix() for p in found)
+            return self._json(method, [self._entry(p) for p in rel])
+        if m := re.fullmatch(rf"/datasets/{repo}/resolve/[^/]+/(.+)", path):
+            return self._file(method, m.group(1))
+        self._json(method, {"error": "no such route"}, 404)
+
+    def _entry(self, rel: str) -> dict[str, Any] | None:
+        path = self.server.root / rel
+        if path.is_dir() and rel:
+            return {"type": "directory", "oid": hashlib.sha1(rel.encode()).hexdigest(), "path": rel}
+        if not path.is_file():
+            return None
+        data = path.read_bytes()
+        blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        entry: dict[str, Any] = {"type": "file", "oid": blob, "size": len(data), "path": rel}
+        if len(data) > self.server.lfs_from:  # stored in LFS: the pointer names the SHA-256
+            entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+        return entry
+
+    def _json(self, method: str, value: Any, status: int = 200) -> None:
+        body = json.dumps(value).encode()
+        self._send(method, status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
+
+    def _file(self, method: str, rel: str) -> None:
+        path = self.server.root / rel
+        if not path.is_file():
+            headers = [("X-Error-Code", "EntryNotFound"), ("Content-Length", "0")]
+            return self._send(method, 404, headers, b"")
+        data = path.read_bytes()
+        headers = [("ETag", f'"{hashlib.sha256(data).hexdigest()}"'), ("Accept-Ranges", "bytes")]
+        headers.append(("X-Repo-Commit", self.server.sha))
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+        if not match:
+            return self._send(method, 200, [*headers, ("Content-Length", str(len(data)))], data)
+        start = int(match.group(1))
+        end = min(int(match.group(2)) + 1 if match.group(2) else len(data), len(data))
+        if start >= len(data):
+            return self._send(method, 416, [("Content-Range", f"bytes */{len(data)}"), ("Content-Length", "0")], b"")
+        body = data[start:end]
+        headers += [("Content-Range", f"bytes {start}-{end - 1}/{len(data)}"), ("Content-Length", str(len(body)))]
+        self._send(method, 206, headers, body)
+
+
+class _HubImpl(_Server):
+    root: Path
+    repo_id: str
+    sha: str
+    lfs_from: int
+
+
+class HubServer(_Running):
+    """A folder served as the Hugging Face dataset repository ``repo_id`` (see
+    ``_HubHandler``): ``hf://datasets/<repo_id>/...`` with ``options()`` as storage_options."""
+
+    def __init__(self, root: Path, repo_id: str = "savable/shards", lfs_from: int = 10_000) -> None:
+        server = _HubImpl(("127.0.0.1", 0), _HubHandler)
+        server.root, server.repo_id, server.faults, server.lfs_from = Path(root), repo_id, Faults(), lfs_from
+        server.sha = hashlib.sha1(repo_id.encode()).hexdigest()
+        self.repo_id = repo_id
+        super().__init__(server)
+
+    def options(self) -> dict[str, Any]:
+        return {"endpoint": self.url, "token": False}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -312,6 +416,116 @@ class MotoServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _wait_for_port(proc: subprocess.Popen[bytes], port: int, what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"the {what} did not start") from None
+            time.sleep(0.05)
+
+
+class _Subprocess:
+    proc: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> _Subprocess:  # noqa: PYI034 - typing.Self needs Python 3.11
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+TEST_TOOLS = Path(os.environ.get("SAVABLE_LOADER_TEST_TOOLS") or Path.home() / ".cache" / "savable_loader-test-tools")
+AZURITE_VERSION = "3.37.0"
+AZURITE_INSTALL = f"npm install --prefix {TEST_TOOLS} azurite@{AZURITE_VERSION} (what .ci/run does)"
+# Azurite's well-known development account (public, in Microsoft's documentation)
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+def azurite_executable() -> str | None:
+    """Azurite's blob server: ``$SAVABLE_LOADER_AZURITE``, the test-tools folder, or PATH."""
+    for candidate in (
+        os.environ.get("SAVABLE_LOADER_AZURITE"),
+        str(TEST_TOOLS / "node_modules" / ".bin" / "azurite-blob"),
+    ):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which("azurite-blob")
+
+
+class AzuriteServer(_Subprocess):
+    """Azurite's blob service (Azure Storage's emulator, Node.js) in memory on 127.0.0.1."""
+
+    def __init__(self, executable: str) -> None:
+        self.port = _free_port()
+        args = ["--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--inMemoryPersistence"]
+        args += ["--extentMemoryLimit", "256", "--skipApiVersionCheck", "--disableTelemetry", "--silent"]
+        self.proc = subprocess.Popen([executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for_port(self.proc, self.port, "Azurite blob server")
+
+    def options(self, port: int | None = None) -> dict[str, Any]:
+        """storage_options (adlfs) reaching this server (or a proxy of it on ``port``)."""
+        endpoint = f"http://127.0.0.1:{port or self.port}/{AZURITE_ACCOUNT}"
+        return {
+            "connection_string": f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+            f"AccountKey={AZURITE_KEY};BlobEndpoint={endpoint};"
+        }
+
+    def container(self, name: str, files: dict[str, bytes]) -> None:
+        import adlfs
+
+        fs = adlfs.AzureBlobFileSystem(**self.options(), skip_instance_cache=True)
+        fs.mkdir(name)
+        for key, data in files.items():
+            fs.pipe(f"{name}/{key}", data)
+
+
+# gcsfs >= 2025.10 asks a gRPC control API (which no emulator has) for each bucket's layout
+# unless this is off; it must be set before gcsfs is imported, in every process.
+GCS_ENV = {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+class GcsEmulator(_Subprocess):
+    """``gcp-storage-emulator`` (Google Cloud Storage's JSON API, Python) in memory on 127.0.0.1."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "gcp_storage_emulator", "start", "-H", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen([*cmd, "--in-memory", "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for_port(self.proc, self.port, "GCS emulator")
+
+    def options(self, port: int | None = None) -> dict[str, Any]:
+        """storage_options (gcsfs) reaching this server (or a proxy of it on ``port``)."""
+        return {"endpoint_url": f"http://127.0.0.1:{port or self.port}", "token": "anon", "project": "test"}
+
+    def bucket(self, name: str, files: dict[str, bytes]) -> None:
+        import gcsfs
+
+        fs = gcsfs.GCSFileSystem(**self.options(), skip_instance_cache=True)
+        fs.mkdir(name)
+        for key, data in files.items():
+            fs.pipe(f"{name}/{key}", data)
 
 
 BACKENDS = ("local", "memory", "s3", "http")
