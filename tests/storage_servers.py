@@ -76,7 +76,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
     def _fault(self, method: str) -> bool:
-        """Apply the next fault, if any; True if the request was answered by it."""
+        """Apply the next fault, if any; True if the request was answered by it (or was a
+        control request of a ``ServerProcess``: ``/__faults__/log``, ``/__faults__/reset``)."""
+        if self.path.startswith("/__faults__/"):
+            faults = self.server.faults
+            if self.path == "/__faults__/reset":
+                faults.reset()
+            with faults.lock:
+                body = json.dumps(faults.log).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return True
         fault = self.server.faults.next()
         if self.server.faults.delay:
             time.sleep(self.server.faults.delay)
@@ -590,3 +602,54 @@ class Replicas:
             self.proxy.stop()
         if self.moto is not None:
             self.moto.stop()
+
+
+class _RemoteFaults:
+    """The ``Faults`` of a server in another process, as far as reading its log goes."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def _ask(self, what: str) -> list[tuple[str, str, str, str]]:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/__faults__/{what}", timeout=30) as r:
+            return [tuple(entry) for entry in json.loads(r.read())]  # type: ignore[misc]
+
+    @property
+    def log(self) -> list[tuple[str, str, str, str]]:
+        return self._ask("log")
+
+    def reset(self) -> None:
+        self._ask("reset")
+
+
+class ServerProcess(_Subprocess):
+    """A ``FileServer`` of ``arg`` (``kind="file"``) or a ``FaultProxy`` of the port ``arg``
+    (``kind="proxy"``) in its own process (a benchmark's servers do not share the reading
+    process's GIL); ``faults.log`` and ``faults.reset()`` reach it over HTTP."""
+
+    def __init__(self, kind: str, arg: str | int) -> None:
+        repo = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.storage_servers", kind, str(arg)], stdout=subprocess.PIPE, env=env, cwd=repo
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.stop()
+            raise RuntimeError(f"the {kind} server process did not start")
+        self.port = int(line)
+        self.faults = _RemoteFaults(self.url)
+
+
+def _serve_main(argv: list[str]) -> None:
+    kind, arg = argv
+    server = FileServer(Path(arg)) if kind == "file" else FaultProxy(int(arg))
+    print(server.port, flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    _serve_main(sys.argv[1:])

@@ -11,8 +11,9 @@ the pieces of this package:
   them in flight, each retried and length-checked),
   checks its size, ETag and SHA-256 against the metadata when it has them, and hands out
   the local copy;
-* ``prefetch(files)`` names the files this process will open next, in order: a
-  background thread downloads the first ``prefetch`` of them and keeps them from
+* ``prefetch(files)`` names the files this process will open next, in order: background
+  threads download the first ``prefetch`` of them (up to ``parallel_requests`` files at
+  once, the first named first) and keep them from
   eviction until they are opened or no longer named. A failed prefetch is not an error:
   the ``open`` that needs the file downloads it again, under the full retry policy;
 * ``read_range(file, start, end)`` reads some bytes of one file (the cached copy if there
@@ -379,7 +380,7 @@ class Storage:
         if rt.prefetcher is None:
             if not refs:
                 return
-            rt.prefetcher = _Prefetcher(self)
+            rt.prefetcher = _Prefetcher(self, min(self.prefetch_depth, self.parallel_requests))
         rt.prefetcher.set([(self.key(r), r) for r in refs[: self.prefetch_depth]])
 
     def close(self) -> None:
@@ -460,17 +461,19 @@ class _Runtime:
 
 
 class _Prefetcher:
-    """One background thread downloading the named files in order, holding each until it
-    is taken by ``open`` or no longer named."""
+    """Background threads downloading the named files in order, up to ``parallel`` at
+    once (the first named starts first), holding each until it is taken by ``open`` or no
+    longer named."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, parallel: int = 1) -> None:
         self.storage = storage
+        self.parallel = max(1, parallel)
         self.cond = threading.Condition()
         self.wanted: list[tuple[str, FileRef]] = []  # still to download, in order
         self.named: set[str] = set()
         self.held: dict[str, CachedFile] = {}
         self.failures: dict[str, str] = {}
-        self.thread: threading.Thread | None = None
+        self.threads = 0
 
     def set(self, files: list[tuple[str, FileRef]]) -> None:
         with self.cond:
@@ -478,9 +481,9 @@ class _Prefetcher:
             for key in [k for k in self.held if k not in self.named]:
                 self.held.pop(key).close()
             self.wanted = [(key, ref) for key, ref in files if key not in self.held]
-            if self.wanted and self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="savable_loader-prefetch", daemon=True)
-                self.thread.start()
+            while self.threads < min(self.parallel, len(self.wanted)):
+                self.threads += 1
+                threading.Thread(target=self._run, name="savable_loader-prefetch", daemon=True).start()
             self.cond.notify_all()
 
     def take(self, key: str) -> CachedFile | None:
@@ -495,7 +498,7 @@ class _Prefetcher:
                 if not self.wanted:
                     self.cond.wait(IDLE_EXIT)
                 if not self.wanted:  # idle: the thread ends, the next set() starts another
-                    self.thread = None
+                    self.threads -= 1
                     return
                 key, ref = self.wanted.pop(0)
             try:
