@@ -61,7 +61,9 @@ def read_epoch(location: Any) -> int:
 
 def restore_gets(storage_of: Callable[[Path], Storage], log: Any, root: Path, shards: list[str]) -> dict[str, Any]:
     """Save half-way through an unshuffled epoch, restore with a cold cache, count GETs."""
-    # prefetch=0 for the run that saves: no download of it may still be in flight when counting starts
+    # prefetch=0 for the run that saves: no download of it may still be in flight when counting starts;
+    # and for the restored run: at the epoch's end prefetch would fetch the next epoch's first
+    # shards (unshuffled: the consumed ones), which are not the restore's
     loader = sl.SavableDataLoader(
         ShardedFileDataset(storage_of(root / "restore-a", 0), WC, shuffle=False), batch_size=None, worker_config=WC
     )
@@ -73,7 +75,7 @@ def restore_gets(storage_of: Callable[[Path], Storage], log: Any, root: Path, sh
     del it, loader
     log.reset()
     fresh = sl.SavableDataLoader(
-        ShardedFileDataset(storage_of(root / "restore-b"), WC, shuffle=False), batch_size=None, worker_config=WC
+        ShardedFileDataset(storage_of(root / "restore-b", 0), WC, shuffle=False), batch_size=None, worker_config=WC
     )
     fresh.restore_state_rank(state)
     rest = sum(1 for _ in fresh)
