@@ -165,27 +165,35 @@ class _FileHandler(_Handler):
         if not path.is_file():
             self._send(method, 404, [("Content-Length", "0")], b"")
             return
-        data = path.read_bytes()
-        etag = hashlib.md5(data).hexdigest()
+        st = path.stat()
+        stamp = (str(path), st.st_size, st.st_mtime_ns)
+        etag = self.server.etags.get(stamp)
+        if etag is None:  # hashed once per version of the file, not per request
+            etag = self.server.etags[stamp] = hashlib.md5(path.read_bytes()).hexdigest()
+        size = st.st_size
         headers = [("ETag", f'"{etag}"'), ("Accept-Ranges", "bytes")]
         rng = self.headers.get("Range")
         match = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "")
         if match and self.server.honour_range:
             start = int(match.group(1))
-            end = min(int(match.group(2)) + 1 if match.group(2) else len(data), len(data))
-            if start >= len(data):
-                self._send(method, 416, [("Content-Range", f"bytes */{len(data)}"), ("Content-Length", "0")], b"")
+            end = min(int(match.group(2)) + 1 if match.group(2) else size, size)
+            if start >= size:
+                self._send(method, 416, [("Content-Range", f"bytes */{size}"), ("Content-Length", "0")], b"")
                 return
-            body = data[start:end]
-            headers += [("Content-Range", f"bytes {start}-{end - 1}/{len(data)}"), ("Content-Length", str(len(body)))]
+            with open(path, "rb") as f:  # only the bytes asked for
+                f.seek(start)
+                body = f.read(end - start) if method != "HEAD" else b""
+            headers += [("Content-Range", f"bytes {start}-{end - 1}/{size}"), ("Content-Length", str(end - start))]
             self._send(method, 206, headers, body)
         else:
-            self._send(method, 200, [*headers, ("Content-Length", str(len(data)))], data)
+            data = path.read_bytes() if method != "HEAD" else b""
+            self._send(method, 200, [*headers, ("Content-Length", str(size))], data)
 
 
 class _FileServerImpl(_Server):
     root: Path
     honour_range: bool
+    etags: dict[tuple[str, int, int], str]
 
 
 class _ProxyHandler(_Handler):
@@ -248,6 +256,7 @@ class FileServer(_Running):
     def __init__(self, root: Path, honour_range: bool = True) -> None:
         server = _FileServerImpl(("127.0.0.1", 0), _FileHandler)
         server.root, server.honour_range, server.faults = Path(root), honour_range, Faults()
+        server.etags = {}
         super().__init__(server)
 
 
