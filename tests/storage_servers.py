@@ -374,71 +374,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class MotoServer:
-    """moto's S3 server in a subprocess on 127.0.0.1."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=env,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("the moto server did not start") from None
-                time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def options(self, port: int | None = None) -> dict[str, Any]:
-        """storage_options reaching this server (or a proxy of it on ``port``)."""
-        return {
-            "key": "testing",
-            "secret": "testing",
-            "endpoint_url": f"http://127.0.0.1:{port or self.port}",
-            "client_kwargs": {"region_name": "us-east-1"},
-        }
-
-    def bucket(self, name: str, files: dict[str, bytes]) -> None:
-        import boto3
-
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=self.url,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
-        s3.create_bucket(Bucket=name)
-        for key, data in files.items():
-            s3.put_object(Bucket=name, Key=key, Body=data)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def __enter__(self) -> MotoServer:  # noqa: PYI034 - typing.Self needs Python 3.11
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
 def _wait_for_port(proc: subprocess.Popen[bytes], port: int, what: str, seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while True:
@@ -474,6 +409,44 @@ class _Subprocess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class MotoServer(_Subprocess):
+    """moto's S3 server in a subprocess on 127.0.0.1."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        _wait_for_port(self.proc, self.port, "moto server")
+
+    def options(self, port: int | None = None) -> dict[str, Any]:
+        """storage_options reaching this server (or a proxy of it on ``port``)."""
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "endpoint_url": f"http://127.0.0.1:{port or self.port}",
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+
+    def bucket(self, name: str, files: dict[str, bytes]) -> None:
+        import boto3
+
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+        s3.create_bucket(Bucket=name)
+        for key, data in files.items():
+            s3.put_object(Bucket=name, Key=key, Body=data)
 
 
 TEST_TOOLS = Path(os.environ.get("SAVABLE_LOADER_TEST_TOOLS") or Path.home() / ".cache" / "savable_loader-test-tools")
