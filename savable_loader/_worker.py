@@ -37,7 +37,7 @@ from savable_loader._guards import exclusive
 from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._torch_internals import ExceptionWrapper, torch_worker_id
 from savable_loader._values import plain_dataset_state
-from savable_loader.config import WorkerConfig, _ActiveWorker
+from savable_loader.config import WorkerConfig, _ActiveWorker, take_snapshot_request
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import DataError, StateError
 from savable_loader.rng import (
@@ -76,6 +76,11 @@ REPLAY_FLOOR_SNAPSHOTS = 3
 #: ... nor below this many seconds (small states keep to the budget: a replay of a few
 #: tens of milliseconds is small next to starting a worker process).
 REPLAY_FLOOR_SECONDS = 0.02
+
+#: A snapshot a dataset asks for (``SavableDataset.request_snapshot``: a source at the end
+#: of a shard) is taken if the last snapshot cost at most this share of the sample work
+#: since it (a small state: always; a big shuffle buffer over small shards: not always).
+HINTED_SNAPSHOT_SHARE = 0.25
 
 
 def snapshot_due(work: float, cost: float | None, cold: float, first: bool = False) -> bool:
@@ -331,7 +336,8 @@ class WorkerRuntime:
                     self.cold_seconds = cold if 0 < cold < 3600 else work
                 # The state after `index` samples, taken before the sample leaves: attached
                 # to it, the main process holds the snapshot of the position it yields.
-                if not skip and snapshot_due(work, snapshot_cost, self.cold_seconds, first=taken == 1):
+                hinted = take_snapshot_request() and (snapshot_cost or 0.0) <= HINTED_SNAPSHOT_SHARE * work
+                if not skip and (hinted or snapshot_due(work, snapshot_cost, self.cold_seconds, first=taken == 1)):
                     # the policy's cost: the cheapest of the last 3 snapshots, so that one
                     # slowed by a garbage collection or a page fault burst does not push
                     # the next snapshot (and the replay) far out

@@ -148,6 +148,20 @@ def active_repetition_limits() -> tuple[int | None, ...]:
     return limits if len(limits) == len(active_repetitions()) else (None,) * len(active_repetitions())
 
 
+def request_snapshot() -> None:
+    """Ask the calling thread's loading context for a snapshot right after the sample
+    about to be yielded (see :meth:`SavableDataset.request_snapshot`)."""
+    _active.snapshot_requested = True
+
+
+def take_snapshot_request() -> bool:
+    """Whether a snapshot was requested since the last call (and clear the request)."""
+    wanted: bool = getattr(_active, "snapshot_requested", False)
+    if wanted:
+        _active.snapshot_requested = False
+    return wanted
+
+
 class _Repetition:
     """Context manager: datasets reset inside it draw seeds for repetition ``n`` (of
     ``limit`` passes, None: endless or not known)."""

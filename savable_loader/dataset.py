@@ -40,7 +40,7 @@ from torch.utils.data import IterableDataset
 from savable_loader._guards import check_first_save
 from savable_loader._seeds import key_seed
 from savable_loader._values import freeze, from_plain
-from savable_loader.config import WorkerConfig, active_repetitions
+from savable_loader.config import WorkerConfig, active_repetitions, request_snapshot
 from savable_loader.errors import DatasetContractError, LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.rng import capture_kind, restore_generator, seed_global
 from savable_loader.state.schema import DatasetState
@@ -233,6 +233,18 @@ class SavableDataset(IterableDataset):
 
     def reset_state_own(self) -> None:
         """Set this dataset's own ``_savable_fields`` to the start of an epoch."""
+
+    def request_snapshot(self) -> None:
+        """Ask for a snapshot of the pipeline right after the sample about to be yielded.
+
+        A source calls it before yielding the last sample of a unit it reads whole (a
+        shard, a row group), so that a restore past that point starts from a snapshot
+        taken there and never reads the finished unit again (no download of a consumed
+        shard). The loading context takes the snapshot unless it would cost more than
+        ``HINTED_SNAPSHOT_SHARE`` of the work since the previous one (``_worker.py``), and
+        never while it replays after a restore. Outside a loader it does nothing.
+        """
+        request_snapshot()
 
     # -- restore keys -----------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import savable_loader as sl
+import savable_loader._worker as worker_module
 from savable_loader.errors import DataError, IntegrityError, RangeIgnoredError, StorageError
 from savable_loader.sources import ShardedFileDataset, index_folder
 from savable_loader.sources._remote_store import StorageShardStore
@@ -197,6 +198,46 @@ def test_a_restore_downloads_nothing_it_consumed(
     assert log.gets("shard-002.tar") >= 1 and log.gets("shard-003.tar") >= 1
     shard_gets = [p for m, p, _, _ in log.log if m == "GET" and p.endswith(".tar")]
     assert sorted(shard_gets) == sorted(set(shard_gets))  # each shard downloaded once
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_restore_downloads_no_consumed_shard_with_only_the_sources_snapshots(
+    remotes: Remotes, workers: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot policy switched off: the only snapshots are those the source asks
+    for at the end of each shard (``request_snapshot``). A save at every position,
+    restored with a cold cache, continues exactly and GETs no shard the restored
+    worker had finished (with 2 workers: shards 0-1 are worker 0's, 2-3 worker 1's)."""
+    monkeypatch.setattr(worker_module, "snapshot_due", lambda *a, **k: False)
+    sizes = [5, 3, 7, 5]
+    firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def loader(cache: str) -> sl.SavableDataLoader:
+        storage = remotes.location("http", "tar", tmp_path / cache, prefetch=0)
+        return make_loader(ShardedFileDataset(storage, wconf(0, 1, workers), shuffle=False))
+
+    reference = [sample_id(s) for s in loader("reference")]
+    assert sorted(reference) == list(range(20))
+    log = remotes.http.faults
+    points = range(len(reference) + 1)
+    if workers:  # (each point starts 4 worker processes) where a shard has just been finished, and the end
+        finished = [max(reference.index(i) for i in range(f, f + n)) + 1 for f, n in zip(firsts, sizes, strict=True)]
+        points = sorted({*finished, *(k + 1 for k in finished if k < len(reference)), len(reference)})
+    for k in points:
+        live = loader(f"live-{k}")
+        it = iter(live)
+        for _ in range(k):
+            next(it)
+        state = live.save_state_rank()
+        del it, live
+        log.reset()
+        fresh = loader(f"cold-{k}")
+        fresh.restore_state_rank(state)
+        assert [sample_id(s) for s in fresh] == reference[k:], k
+        done = set(reference[:k])
+        for shard, (first, size) in enumerate(zip(firsts, sizes, strict=True)):
+            if set(range(first, first + size)) <= done:
+                assert log.gets(f"shard-{shard:03d}.tar") == 0, (k, shard)
 
 
 def test_prefetch_downloads_the_next_shards_of_the_reading_order(remotes: Remotes, tmp_path: Path) -> None:

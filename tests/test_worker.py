@@ -510,3 +510,46 @@ def test_saves_of_a_restored_loader_before_its_first_snapshot_restore_exactly(mo
             if k + j < len(ref):
                 assert_same(next(it), ref[k + j], f"restored at {k}, item {j}")
         del it
+
+
+class _AskingSource(RangeSource):
+    """RangeSource that asks for a snapshot after the values in ``asks``."""
+
+    def __init__(self, n: int, worker_config: sl.WorkerConfig, asks: set[int]) -> None:
+        super().__init__(n, worker_config)
+        self.asks = asks
+
+    def __iter__(self):
+        for value in super().__iter__():
+            if int(value[0]) in self.asks:
+                self.request_snapshot()
+            yield value
+
+
+def _snapshot_points(rt: WorkerRuntime) -> list[int]:
+    return [i for i in range(N + 1) if rt.ring.find(i) is not None and rt.ring.find(i)[0] == i]
+
+
+def test_a_snapshot_a_dataset_asks_for_is_taken_after_its_sample(monkeypatch):
+    monkeypatch.setattr(worker_module, "snapshot_due", lambda *a, **k: False)  # only the asked ones
+    monkeypatch.setattr(worker_module, "HINTED_SNAPSHOT_SHARE", 1e12)  # however cheap the samples
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=3)
+    rt = runtime(_AskingSource(N, wc, {2, 5}), max_in_flight=10**6)
+    items = list(rt.run(0, 0, None))
+    assert _snapshot_points(rt) == [0, 3, 6]  # the state after values 2 and 5 (3 and 6 samples)
+    # restored from the asked snapshot: exact, and no further snapshot while replaying
+    start = rt.checkpoint(0, 5)
+    assert (start.snapshot_index, start.skip) == (3, 2)
+    again = runtime(_AskingSource(N, wc, {2, 5}), max_in_flight=10**6)
+    assert_streams(items[5:], list(again.run(0, 0, start)), "restored from an asked snapshot")
+    assert _snapshot_points(again) == [3, 6]
+
+
+def test_an_asked_snapshot_is_skipped_when_snapshots_cost_too_much(monkeypatch):
+    # a snapshot share of 0: every asked snapshot after the first (measured) one is refused
+    monkeypatch.setattr(worker_module, "snapshot_due", lambda *a, **k: False)
+    monkeypatch.setattr(worker_module, "HINTED_SNAPSHOT_SHARE", 0.0)
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=3)
+    rt = runtime(_AskingSource(N, wc, set(range(N))), max_in_flight=10**6)
+    list(rt.run(0, 0, None))
+    assert _snapshot_points(rt) == [0, 1]  # the start, then the first (its cost unknown: 0)

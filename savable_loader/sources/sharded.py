@@ -392,10 +392,16 @@ class ShardedFileDataset(SavableDataset):
             moved = shard != previous and self.store.prefetch_depth > 0
             previous = shard
             order = layout.sample_order(unit, count)[offset : offset + min(count - offset, end - p)]
+            # the last sample this worker reads of the unit (the unit's end or the end of
+            # the worker's piece): a snapshot right after it lets a restore past this point
+            # start after it, never reading (or downloading) this unit again
+            last = first + int(order[-1])
             reader = None
             for index in (order + first).tolist():
                 self.position += 1
                 self.mark_sample([shard, index, lap])
+                if index == last:
+                    self.request_snapshot()
                 if reader is None or self._readers.get(shard) is not reader:  # (restore_sample may close it)
                     reader = self._reader(shard, True)
                     if moved:  # after the open: the shard is taken from the prefetcher before it is un-named
