@@ -163,6 +163,8 @@ def test_azure_backend_retries_are_ours() -> None:
 def test_a_missing_backend_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     if importlib.util.find_spec("gcsfs") is not None:
         monkeypatch.setitem(sys.modules, "gcsfs", None)  # an import of it fails, as when not installed
+        for protocol in ("gs", "gcs"):  # and fsspec forgets a class it imported before
+            monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, protocol, raising=False)
     with pytest.raises(StorageError, match=r"gs://bucket/x: the 'gs' backend is not installed .*savable_loader\[gcs\]"):
         Remote("gs://bucket/x").filesystem()
 
