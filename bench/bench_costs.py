@@ -20,7 +20,12 @@ divided by the batch size, 64):
   same loop without the library (re-seeds, seed derivation and bookkeeping together),
   per sample (the default) and with ``reseed="batch"``;
 * **in-process RNG preservation**: ``preserve_global_rng`` around a batch, which only
-  ``num_workers=0`` pays.
+  ``num_workers=0`` pays;
+* **build overhead with** ``global_rngs=("torch",)``: only torch's RNG re-seeded per
+  sample, the two others guarded once per batch (the guard's check alone on its row);
+* **pipeline sources**: ``SavableDataset.mark_sample`` of a ``[shard, row, lap]`` key
+  (the key's seed, then the re-seed of the three global RNGs; on top of the runtime's
+  per-item re-seed), and the key's seed alone.
 
 ``main(argv)`` returns the results as a dict (``python -m bench`` includes them).
 """
@@ -41,8 +46,11 @@ if str(_REPO) not in sys.path:  # `python bench/bench_costs.py` puts bench/ firs
 
 import torch
 
+import savable_loader as sl
 from bench import measure as M
 from savable_loader import rng
+from savable_loader._global_rngs import GlobalRngs, global_rngs_setting
+from savable_loader._seeds import key_prefix, key_seed_of
 from savable_loader.sources.index import IndexedDataset, IndexPlan
 
 BATCH = 64
@@ -62,14 +70,31 @@ def _identity(samples: Any) -> Any:
     return samples
 
 
+class _Source(sl.SavableDataset):
+    """A pipeline source, for its ``mark_sample``."""
+
+    def config(self) -> dict[str, Any]:
+        return {}
+
+
 def steps() -> dict[str, tuple[Callable[[int], Any], int, int]]:
     """name -> (call(i), calls per round, samples per call)."""
     plan = IndexPlan(10**6, seed=0, shuffle=True, rank=1, world_size=2, batch_size=BATCH, drop_last=False)
     keys = list(plan.batches(0, 0))[:200]
     ds = IndexedDataset(Nothing(), seed=0, collate_fn=_identity, batched=True)
     per_batch = IndexedDataset(Nothing(), seed=0, collate_fn=_identity, batched=True, reseed="batch")
+    torch_only = IndexedDataset(
+        Nothing(), seed=0, collate_fn=_identity, batched=True, global_rngs=global_rngs_setting(("torch",))
+    )
+    guard = GlobalRngs(global_rngs_setting(("torch",)))
     nothing = Nothing()
     base = rng.derive_seed(0, "sample", 0)
+    source = _Source(sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=0))
+    prefix = key_prefix(0, 0, (), "_Source")
+
+    def guard_batch(i: int) -> None:
+        guard.begin(0, 0)
+        guard.check("")
 
     def plain_loop(i: int) -> Any:
         key = keys[i % len(keys)]
@@ -105,6 +130,14 @@ def steps() -> dict[str, tuple[Callable[[int], Any], int, int]]:
             BATCH,
         ),
         "in-process RNG preservation (per batch)": (preserve, 2_000, BATCH),
+        'build overhead with global_rngs=("torch",) (- plain loop)': (
+            lambda i: torch_only.build(keys[i % len(keys)]),
+            2_000,
+            BATCH,
+        ),
+        "  guard of the two left out (per batch)": (guard_batch, 5_000, BATCH),
+        "pipeline mark_sample([shard, row, lap])": (lambda i: source.mark_sample([3, i, 0]), 20_000, 1),
+        "  key seed alone (key_seed_of)": (lambda i: key_seed_of(prefix, b"[3,%d,0]" % i), 50_000, 1),
     }
 
 
@@ -133,6 +166,7 @@ def run(repeats: int) -> dict[str, Any]:
     for name in (
         "build overhead (IndexedDataset.build - plain loop)",
         'build overhead with reseed="batch" (- plain loop)',
+        'build overhead with global_rngs=("torch",) (- plain loop)',
     ):
         calls = table[name][1]
         out["us_per_sample"][name] = M.spread(

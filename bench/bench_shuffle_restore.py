@@ -18,8 +18,14 @@ first batch is checked against the uninterrupted run.
 
 Figures: per save point the paired ratio restore / cold, median (min-max); the target is
 <= 1.5 at *every* save point, so the verdict is that of the worst point's ratio. Also the
-share of worker time spent on snapshots (worker 0's loop run in this process exactly as
-in a worker) and the throughput cost, since a snapshot policy trades one for the other.
+share of worker time spent on snapshots, since a snapshot policy trades one for the
+other: worker 0's whole epoch run in this process exactly as in a worker process (each
+snapshot encoded; the policy's cold start set to the median cold first batch measured
+here, process start included), as the snapshots' thread CPU time over the loop's, with
+the cost of one snapshot and the items between two. And the cost of one snapshot of a
+1,000,000-entry buffer, held as a list of ints and packed (``array.array``), CPU time.
+The throughput cost against plain torch is the suite's ``shuffle`` workload
+(``python -m bench --workloads shuffle``).
 
 ``main(argv)`` returns the results as a dict (``python -m bench`` includes them).
 """
@@ -27,7 +33,11 @@ in a worker) and the throughput cost, since a snapshot policy trades one for the
 from __future__ import annotations
 
 import argparse
+import array
+import itertools
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +47,12 @@ if str(_REPO) not in sys.path:  # `python bench/bench_shuffle_restore.py` puts b
 
 import savable_loader as sl
 from bench import measure as M
-from bench.contenders import CONTENDERS
-from bench.workloads import make_workloads
+from bench.contenders import CONTENDERS, savable_pipeline
+from bench.workloads import Workload, make_workloads
+from savable_loader._values import freeze, plain_dataset_state
+from savable_loader._worker import WorkerRuntime
+from savable_loader.state.codec import encode_part
+from savable_loader.state.schema import DatasetState
 
 TARGET = 1.5
 
@@ -89,6 +103,10 @@ def run(buffer: int, points: int, repeats: int, workers: int = 2) -> dict[str, A
             "skip": _skips(data),
         }
         M.log(f"  step {step}: restore/cold {M.fmt_spread(out['points'][str(step)]['ratio'])}")
+    cold_s = M.median([p["cold_ms"]["median"] for p in out["points"].values()]) / 1e3
+    out["snapshots"] = snapshot_share(w, workers, cold_s)
+    M.log(f"  snapshots: {_fmt_share(out['snapshots'])}")
+    out["million"] = million_entry_snapshot()
     worst = max(out["points"].values(), key=lambda p: p["ratio"]["median"])
     out["worst"] = worst
     out["target"] = {
@@ -98,6 +116,60 @@ def run(buffer: int, points: int, repeats: int, workers: int = 2) -> dict[str, A
         "result": M.verdict(worst["ratio"], TARGET, higher_is_better=False),
     }
     return out
+
+
+def snapshot_share(w: Workload, workers: int, cold_seconds: float) -> dict[str, Any]:
+    """Worker 0's epoch run here as in a worker process: the share of its thread CPU time
+    spent on snapshots (taken and encoded), their cost and the items between two."""
+    ds = savable_pipeline(w, workers)
+    runtime = WorkerRuntime(ds, ds.worker_config, max_in_flight=2 * workers, in_process=False)
+    runtime.cold_seconds = cold_seconds  # a worker's cold start, process start included
+    taken: list[tuple[int, float]] = []
+    snapshot = runtime._snapshot
+
+    def timed(index: int) -> float:
+        cost = snapshot(index)
+        taken.append((index, cost))
+        return cost
+
+    runtime._snapshot = timed  # type: ignore[method-assign]
+    c0 = time.thread_time()
+    for _ in runtime.run(0, 0, None):
+        runtime.outbox = None  # (a worker process sends it with the item)
+    cpu = time.thread_time() - c0
+    costs = [c for _, c in taken]
+    gaps = [b - a for (a, _), (b, _) in itertools.pairwise(taken)] or [0]
+    return {
+        "cold_ms": cold_seconds * 1e3,
+        "snapshots": len(taken),
+        "cpu_share": sum(costs) / cpu,
+        "cost_ms": {"median": statistics.median(costs) * 1e3, "max": max(costs) * 1e3},
+        "items_between": {"median": statistics.median(gaps), "max": max(gaps)},
+    }
+
+
+def million_entry_snapshot(n: int = 1_000_000, repeats: int = 5) -> dict[str, float]:
+    """CPU milliseconds of one snapshot (copy, convert, encode) of an ``n``-entry buffer
+    of ints, as a list and as an ``array.array("q")`` (median of ``repeats``)."""
+    out = {}
+    for name, value in (("list_ms", list(range(n))), ("packed_ms", array.array("q", range(n)))):
+        times = []
+        for _ in range(repeats):
+            c0 = time.thread_time()
+            state = DatasetState(type="b.B", fields={"buffer": freeze(value, "B.buffer")})
+            encode_part(plain_dataset_state(state))
+            times.append((time.thread_time() - c0) * 1e3)
+        out[name] = statistics.median(times)
+    return out
+
+
+def _fmt_share(s: dict[str, Any]) -> str:
+    return (
+        f"{s['cpu_share'] * 100:.1f}% of worker CPU time ({s['snapshots']} snapshots, "
+        f"{s['cost_ms']['median']:.2f} ms median / {s['cost_ms']['max']:.2f} ms max CPU each, "
+        f"{s['items_between']['median']:g} items between two (max {s['items_between']['max']:g}); "
+        f"cold start {s['cold_ms']:.0f} ms)"
+    )
 
 
 def _skips(data: bytes) -> list[int]:
@@ -119,7 +191,13 @@ def render(out: dict[str, Any]) -> str:
                 M.fmt_spread(p["ratio"]),
             ]
         )
-    return M.table(rows)
+    m = out["million"]
+    return (
+        M.table(rows)
+        + f"\n\nsnapshots (worker 0's epoch): {_fmt_share(out['snapshots'])}"
+        + f"\none snapshot of a 1,000,000-int buffer: {m['list_ms']:.1f} ms CPU as a list, "
+        + f"{m['packed_ms']:.1f} ms packed (array.array)"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

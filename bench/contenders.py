@@ -43,6 +43,10 @@ class Contender:
         """None, or why this contender cannot run here."""
         return None
 
+    def applies(self, w: Workload) -> bool:
+        """Whether this contender tells something on workload ``w`` (default: always)."""
+        return True
+
     def make(self, w: Workload, num_workers: int) -> Any:
         raise NotImplementedError
 
@@ -172,6 +176,26 @@ class SavableDropInPerBatch(SavableDropIn):
     def make(self, w: Workload, num_workers: int) -> Any:
         return sl.SavableDataLoader(
             w.map_dataset(), batch_size=w.batch_size, shuffle=True, seed=SEED, num_workers=num_workers, reseed="batch"
+        )
+
+
+class SavableDropInDeclared(SavableDropIn):
+    """The drop-in loader told which global RNGs the workload draws from (``global_rngs=``):
+    on the ``-torch`` workloads only torch's is re-seeded, elsewhere it is the default."""
+
+    name, label = "savable-declared", "SavableDataLoader (drop-in, global_rngs= the workload's)"
+
+    def applies(self, w: Workload) -> bool:
+        return set(w.rngs) != {"numpy", "random", "torch"}  # else it is the default loader
+
+    def make(self, w: Workload, num_workers: int) -> Any:
+        return sl.SavableDataLoader(
+            w.map_dataset(),
+            batch_size=w.batch_size,
+            shuffle=True,
+            seed=SEED,
+            num_workers=num_workers,
+            global_rngs=w.rngs,
         )
 
 
@@ -318,6 +342,7 @@ CONTENDERS: dict[str, Contender] = {
         TorchMap(),
         SavableDropIn(),
         SavableDropInPerBatch(),
+        SavableDropInDeclared(),
         TorchDataMap(),
         TorchIter(),
         SavablePipeline(),

@@ -1,11 +1,14 @@
 """The benchmark workloads: the same samples for every contender.
 
-Every sample draws from the worker's global RNGs (Python ``random``, NumPy and torch), so
-a resume is only bit-identical if a loader makes those draws resumable.
+Every sample draws from the worker's global RNGs (Python ``random``, NumPy and torch, or
+torch's alone for the ``-torch`` workloads: ``Workload.rngs``), so a resume is only
+bit-identical if a loader makes those draws resumable.
 
 =========  =================================================================================
 tiny       a 4-float tensor per sample: the loader's own per-sample cost dominates
 cpu        a 3 x 128 x 128 image with a random crop, flip, brightness and noise (~0.5 ms)
+tiny-torch tiny, every draw from torch's global RNG (as torchvision's transforms draw)
+cpu-torch  cpu, every draw from torch's global RNG
 io         a tiny sample after a 10 ms sleep (I/O-like: the workers mostly wait)
 shuffle    integers through a 100k-sample shuffle buffer per worker (large dataset state);
            iterable style only
@@ -28,7 +31,16 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["WORKLOADS", "Workload", "cpu_sample", "io_sample", "make_workloads", "tiny_sample"]
+__all__ = [
+    "WORKLOADS",
+    "Workload",
+    "cpu_sample",
+    "cpu_torch_sample",
+    "io_sample",
+    "make_workloads",
+    "tiny_sample",
+    "tiny_torch_sample",
+]
 
 SIDE = 128
 SLEEP_S = 0.010
@@ -47,6 +59,23 @@ def cpu_sample(index: int) -> tuple[torch.Tensor, int]:
     if random.random() < 0.5:
         x = x.flip(-1)
     x = x * float(np.random.uniform(0.8, 1.2))
+    x = x + 0.05 * torch.randn(3, SIDE, SIDE)
+    return x, index % 10
+
+
+def tiny_torch_sample(index: int) -> torch.Tensor:
+    """Four floats: the index and three draws from torch's global RNG."""
+    return torch.cat((torch.tensor([float(index)]), torch.rand(3)))
+
+
+def cpu_torch_sample(index: int) -> tuple[torch.Tensor, int]:
+    """:func:`cpu_sample` with every draw from torch's global RNG."""
+    x = torch.full((3, SIDE + 4, SIDE + 4), (index % 251) / 251.0)
+    i, j = (int(v) for v in torch.randint(0, 5, (2,)))
+    x = x[:, i : i + SIDE, j : j + SIDE]
+    if float(torch.rand(())) < 0.5:
+        x = x.flip(-1)
+    x = x * float(torch.empty(()).uniform_(0.8, 1.2))
     x = x + 0.05 * torch.randn(3, SIDE, SIDE)
     return x, index % 10
 
@@ -94,6 +123,8 @@ class Workload:
     buffer: int = 0
     save_steps: int = 100
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The global RNGs its samples draw from (what ``SavableDataLoader(global_rngs=...)`` declares).
+    rngs: tuple[str, ...] = ("numpy", "random", "torch")
 
     def map_dataset(self) -> MapStyle:
         return MapStyle(self.n, self.sample)
@@ -148,10 +179,21 @@ def make_workloads(quick: bool, num_workers: int, buffer: int | None = None, sca
             save_steps=30 if quick else 150,
         ),
     }
+    for name, fn in (("tiny", tiny_torch_sample), ("cpu", cpu_torch_sample)):
+        base = ws[name]
+        ws[f"{name}-torch"] = Workload(
+            f"{name}-torch",
+            f"{base.what}, every draw from torch",
+            base.n,
+            base.batch_size,
+            fn,
+            save_steps=base.save_steps,
+            rngs=("torch",),
+        )
     for w in ws.values():
         if w.style == "map":
             w.n = max(2 * w.batch_size, int(w.n * scale))
     return ws
 
 
-WORKLOADS = ("tiny", "cpu", "io", "shuffle")
+WORKLOADS = ("tiny", "cpu", "io", "shuffle", "tiny-torch", "cpu-torch")

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torch.utils.data.datapipes.datapipe import IterDataPipe
 
+from savable_loader._global_rngs import global_rngs_setting
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError
@@ -101,7 +102,9 @@ def check_our_arguments(
     save_timeout: float | None,
     snapshot_every_n_steps: Any,
     reseed: Any = "sample",
+    global_rngs: Any = None,
     pipeline: bool = False,
+    iterable: bool = False,
     stacklevel: int = 3,
 ) -> None:
     """What torch accepts but a resumable loader cannot honour, and our own arguments."""
@@ -111,6 +114,13 @@ def check_our_arguments(
         raise LoaderUsageError(
             f"reseed={reseed!r} is for map-style datasets: a savable pipeline re-seeds once per item it yields"
         )
+    if global_rngs is not None:
+        global_rngs_setting(global_rngs)  # LoaderUsageError for a malformed setting
+        if pipeline or iterable:
+            raise LoaderUsageError(
+                f"global_rngs={global_rngs!r} is for map-style datasets (the drop-in path): pipelines and "
+                "iterable datasets re-seed all three global RNGs; leave global_rngs out"
+            )
     if not in_order and num_workers > 0:
         raise LoaderUsageError(
             "in_order=False delivers batches in the order the workers finish them, which a state cannot "

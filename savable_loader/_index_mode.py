@@ -26,7 +26,7 @@ from savable_loader._mode import Iteration, Mode
 from savable_loader._permutation import ORDER_ALGORITHMS, ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.dataset import config_fingerprint, current_names, plain_config, type_name
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
-from savable_loader.rng import SEED_FORMULA
+from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA
 from savable_loader.sources.index import (
     BatchKey,
     IndexedDataset,
@@ -153,9 +153,11 @@ class IndexMode(Mode):
         salt: tuple[int | str, ...],
         batched: bool | None = None,
         reseed: str = "sample",
+        global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
     ) -> None:
         self.dataset = dataset
         self.reseed = reseed
+        self.global_rngs = global_rngs
         self.seed = seed
         self.seed_explicit = seed_explicit
         self.seed_formula = SEED_FORMULA
@@ -173,6 +175,7 @@ class IndexMode(Mode):
             salt=salt,
             seed_formula=self.seed_formula,
             reseed=reseed,
+            global_rngs=global_rngs,
         )
         #: (iteration, key) of the batch yielded last
         self.last: tuple[IndexIteration, BatchKey] | None = None
@@ -222,6 +225,7 @@ class IndexMode(Mode):
             sampler=self.sampler_name(),
             order_algorithm=self.order_algorithm,
             reseed=self.reseed,
+            global_rngs=list(self.global_rngs),
         )
 
     def check_common(self, saved: LoaderConfig, position: IndexPosition, num_workers: int) -> LoaderConfig:
@@ -245,6 +249,14 @@ class IndexMode(Mode):
         if saved.reseed != current.reseed:
             raise ConfigMismatchError(
                 "reseed", saved.reseed, current.reseed, "re-seeding per sample or per batch draws other values"
+            )
+        if tuple(saved.global_rngs) != tuple(current.global_rngs):
+            raise ConfigMismatchError(
+                "global_rngs",
+                tuple(saved.global_rngs),
+                tuple(current.global_rngs),
+                "the state was saved by a loader that re-seeds other global RNGs: build the loader with "
+                f"global_rngs={tuple(saved.global_rngs)!r}",
             )
         if current.reseed == "batch" and saved.batch_size != current.batch_size:
             raise ConfigMismatchError(
@@ -285,7 +297,19 @@ class IndexMode(Mode):
         order, reseed = self.order_algorithm, self.reseed
         if order != ORDER_LEGACY:
             made = msgspec.structs.replace(made, order_algorithm=order)
+        if self.global_rngs != GLOBAL_RNG_NAMES:
+            made = msgspec.structs.replace(made, global_rngs=self.global_rngs)
         return made if reseed == "sample" else msgspec.structs.replace(made, reseed=reseed)
+
+    def check_key_global_rngs(self, key: RestoreKey) -> None:
+        """RestoreKeyError if ``key`` was made by a loader re-seeding other global RNGs."""
+        in_key = key.global_rngs
+        check_key_setting(
+            "global_rngs",
+            tuple(in_key) if isinstance(in_key, (list, tuple)) else in_key,
+            self.global_rngs,
+            "it re-seeds other global RNGs before each sample",
+        )
 
     def key_sample(self, key: BatchKey) -> Any:
         """What a restore key carries besides positions (the loader's own order: nothing)."""
@@ -465,6 +489,7 @@ class OrderMode(IndexMode):
             "batched", key.batched, p.batch_size is not None, f"batch_size is {p.batch_size}; None means unbatched"
         )
         check_key_setting("reseed", key.reseed, self.reseed, "re-seeding per sample or per batch draws other values")
+        self.check_key_global_rngs(key)
         check_key_int("epoch", key.epoch)
         if key.order_algorithm not in ORDER_ALGORITHMS:
             raise RestoreKeyError(

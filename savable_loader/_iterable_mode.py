@@ -22,7 +22,11 @@ does for an IterableDataset and a pipeline does not:
 * persistent workers that played rotated roles in a restored epoch are restarted after
   it: their dataset copies were sharded for those roles (in ``worker_init_fn`` or in
   ``__iter__``), and later epochs give every worker its own role again;
-* a loader built with ``seed=None`` takes a restored state's seed.
+* a loader built with ``seed=None`` takes a restored state's seed;
+* a position in the middle of an epoch resumes only with the saved ``num_workers``: the
+  dataset splits itself by ``get_worker_info()`` and ``worker_init_fn``, which torch
+  gives each worker process once, so the saved workers cannot be hosted by other ones
+  as a savable pipeline's are (``_hosting.py``; ``PipelineMode.fixed_workers``).
 
 Example (what the loader builds)::
 

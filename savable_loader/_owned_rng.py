@@ -300,6 +300,11 @@ class OwnedRngs:
             prepared.append((_reseeder(path, gen, base), base))
         return prepared
 
+    @property
+    def has_sample_generators(self) -> bool:
+        """True if the dataset owns generators (:meth:`seed_sample` re-seeds something)."""
+        return bool(self._sample)
+
     def seed_sample(self, position: int) -> None:
         """Re-seed the dataset's generators for the sample at global ``position``."""
         for reseed, base in self._sample:

@@ -8,6 +8,14 @@ workers that yielded nothing are still at their start state, which the main proc
 already knows. On restore the
 logical worker that yields next is played by physical worker 0 (torch always starts its
 round robin there): physical ``p`` plays logical ``(p + rotation) % num_workers``.
+
+A state saved with another ``num_workers`` keeps its logical workers for the rest of its
+epoch, hosted by the loader's loading contexts (``_hosting.py``: ``hosts`` contexts,
+slot ``s`` hosting logical workers ``s, s + hosts, ...``; physical ``p`` plays slot
+``(p + rotation) % hosts``). The bookkeeping stays per logical worker; ``next_worker`` is
+then the lowest logical worker of the slot that yields next. Later epochs use the
+loader's own workers, except for pipelines that carry state across epochs, whose logical
+workers go on hosted (each one's stream is that of the uninterrupted run).
 """
 
 from __future__ import annotations
@@ -21,12 +29,13 @@ from torch.utils.data import default_convert
 
 from savable_loader._elastic import batch_rescale_factor
 from savable_loader._guards import release
+from savable_loader._hosting import hosts, slot_of
 from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting
 from savable_loader._mode import SKIP, Iteration, Mode
 from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._values import plain_dataset_state
 from savable_loader._worker import End, Item, PipelineWorkerDataset, walk
-from savable_loader.config import WorkerConfig, _ActiveWorker
+from savable_loader.config import WorkerConfig, _ActiveWorker, _LogicalWorkers
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
 from savable_loader.rng import SEED_FORMULA, preserve_global_rng, seed_global
@@ -38,6 +47,28 @@ __all__ = ["SKIP", "PipelineIteration", "PipelineMode"]
 
 def _fresh(worker_id: int, carried: DatasetState | None = None) -> WorkerState:
     return WorkerState(worker_id=worker_id, index=0, snapshot_index=0, dataset=None, carried=carried)
+
+
+def _fixed_workers(dataset: SavableDataset) -> str | None:
+    """Why ``dataset``'s logical workers cannot be hosted by other workers, if so: a torch
+    IterableDataset splits itself by ``get_worker_info()`` and ``worker_init_fn``, which
+    torch gives each worker process once, under one id (and never the main process)."""
+    from savable_loader.sources.torch_iterable import TorchIterableSource  # (imports this module's peers)
+
+    if not any(isinstance(ds, TorchIterableSource) for ds in walk(dataset)):
+        return None
+    return (
+        "a torch IterableDataset splits itself by get_worker_info() and worker_init_fn, which torch gives each "
+        "worker process once, under one id, so a worker cannot play several saved workers nor the main process "
+        "one: restore mid-epoch with the saved num_workers (another num_workers is fine at an epoch's start), "
+        "or make the data a savable pipeline (a SavableDataset source, e.g. savable_loader.sources.IterableSource), "
+        "whose logical workers a loader with any num_workers can host"
+    )
+
+
+def _pristine(ws: WorkerState) -> bool:
+    """``ws`` is a logical worker at its epoch's start, with nothing carried into it."""
+    return ws.index == 0 and ws.dataset is None and ws.carried is None and not ws.exhausted
 
 
 class _TaggedCollate:
@@ -74,6 +105,9 @@ class PipelineIteration(Iteration):
         self.next_worker = rotation
         self.last_worker: int | None = None  # the logical worker of the item yielded last
         self.workers = len(self.starts)
+        # loading contexts that host the logical workers (``_hosting.py``): ``workers``
+        # unless the state was saved with another num_workers
+        self.hosts = hosts(self.workers, mode.worker_config.workers_per_rank)
         # Per logical worker: the newest snapshot attached to an item yielded from it, as
         # [snapshot index, encoded DatasetState, decoded DatasetState or None] (None: the
         # start state), and the one before it (a save that leaves out the item yielded
@@ -91,22 +125,24 @@ class PipelineIteration(Iteration):
         self._lock = threading.Lock()
 
     def physical(self, logical: int) -> int:
-        return (logical - self.rotation) % self.workers
+        return (slot_of(logical, self.hosts) - self.rotation) % self.hosts
 
     def logical(self, physical: int) -> int:
-        return (physical + self.rotation) % self.workers
+        """The (lowest) logical worker physical worker ``physical`` hosts; a worker that
+        hosts none (more workers than the state's logical workers) keeps its own id."""
+        return (physical + self.rotation) % self.hosts if physical < self.hosts else physical
 
     def on_item(self, item: Item | End) -> Any:
         worker_id = item.worker
         with self._lock:
-            self.next_worker = (worker_id + 1) % self.workers
+            self.next_worker = (slot_of(worker_id, self.hosts) + 1) % self.hosts
             if item.snapshot is not None:  # (worker processes attach them)
                 self.previous[worker_id] = self.held[worker_id]
                 self.held[worker_id] = [*item.snapshot, None]
             if isinstance(item, Item):
                 self.consumed[worker_id] = item.item_index + 1
                 self.last_worker = worker_id
-                self.mode.last_item = (self.epoch, worker_id, item.item_index, item.key)
+                self.mode.last_item = (self.epoch, worker_id, item.item_index, item.key, self.workers)
                 return item.payload
             self.exhausted[worker_id] = True
             self.ended[worker_id] = self._end_state(worker_id, item.produced)
@@ -126,7 +162,7 @@ class PipelineIteration(Iteration):
             if held[2] is None:
                 held[2] = decode_part(held[1], DatasetState)
             return held[2]
-        runtime = self.mode.torch_dataset.runtime
+        runtime = self.mode.torch_dataset.runtime_of(w)
         if runtime is not None:
             found = runtime.ring.find(produced)
             if found is not None and found[0] == produced:
@@ -162,7 +198,7 @@ class PipelineIteration(Iteration):
                         f"the last item of the iteration, {'and no item was yielded yet' if last is None else 'only'}"
                     )
                 consumed[last] -= 1
-                next_worker = last
+                next_worker = slot_of(last, self.hosts)
             key = (tuple(consumed), tuple(exhausted), next_worker)
             if self._last_save is not None and self._last_save[0] == key:
                 return self._last_save[1]
@@ -188,10 +224,7 @@ class PipelineIteration(Iteration):
         """Worker ``w``'s state after ``index`` samples: from the snapshots attached to
         the items it yielded (worker processes) or the runtime's ring (in-process)."""
         if self.in_process:
-            runtime = self.mode.torch_dataset.runtime
-            if runtime is None:
-                raise StateError("the in-process pipeline has not started")
-            return runtime.checkpoint(self.epoch, index)
+            return self.mode.torch_dataset.runtime_of(w).checkpoint(self.epoch, index)
         for held in (self.held[w], self.previous[w]):
             if held is None:  # the start state (with what it carried from the previous epoch)
                 return msgspec.structs.replace(self.starts[w], worker_id=w, index=index)
@@ -232,18 +265,23 @@ class PipelineMode(Mode):
         self.collate = self.collate_type(collate_fn)
         self.dataset_config = dataset.config_tree()
         self.fingerprint = config_fingerprint(self.dataset_config)
-        # (epoch, logical worker, index, key) of the item yielded last
-        self.last_item: tuple[int, int, int, Any] | None = None
+        # (epoch, logical worker, index, key, logical workers) of the item yielded last
+        self.last_item: tuple[int, int, int, Any, int] | None = None
         # (epoch, each logical worker's state at the end of the epoch before it): what that
         # epoch goes on from (pipelines that carry state across epochs)
         self.carry: tuple[int, list[DatasetState | None]] | None = None
         self.carries = any(type(ds).carries_across_epochs for ds in walk(dataset))
-        # the rotation of the worker pool started last (persistent workers keep theirs)
+        #: Why a position cannot go on under another num_workers (None: it can, hosted).
+        self.fixed_workers = _fixed_workers(dataset)
+        # the rotation of the worker pool started last (persistent workers keep theirs),
+        # and whether it hosted another number of logical workers than its own
         self.pool_rotation = 0
+        self.pool_hosting = False
 
     def carry_on(self, epoch: int, ended: list[DatasetState | None] | None) -> None:
         """``epoch`` goes on from the workers' states ``ended`` (None: from scratch)."""
-        self.carry = None if ended is None or not any(e is not None for e in ended) else (epoch, ended)
+        carried = self.carries and ended is not None and any(e is not None for e in ended)
+        self.carry = (epoch, ended) if carried and ended is not None else None
 
     def _carried(self, epoch: int) -> list[DatasetState | None]:
         carry = self.carry
@@ -265,10 +303,11 @@ class PipelineMode(Mode):
         return not persistent
 
     def workers_reusable(self) -> bool:
-        """Persistent workers started rotated (by a restore) play other logical workers
-        than the next epoch's: a pipeline that carries state across epochs then needs new
-        workers, which restore each logical worker's end state (else they would replay)."""
-        return not (self.carries and self.pool_rotation)
+        """Persistent workers started rotated or hosting another number of logical workers
+        (by a restore) play other logical workers than the next epoch's: a pipeline that
+        carries state across epochs then needs new workers, which restore each logical
+        worker's end state (else they would replay)."""
+        return not (self.carries and (self.pool_rotation or self.pool_hosting))
 
     def loader_config(self, num_workers: int) -> LoaderConfig:
         wc = self.worker_config
@@ -303,16 +342,18 @@ class PipelineMode(Mode):
         """Plan an iteration; ``reuse_workers``: persistent workers already run and keep
         their own plan (later epochs start fresh, with no rotation)."""
         if resume is not None:
-            rotation = resume.next_worker
-            starts: list[WorkerState | None] = [None] * self.workers
+            starts: list[WorkerState | None] = [None] * len(resume.workers)
             for ws in resume.workers:
                 starts[ws.worker_id] = ws
+            # the slot that yields next (``_hosting.py``) is played by physical worker 0
+            rotation = slot_of(resume.next_worker, hosts(len(starts), self.workers))
         else:
             rotation = 0
             starts = [None if c is None else _fresh(w, c) for w, c in enumerate(self._carried(epoch))]
         if not reuse_workers:
             self.torch_dataset.set_plan(epoch, rotation, starts)
             self.pool_rotation = rotation
+            self.pool_hosting = len(starts) != self.workers
         return self.iteration_type(self, epoch, rotation, starts, resumed=resume is not None)
 
     def check(
@@ -320,17 +361,13 @@ class PipelineMode(Mode):
     ) -> PipelinePosition:
         """Raise for a change the pipeline cannot honour; the position to restore.
 
+        Another ``num_workers`` is honoured: the position's logical workers go on,
+        hosted by this loader's workers (``_hosting.py``); a position at an epoch's
+        start that nothing carries into starts that epoch with this loader's workers.
         A ``BatchDataset`` batch size divided by ``k`` (nothing else changed) is honoured:
         worker positions and skip offsets are multiplied by ``k``.
         """
         current = self.loader_config(num_workers)
-        if saved.num_workers != current.num_workers:
-            raise ConfigMismatchError(
-                "num_workers",
-                saved.num_workers,
-                current.num_workers,
-                "a savable pipeline's state is split per worker; restore with the same num_workers",
-            )
         for name in ("rank", "world_size", "seed"):
             if getattr(saved, name) != getattr(current, name):
                 hint = (
@@ -344,15 +381,23 @@ class PipelineMode(Mode):
             factor = batch_rescale_factor(saved.dataset_config, current.dataset_config)
         if factor is None:
             check_dataset_config(saved, current)
+        n = len(position.workers)
         ids = sorted(ws.worker_id for ws in position.workers)
-        if ids != list(range(self.workers)) or position.next_worker >= self.workers:
+        if not n or ids != list(range(n)) or position.next_worker >= n:
             raise StateError(
                 f"pipeline state has worker ids {ids} and next worker {position.next_worker}, "
-                f"expected ids 0..{self.workers - 1}"
+                f"expected ids 0..{n - 1} (one per logical worker) and a next worker among them"
             )
         for ws in position.workers:
             if ws.snapshot_index > ws.index:
                 raise StateError(f"worker {ws.worker_id}: snapshot index {ws.snapshot_index} is after index {ws.index}")
+        if saved.num_workers != num_workers or n != self.workers:
+            if all(_pristine(ws) for ws in position.workers):
+                # an epoch's start: nothing to keep per logical worker, the loader's own split
+                fresh = [_fresh(w) for w in range(self.workers)]
+                position = PipelinePosition(epoch=position.epoch, next_worker=0, workers=fresh)
+            elif self.fixed_workers is not None:
+                raise ConfigMismatchError("num_workers", saved.num_workers, num_workers, self.fixed_workers)
         if factor is None or factor == 1:
             return position
         workers = [
@@ -367,7 +412,7 @@ class PipelineMode(Mode):
         """The key of the item yielded last (None before the first)."""
         if self.last_item is None:
             return None
-        epoch, worker, index, key = self.last_item
+        epoch, worker, index, key, logical = self.last_item
         try:
             sample = msgspec.to_builtins(key)
         except TypeError as e:
@@ -383,7 +428,8 @@ class PipelineMode(Mode):
             index=index,
             sample=sample,
             world_size=wc.world_size,
-            num_workers=wc.num_workers,
+            # the logical workers the item was made under (a resized restore's: hosted)
+            num_workers=wc.num_workers if logical == self.workers else logical,
         )
 
     def restore_sample(self, key: RestoreKey) -> Any:
@@ -397,21 +443,27 @@ class PipelineMode(Mode):
         if key.sample is None:
             raise RestoreKeyError("key.sample is None: the pipeline gave this item no key")
         check_key_setting("world_size", key.world_size, self.worker_config.world_size)
-        check_key_setting("num_workers", key.num_workers, self.worker_config.num_workers)
+        # a key made under another num_workers is rebuilt under its logical worker's view
+        workers = self.workers if key.num_workers is None else max(key.num_workers, 1)
         for name in ("epoch", "worker", "index"):
             check_key_int(name, getattr(key, name))
         if key.rank != self.worker_config.rank:
             raise RestoreKeyError(
                 f"key.rank is {key.rank}, this loader is rank {self.worker_config.rank}: a pipeline's keys are "
-                "rebuilt by a loader of the same rank, world size and num_workers (its sources split the data so)"
+                "rebuilt by a loader of the same rank and world size (its sources split the data so)"
             )
-        if key.worker >= self.workers:
+        if key.worker >= workers:
             raise RestoreKeyError(
-                f"key.worker is {key.worker}, expected a worker below {self.workers}: build the loader with "
-                "the num_workers the key was made with"
+                f"key.worker is {key.worker}, expected a worker below {workers}: "
+                + (
+                    "the key has no num_workers (made by an older savable_loader): build the loader with the "
+                    "num_workers the key was made with"
+                    if key.num_workers is None
+                    else f"key.num_workers is {key.num_workers}, the key is malformed"
+                )
             )
         wc = self.worker_config
-        with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch):
+        with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch), _LogicalWorkers(workers):
             base = pipeline_base(wc.seed, key.rank, key.worker, key.epoch)
             seed_global(pipeline_item(base, key.index, self.seed_formula))
             return self.collate.collate(dataset.restore_sample(key.sample))

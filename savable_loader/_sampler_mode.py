@@ -322,4 +322,5 @@ class SamplerMode(IndexMode):
                 "rebuilt on the rank that made them"
             )
         check_key_setting("reseed", key.reseed, self.reseed, "re-seeding per sample or per batch draws other values")
+        self.check_key_global_rngs(key)
         return self.torch_dataset[BatchKey(key.epoch, tuple(positions), tuple(key.sample))]

@@ -19,7 +19,9 @@ Example::
 
 from __future__ import annotations
 
-from savable_loader.rng import counter_seed, derive_seed, item_seed
+from collections.abc import Sequence
+
+from savable_loader.rng import LEGACY_SEED_FORMULA, counter_seed, counter_seeds, derive_seed, hash_seed, item_seed
 
 __all__ = [
     "NAMESPACES",
@@ -28,7 +30,9 @@ __all__ = [
     "draw",
     "feistel_key",
     "engine_generator_seed",
+    "key_prefix",
     "key_seed",
+    "key_seed_of",
     "owned_rng_base",
     "owned_stream_seed",
     "pcg_increment",
@@ -37,14 +41,19 @@ __all__ = [
     "pipeline_item",
     "sample_base",
     "sample_item",
+    "sample_items",
     "sampler_seed",
     "shard_order_seed",
     "shard_samples_seed",
     "torch_iterable_base",
     "torch_worker_info_seed",
+    "undeclared_rngs_seed",
     "worker_epoch_seed",
     "worker_seed",
 ]
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
 
 #: The namespace strings ``derive_seed`` hashes, each owned by the formula(s) below.
 NAMESPACES = (
@@ -66,6 +75,7 @@ NAMESPACES = (
     "torch-iterable",
     "torch-worker-info",
     "order",
+    "undeclared-rngs",
 )
 
 
@@ -93,9 +103,20 @@ def sample_item(base: int, position: int, formula: int) -> int:
     return item_seed(counter_seed(base, position), formula)
 
 
+def sample_items(base: int, positions: Sequence[int], formula: int) -> list[int]:
+    """``[sample_item(base, p, formula) for p in positions]``, computed a batch at a time."""
+    return counter_seeds(base, positions, _MASK64 if formula <= LEGACY_SEED_FORMULA else _MASK63)
+
+
 def collate_seed(seed: int, epoch: int, position: int, formula: int) -> int:
     """The global RNGs' seed before collating the batch that starts at ``position``."""
     return item_seed(derive_seed(seed, "collate", epoch, position), formula)
+
+
+def undeclared_rngs_seed(seed: int, epoch: int) -> int:
+    """The seed of the global generators a loader's ``global_rngs=`` leaves out, in every
+    batch of ``epoch`` (they are re-seeded only when something changed them)."""
+    return item_seed(derive_seed(seed, "undeclared-rngs", epoch))
 
 
 def owned_stream_seed(seed: int, salt: tuple[str | int, ...]) -> int:
@@ -139,8 +160,21 @@ def pipeline_item(base: int, index: int, formula: int) -> int:
 
 
 def key_seed(seed: int, epoch: int, repetitions: tuple[int, ...], type_name: str, key_text: str) -> int:
-    """The global RNGs' seed when a dataset marks the sample of key ``key_text`` (JSON)."""
-    return derive_seed(seed, "key", epoch, *repetitions, type_name, key_text)
+    """The global RNGs' seed when a dataset marks the sample of key ``key_text`` (JSON):
+    ``derive_seed(seed, "key", epoch, *repetitions, type_name, key_text)``."""
+    return key_seed_of(key_prefix(seed, epoch, repetitions, type_name), key_text.encode())
+
+
+def key_prefix(seed: int, epoch: int, repetitions: tuple[int, ...], type_name: str) -> bytes:
+    """What :func:`key_seed` hashes before the key's JSON text, made once per dataset
+    class, epoch and pass (``SavableDataset.mark_sample`` keeps it)."""
+    return "\x1f".join(str(p) for p in (seed, "key", epoch, *repetitions, type_name, "")).encode()
+
+
+def key_seed_of(prefix: bytes, key_json: bytes) -> int:
+    """:func:`key_seed` from a :func:`key_prefix` and the key's JSON as UTF-8 bytes (what
+    ``msgspec.json.encode`` returns): the same value, without re-joining the parts."""
+    return hash_seed(prefix + key_json)
 
 
 def worker_seed(seed: int, rank: int, worker: int) -> int:

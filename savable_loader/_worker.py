@@ -34,6 +34,7 @@ import cloudpickle
 from torch.utils.data import IterableDataset, get_worker_info
 
 from savable_loader._guards import exclusive
+from savable_loader._hosting import hosted_by, in_view, interleave
 from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._torch_internals import ExceptionWrapper, torch_worker_id
 from savable_loader._values import plain_dataset_state
@@ -425,8 +426,10 @@ class PipelineWorkerDataset(IterableDataset):
     """The dataset torch's DataLoader sees on the pipeline path.
 
     It carries the user's pipeline (cloudpickled, so lambdas cross ``spawn``) and the plan
-    of the first epoch it runs (epoch, worker rotation, per-worker start states). Later
-    epochs of persistent workers start fresh with no rotation, as the main process expects.
+    of the first epoch it runs (epoch, rotation, per-logical-worker start states, whose
+    number may differ from the loader's workers after a restore: ``_hosting.py``). Later
+    epochs of persistent workers start fresh with one logical worker per context and no
+    rotation, as the main process expects.
     """
 
     def __init__(self, dataset: SavableDataset, max_in_flight: int) -> None:
@@ -442,7 +445,11 @@ class PipelineWorkerDataset(IterableDataset):
         #: ``WorkerRuntime.errors_go_on``.
         self.errors_go_on = False
         self._iterations = 0
-        self._runtime: WorkerRuntime | None = None
+        #: This context's runtimes: the first over ``dataset``, the others (logical
+        #: workers hosted beside it, ``_hosting.py``) over copies of it.
+        self._runtimes: list[WorkerRuntime] = []
+        #: The runtime of each logical worker this context ran last (main-process lookups).
+        self._hosted: dict[int, WorkerRuntime] = {}
 
     def set_plan(self, epoch: int, rotation: int, starts: list[WorkerState | None]) -> None:
         self.epoch, self.rotation, self.starts = epoch, rotation, starts
@@ -457,13 +464,31 @@ class PipelineWorkerDataset(IterableDataset):
     @property
     def runtime(self) -> WorkerRuntime | None:
         """The runtime of this loading context (None before the first iteration)."""
-        return self._runtime
+        return self._runtimes[0] if self._runtimes else None
+
+    def runtime_of(self, logical: int) -> WorkerRuntime:
+        """The runtime that ran logical worker ``logical`` last in this context."""
+        found = self._hosted.get(logical)
+        if found is None:
+            raise StateError(f"the in-process pipeline has not started logical worker {logical}")
+        return found
+
+    def _runtime_at(self, j: int, in_process: bool) -> WorkerRuntime:
+        """The runtime of this context's ``j``-th hosted logical worker (made on first use)."""
+        while len(self._runtimes) <= j:
+            dataset = self.dataset if not self._runtimes else cloudpickle.loads(cloudpickle.dumps(self.dataset))
+            self._runtimes.append(WorkerRuntime(dataset, self.worker_config, self.max_in_flight, in_process=in_process))
+        runtime = self._runtimes[j]
+        runtime.seed_formula = self.seed_formula
+        runtime.errors_go_on = self.errors_go_on
+        return runtime
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["dataset"] = cloudpickle.dumps(self.dataset)
         state["worker_config"] = None
-        state["_runtime"] = None
+        state["_runtimes"] = []
+        state["_hosted"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -473,30 +498,32 @@ class PipelineWorkerDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Item | End]:
         info = get_worker_info()
-        workers = self.worker_config.workers_per_rank
+        contexts = self.worker_config.workers_per_rank
         physical = torch_worker_id() or 0  # info.id may be a logical id; 0 in the main process
         count = self._iterations
         self._iterations += 1
         if count == 0:
             epoch, rotation, starts = self.epoch, self.rotation, self.starts
         else:
-            epoch, rotation, starts = self.epoch + count, 0, [None] * workers
-        logical = (physical + rotation) % workers
-        if self._runtime is None:
-            self._runtime = WorkerRuntime(
-                self.dataset,
-                self.worker_config,
-                self.max_in_flight,
-                in_process=info is None,
-                seed_formula=self.seed_formula,
-            )
-        runtime = self._runtime
-        runtime.seed_formula = self.seed_formula
-        runtime.errors_go_on = self.errors_go_on
-        items = runtime.run(epoch, logical, starts[logical], self.planned_at if count == 0 else None)
+            epoch, rotation, starts = self.epoch + count, 0, [None] * contexts
+        workers = len(starts)  # logical workers: the saved num_workers of a resized restore
+        runs: list[tuple[int, int, Iterator[Item | End]]] = []
+        self._hosted = {}
+        hosted_here = hosted_by(physical, rotation, workers, contexts)
+        del self._runtimes[max(len(hosted_here), 1) :]  # copies of a past hosted epoch: freed
+        for j, logical in enumerate(hosted_here):
+            runtime = self._runtime_at(j, in_process=info is None)
+            self._hosted[logical] = runtime
+            start = starts[logical]
+            items = runtime.run(epoch, logical, start, self.planned_at if count == 0 else None)
+            if info is not None:
+                items = _with_snapshots(runtime, items)
+            runs.append((logical, 0 if start is None else start.index, items))
+        hosted = interleave(runs) if len(runs) > 1 else runs[0][2] if runs else iter(())
+        items = in_view(hosted, workers)
         if info is None:  # in the main process: one live iteration per pipeline object
-            return exclusive(items, self.dataset, runtime)
-        return _with_snapshots(runtime, items)
+            return exclusive(items, self.dataset, self._runtime_at(0, in_process=True))
+        return items
 
 
 def _with_snapshots(runtime: WorkerRuntime, items: Iterator[Item | End]) -> Iterator[Item | End]:

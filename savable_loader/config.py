@@ -90,8 +90,13 @@ class WorkerConfig:
 
     @property
     def workers_per_rank(self) -> int:
-        """Number of loading contexts per rank: ``num_workers``, or 1 in-process."""
-        return max(self.num_workers, 1)
+        """Number of logical workers per rank: ``num_workers``, or 1 in-process.
+
+        While a loading context hosts a logical worker of a state saved under another
+        ``num_workers`` (see ``savable_loader/_hosting.py``), the number of logical
+        workers of that state."""
+        view = getattr(_active, "workers", None)
+        return max(self.num_workers, 1) if view is None else int(view)
 
     def rank_worker_id(self) -> int:
         """Logical id of the worker the calling code runs in (0 in the main process).
@@ -177,6 +182,22 @@ class _Repetition:
     def __exit__(self, *exc: object) -> None:
         _active.repetitions = _active.repetitions[:-1]
         _active.repetition_limits = _active.repetition_limits[:-1]
+
+
+class _LogicalWorkers:
+    """Context manager: the current thread loads for one of ``workers`` logical workers
+    (``WorkerConfig.workers_per_rank`` says so), whatever the loader's ``num_workers``."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._saved: Any = None
+
+    def __enter__(self) -> None:
+        self._saved = getattr(_active, "workers", None)
+        _active.workers = self.workers
+
+    def __exit__(self, *exc: object) -> None:
+        _active.workers = self._saved
 
 
 class _ActiveWorker:

@@ -38,7 +38,7 @@ import msgspec
 from torch.utils.data import IterableDataset
 
 from savable_loader._guards import check_first_save
-from savable_loader._seeds import key_seed
+from savable_loader._seeds import key_prefix, key_seed_of
 from savable_loader._values import freeze, from_plain
 from savable_loader.config import WorkerConfig, active_repetitions, request_snapshot
 from savable_loader.errors import DatasetContractError, LoaderUsageError, RestoreKeyError, StateError
@@ -132,6 +132,23 @@ def plain_config(value: Any) -> Any:
     if callable(value) and hasattr(value, "__qualname__"):
         return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+_json_encode = msgspec.json.Encoder().encode
+#: ``key_prefix`` by (seed, epoch, repetitions, dataset class): what ``mark_sample``
+#: hashes before a key's JSON, made once per class, epoch and pass (bounded: cleared
+#: when it grows past ``_MAX_PREFIXES``, which only a long run of many passes reaches).
+_KEY_PREFIXES: dict[tuple[int, int, tuple[int, ...], type], bytes] = {}
+_MAX_PREFIXES = 256
+
+
+def _key_prefix(where: tuple[int, int, tuple[int, ...], type]) -> bytes:
+    seed, epoch, repetitions, cls = where
+    prefix = key_prefix(seed, epoch, repetitions, seed_name(cls))
+    if len(_KEY_PREFIXES) >= _MAX_PREFIXES:
+        _KEY_PREFIXES.clear()
+    _KEY_PREFIXES[where] = prefix
+    return prefix
 
 
 def config_fingerprint(config: Any) -> str:
@@ -267,16 +284,20 @@ class SavableDataset(IterableDataset):
         self.sample_key = key
         if key is None:
             return
-        wc = self.worker_config
         try:
-            text = msgspec.json.encode(key).decode()
+            text = _json_encode(key)
         except (TypeError, ValueError) as e:  # a UnicodeEncodeError is a ValueError
             raise RestoreKeyError(
                 f"{type(self).__name__}.mark_sample: restore key {key!r} of type {type_name(key)} "
                 f"is not a JSON value ({e}); keys are None, bool, int, float, str, and lists, tuples and "
                 "str-keyed dicts of these (convert NumPy scalars with int() / float())"
             ) from e
-        seed_global(key_seed(wc.seed, wc.active_epoch(), active_repetitions(), seed_name(type(self)), text))
+        wc = self.worker_config
+        where = (wc.seed, wc.active_epoch(), active_repetitions(), type(self))
+        prefix = _KEY_PREFIXES.get(where)
+        if prefix is None:
+            prefix = _key_prefix(where)
+        seed_global(key_seed_of(prefix, text))
 
     def restore_sample(self, key: Any) -> Any:
         """The sample ``key`` names, built alone in the calling process.

@@ -10,7 +10,8 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
     ├── ConfigMismatchError         restore under a configuration that cannot be honoured
     ├── LoaderUsageError            the loader was called in a way it does not support
     │   ├── UsageTypeError          an argument of the wrong type (also a TypeError)
-    │   └── DatasetContractError    a SavableDataset breaks its contract (say, an unlisted child)
+    │   ├── DatasetContractError    a SavableDataset breaks its contract (say, an unlisted child)
+    │   └── UndeclaredRngError      a batch drew from a global RNG that global_rngs= does not list
     ├── RestoreKeyError             a restore key cannot be rebuilt (foreign, malformed, unsupported)
     ├── DataError                   data on disk is malformed (shard metadata, shard files)
     │   └── IntegrityError          a file's size or checksum differs from what its metadata says
@@ -51,6 +52,7 @@ __all__ = [
     "StateFileError",
     "StateVersionError",
     "StorageError",
+    "UndeclaredRngError",
     "UnsavedRngWarning",
     "UsageTypeError",
     "WorkerDiedError",
@@ -182,6 +184,19 @@ class DatasetContractError(LoaderUsageError, NotImplementedError):
             def __init__(self, inner):
                 super().__init__(inner.worker_config)
                 self.inner = inner          # children() returns () : DatasetContractError at the first save
+    """
+
+
+class UndeclaredRngError(LoaderUsageError):
+    """A batch drew from a global random generator that the loader's ``global_rngs=``
+    does not list: the loader did not re-seed that generator, so the draws would not
+    resume exactly. Raised (in the main process, through torch's worker error) for the
+    batch that drew; the message names the generator and the setting that fixes it.
+
+    Example::
+
+        loader = SavableDataLoader(ds, batch_size=8, global_rngs=("torch",))
+        next(iter(loader))   # ds draws np.random.rand(): UndeclaredRngError, add "numpy"
     """
 
 

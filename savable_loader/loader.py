@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 import torch
@@ -39,6 +39,7 @@ from savable_loader._elastic import elastic_position
 from savable_loader._failures import terminate_worker, translate_worker_error
 from savable_loader._feeder import WorkerInit
 from savable_loader._frameworks import fabric_iterating, saving_framework
+from savable_loader._global_rngs import global_rngs_setting
 from savable_loader._index_mode import OrderMode
 from savable_loader._iterable_mode import IterableMode
 from savable_loader._iterator import RUNNING, Fate, Record, SavableIterator
@@ -101,7 +102,11 @@ class SavableDataLoader(DataLoader[T_co]):
     and ``reseed`` (map-style datasets:
     ``"sample"``, the default, re-seeds the global RNGs before every sample; ``"batch"``
     once per batch, for samples of a few microseconds: see docs/performance.md for what
-    each keeps). Example::
+    each keeps) and ``global_rngs`` (map-style datasets: the global generators the
+    dataset and collate function draw from, of ``"random"``, ``"numpy"`` and
+    ``"torch"``; None, the default, re-seeds all three before every sample; with, say,
+    ``("torch",)`` only torch's is re-seeded and a batch that draws from another raises
+    ``UndeclaredRngError``: see docs/concepts.md). Example::
 
         loader = SavableDataLoader(dataset, batch_size=32, shuffle=True, num_workers=4)
         for batch in loader:
@@ -166,6 +171,7 @@ class SavableDataLoader(DataLoader[T_co]):
         snapshot_every_n_steps: int | None = None,
         save_timeout: float | None = None,
         reseed: str = "sample",
+        global_rngs: Collection[str] | None = None,
     ) -> None:
         # the steps: check the arguments and resolve rank, workers and seed; choose the
         # path; torch's constructor (the public attributes); the mode and the engine
@@ -187,6 +193,7 @@ class SavableDataLoader(DataLoader[T_co]):
             save_timeout=save_timeout,
             snapshot_every_n_steps=snapshot_every_n_steps,
             reseed=reseed,
+            global_rngs=global_rngs,
         )
         public, make_mode = self._choose_path(
             dataset,
@@ -200,6 +207,7 @@ class SavableDataLoader(DataLoader[T_co]):
             generator=generator,
             prefetch_factor=prefetch_factor,
             reseed=reseed,
+            global_rngs=global_rngs_setting(global_rngs),
         )
         try:
             super().__init__(
@@ -250,12 +258,14 @@ class SavableDataLoader(DataLoader[T_co]):
             raise refused("num_workers option should be non-negative; use num_workers=0 to disable multiprocessing.")
         wc = resolve_worker_config(dataset, worker_config, num_workers, seed)
         workers = wc.num_workers if wc is not None else num_workers
-        ours = {name: arguments.pop(name) for name in ("in_order", "save_timeout", "snapshot_every_n_steps", "reseed")}
+        names = ("in_order", "save_timeout", "snapshot_every_n_steps", "reseed", "global_rngs")
+        ours = {name: arguments.pop(name) for name in names}
         check_torch_arguments(dataset, num_workers=workers, **arguments)
         check_our_arguments(
             num_workers=workers,
             prefetch_factor=arguments["prefetch_factor"],
             pipeline=isinstance(dataset, SavableDataset),
+            iterable=isinstance(dataset, IterableDataset),
             stacklevel=4,
             **ours,  # a warning points at the caller of SavableDataLoader(...)
         )
@@ -296,6 +306,7 @@ class SavableDataLoader(DataLoader[T_co]):
         generator: Any,
         prefetch_factor: int | None,
         reseed: str,
+        global_rngs: tuple[str, ...],
     ) -> tuple[dict[str, Any], Callable[[], Mode]]:
         """The one place where the kind of dataset (and sampler) decides the path: the
         arguments torch's ``__init__`` gets for the public attributes, and the mode,
@@ -339,6 +350,7 @@ class SavableDataLoader(DataLoader[T_co]):
             "drop_last": drop_last,
             "shuffle": bool(shuffle),
             "reseed": reseed,
+            "global_rngs": global_rngs,
         }
         if sampler is None and batch_sampler is None and not (generator is not None and shuffle):
             # an instance of torch's sampler for these arguments (frameworks inspect it)
@@ -720,8 +732,10 @@ class SavableDataLoader(DataLoader[T_co]):
 
         The next ``iter()`` continues the saved position; later ones start the next
         epochs. The loader may have iterated before (persistent workers are restarted),
-        but no iteration may be in progress. A changed ``num_workers`` is honoured on the
-        drop-in path; other changes the loader cannot honour raise
+        but no iteration may be in progress. A changed ``num_workers`` is honoured (a
+        savable pipeline's saved logical workers are hosted by this loader's workers for
+        the rest of their epoch; a plain IterableDataset only at an epoch's start); other
+        changes the loader cannot honour raise
         :class:`ConfigMismatchError` naming the field. A loader built with ``seed=None``
         takes the state's seed.
         """
@@ -830,8 +844,8 @@ class SavableDataLoader(DataLoader[T_co]):
         or its ``str()``. The loader must be built like the one that made the key: same
         dataset and seed (drop-in path with the loader's own order: ``num_workers``, rank
         and world size may differ; with a sampler of the user's: the same rank, as the
-        key carries the dataset indices; savable pipelines: the same rank, world size and
-        ``num_workers``, since sources split the data by them). Savable pipelines rebuild
+        key carries the dataset indices; savable pipelines: the same rank and world size,
+        since sources split the data by them, and any ``num_workers``). Savable pipelines rebuild
         when every dataset of the pipeline supports it (``dataset.can_restore_sample()``;
         ``restore_sample_blocker()`` says why not). Raises :class:`RestoreKeyError`
         otherwise. Example::

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,13 +36,17 @@ from savable_loader._torch_internals import C_RANDOM_SEED, PY_RANDOM
 from savable_loader.errors import StateError
 
 __all__ = [
+    "GLOBAL_RNG_NAMES",
     "LEGACY_SEED_FORMULA",
     "SEED_FORMULA",
     "GlobalRngState",
     "capture_generator",
     "capture_global",
     "counter_seed",
+    "counter_seeds",
     "derive_seed",
+    "global_seeder",
+    "hash_seed",
     "item_seed",
     "preserve_global_rng",
     "restore_generator",
@@ -51,6 +55,7 @@ __all__ = [
 ]
 
 _MASK64 = (1 << 64) - 1
+_blake2b = hashlib.blake2b
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -60,8 +65,18 @@ def derive_seed(*parts: int | str) -> int:
 
         derive_seed(0, "sample", 3, 17) != derive_seed(0, "sample", 3, 18)
     """
-    text = "\x1f".join(str(p) for p in parts).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+    return hash_seed("\x1f".join(str(p) for p in parts).encode())
+
+
+def hash_seed(data: bytes) -> int:
+    """The 64-bit seed :func:`derive_seed` makes of its parts joined with ``"\\x1f"``, as
+    bytes (BLAKE2b, 8 bytes, little-endian): for a caller that keeps a joined prefix.
+
+    Example::
+
+        hash_seed(b"0\\x1fsample\\x1f3") == derive_seed(0, "sample", 3)
+    """
+    return int.from_bytes(_blake2b(data, digest_size=8).digest(), "little")
 
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -83,6 +98,34 @@ def counter_seed(base: int, counter: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+_U64 = np.uint64
+#: Below this many counters :func:`counter_seeds` loops in Python (NumPy's fixed cost
+#: is larger than the loop's).
+_VECTOR_FROM = 16
+
+
+def counter_seeds(base: int, counters: Sequence[int], mask: int = _MASK64) -> list[int]:
+    """``[counter_seed(base, c) & mask for c in counters]``, a batch at a time: NumPy's
+    ``uint64`` arithmetic wraps modulo ``2**64`` as the masks of :func:`counter_seed` do,
+    so the values are the same (about 0.15 µs a seed for a batch of 64, where a call per
+    seed costs about 0.3 µs). Counters are ints in ``[0, 2**64)``.
+
+    Example::
+
+        counter_seeds(base, [3, 5]) == [counter_seed(base, 3), counter_seed(base, 5)]
+    """
+    if len(counters) < _VECTOR_FROM:
+        return [counter_seed(base, c) & mask for c in counters]
+    z = _U64(base) + (np.array(counters, dtype=_U64) + _U64(1)) * _U64(_GOLDEN)
+    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+    z ^= z >> _U64(31)
+    if mask != _MASK64:
+        z &= _U64(mask)
+    out: list[int] = z.tolist()
+    return out
 
 
 #: Version of the per-item seed formula this library writes into ``LoaderConfig.seed_formula``.
@@ -128,6 +171,45 @@ def seed_global(seed: int) -> None:
     _PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
     _NP_SEED(seed & 0xFFFFFFFF)
     _TORCH_SEED(seed)
+
+
+#: The global generators by the name of the module they are drawn through, sorted.
+GLOBAL_RNG_NAMES = ("numpy", "random", "torch")
+
+
+def global_seeder(names: Collection[str]) -> Callable[[int], None]:
+    """A function seeding the global generators in ``names`` (of :data:`GLOBAL_RNG_NAMES`)
+    exactly as :func:`seed_global` seeds each of them, and leaving the others alone.
+
+    Example::
+
+        seed_torch = global_seeder(("torch",))
+        seed_torch(s)     # torch.default_generator.manual_seed(s & (2**64 - 1)), nothing else
+    """
+    unknown = set(names) - set(GLOBAL_RNG_NAMES)
+    if unknown:
+        raise ValueError(f"unknown global generators {sorted(unknown)}, expected names of {GLOBAL_RNG_NAMES}")
+    if set(names) == set(GLOBAL_RNG_NAMES):
+        return seed_global
+    python, numpy, torch_ = "random" in names, "numpy" in names, "torch" in names
+
+    def seed_some(seed: int) -> None:
+        seed &= _MASK64
+        if python:
+            _PY_SEED(_PY_RANDOM, seed)
+            _PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
+        if numpy:
+            _NP_SEED(seed & 0xFFFFFFFF)
+        if torch_:
+            _TORCH_SEED(seed)
+
+    if names and set(names) == {"torch"}:  # the common declaration: one call
+
+        def seed_torch(seed: int) -> None:
+            _TORCH_SEED(seed & _MASK64)
+
+        return seed_torch
+    return seed_some
 
 
 @dataclass(frozen=True)

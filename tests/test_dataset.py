@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import random
@@ -15,9 +16,10 @@ import pytest
 import torch
 
 from savable_loader._values import plain_dataset_state
-from savable_loader.config import WorkerConfig
+from savable_loader.config import WorkerConfig, _ActiveWorker, _Repetition
 from savable_loader.dataset import SavableDataset, config_fingerprint, plain_config, type_name
 from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
+from savable_loader.rng import derive_seed, seed_global
 from savable_loader.state.codec import decode_part, encode_part
 from savable_loader.state.schema import DatasetState
 from tests.common import assert_same
@@ -535,6 +537,37 @@ def test_mark_sample_seeds_from_the_key_value() -> None:
     seed_all(5)
     ds.mark_sample(None)  # no key: the RNGs are left as they are
     assert ds.sample_key is None and draws() == expected
+
+
+@pytest.mark.parametrize(
+    "key", [7, -3, [3, 12345, 0], (1, "a"), ["été", [1, 2.5], {"k": None}], True, "x", 1.5, {"b": [2]}]
+)
+def test_mark_sample_seed_is_the_key_formula_in_every_epoch_and_pass(key: Any) -> None:
+    # the prefix mark_sample keeps per class, epoch and pass gives the documented seed:
+    # derive_seed(seed, "key", epoch, *passes, class name, JSON text of the key)
+    ds = Source(WorkerConfig(rank=0, world_size=1, num_workers=0, seed=11))
+    text = msgspec.json.encode(key).decode()
+    for epoch, passes in ((0, ()), (3, ()), (3, (2,)), (0, ()), (3, (2, 1))):
+        with _ActiveWorker(0, epoch), contextlib.ExitStack() as stack:
+            for n in passes:
+                stack.enter_context(_Repetition(n))
+            ds.mark_sample(key)
+            got = draws()
+        seed_global(derive_seed(11, "key", epoch, *passes, "Source", text))
+        assert got == draws(), (epoch, passes)
+
+
+def test_mark_sample_prefixes_stay_bounded_and_right_over_many_epochs() -> None:
+    from savable_loader import dataset as D
+
+    ds = Source(WorkerConfig(rank=0, world_size=1, num_workers=0, seed=2))
+    for epoch in [*range(D._MAX_PREFIXES + 40), 3]:
+        with _ActiveWorker(0, epoch):
+            ds.mark_sample([epoch])
+            got = draws()
+        seed_global(derive_seed(2, "key", epoch, "Source", f"[{epoch}]"))
+        assert got == draws(), epoch
+        assert len(D._KEY_PREFIXES) <= D._MAX_PREFIXES
 
 
 def seed_all(seed: int) -> None:

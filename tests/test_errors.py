@@ -39,6 +39,7 @@ TREE = {
     LoaderUsageError: SavableLoaderError,
     DatasetContractError: LoaderUsageError,
     errors.UsageTypeError: LoaderUsageError,
+    errors.UndeclaredRngError: LoaderUsageError,
     RestoreKeyError: SavableLoaderError,
     DataError: SavableLoaderError,
     ResumeMismatchError: SavableLoaderError,

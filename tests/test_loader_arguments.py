@@ -29,7 +29,14 @@ def test_signature_is_torchs_plus_keyword_only_extras():
     theirs = list(inspect.signature(DataLoader.__init__).parameters.values())
     assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [(p.name, p.kind, p.default) for p in theirs]
     extras = ours[len(theirs) :]
-    assert [p.name for p in extras] == ["seed", "worker_config", "snapshot_every_n_steps", "save_timeout", "reseed"]
+    assert [p.name for p in extras] == [
+        "seed",
+        "worker_config",
+        "snapshot_every_n_steps",
+        "save_timeout",
+        "reseed",
+        "global_rngs",
+    ]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extras)
 
 

@@ -215,13 +215,17 @@ def test_check_accepts_the_same_configuration():
     make(2).check(config2, position2, 2)
 
 
-def test_check_rejects_changed_num_workers():
-    config, position = saved_state(2)
-    with pytest.raises(ConfigMismatchError) as info:
-        make(2).check(config, position, 3)
-    e = info.value
-    assert (e.field, e.saved, e.current) == ("num_workers", 2, 3)
-    assert "per worker" in str(e) and "same num_workers" in str(e)
+def test_check_honours_changed_num_workers():
+    """(It was refused before hosting, ``_hosting.py``.) A started position keeps its
+    logical workers; an epoch's start takes the loader's own split."""
+    config, _ = saved_state(2)
+    started = PipelinePosition(
+        epoch=0, next_worker=1, workers=[WorkerState(worker_id=0, index=1, snapshot_index=0), fresh(1)]
+    )
+    assert make(3).check(config, started, 3) == started
+    assert make(0).check(config, started, 0) == started
+    start = make(2).start_position(0)
+    assert make(3).check(config, start, 3) == make(3).start_position(0)
 
 
 @pytest.mark.parametrize(
@@ -253,10 +257,11 @@ def test_check_rejects_changed_pipeline_config():
 @pytest.mark.parametrize(
     ("workers", "next_worker", "match"),
     [
-        ([fresh(0)], 0, r"worker ids \[0\] and next worker 0, expected ids 0..1"),
+        ([], 0, r"worker ids \[\] and next worker 0, expected ids 0..-1"),
+        ([fresh(0)], 1, r"worker ids \[0\] and next worker 1, expected ids 0..0"),
         ([fresh(0), fresh(0)], 0, r"worker ids \[0, 0\]"),
         ([fresh(1), fresh(2)], 0, r"worker ids \[1, 2\]"),
-        ([fresh(0), fresh(1), fresh(2)], 0, r"worker ids \[0, 1, 2\]"),
+        ([fresh(0), fresh(1), fresh(3)], 0, r"worker ids \[0, 1, 3\]"),
         ([fresh(0), fresh(1)], 2, r"next worker 2"),
         (
             [fresh(0), WorkerState(worker_id=1, index=2, snapshot_index=3)],

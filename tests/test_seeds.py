@@ -5,6 +5,7 @@ but ``_seeds`` (and the primitives in ``rng``) derives a seed from a namespace."
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 import savable_loader
 from savable_loader import _seeds as S
+from savable_loader.rng import derive_seed
 
 GOLDEN = [
     ("permutation_seed", S.permutation_seed(7, 3), 14449798435301780519),
@@ -28,6 +30,10 @@ GOLDEN = [
     ("pipeline_base", S.pipeline_base(7, 1, 2, 3), 2177723346779873004),
     ("pipeline_item", S.pipeline_item(12345, 5, 2), 6217189988962137646),
     ("key_seed", S.key_seed(7, 3, (1,), "RangeSource", "[4]"), 6358320015103172491),
+    ("key_prefix", S.key_prefix(7, 3, (1,), "RangeSource"), b"7\x1fkey\x1f3\x1f1\x1fRangeSource\x1f"),
+    ("key_seed_of", S.key_seed_of(S.key_prefix(7, 3, (1,), "RangeSource"), b"[4]"), 6358320015103172491),
+    ("sample_items", S.sample_items(12345, [17], 2), [168974444027492382]),
+    ("sample_items formula 1", S.sample_items(12345, [17], 1), [9392346480882268190]),
     ("worker_seed", S.worker_seed(7, 1, 2), 8296181787550485606),
     ("worker_epoch_seed", S.worker_epoch_seed(7, 1, 2, 3, (4,)), 9593139345557521410),
     ("draw", S.draw(12345, 6), 2262534019502804546),
@@ -36,6 +42,7 @@ GOLDEN = [
     ("shard_samples_seed", S.shard_samples_seed(7, (3, 1), 5), 7841282420573183072),
     ("torch_iterable_base", S.torch_iterable_base(7, 1, 2, 3, (4,)), 17581849285874706381),
     ("torch_worker_info_seed", S.torch_worker_info_seed(7, 1, 2, 3, (4,)), 8788869791747196609),
+    ("undeclared_rngs_seed", S.undeclared_rngs_seed(7, 3), 1565907000821936681),
     ("datapipe_shuffle_seed", S.datapipe_shuffle_seed(7, 3, (4,)), 6035231451759496595),
 ]
 
@@ -71,3 +78,26 @@ def test_namespaces_are_the_ones_used() -> None:
     used = set(re.findall(r'derive_seed\([^)]*?"([a-z-]+)"', source))
     # "sample" is the salt of the loader's own order (sample_base's salt argument)
     assert used | {"sample"} == set(S.NAMESPACES)
+
+
+@pytest.mark.parametrize("formula", [1, 2])
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 64, 200])
+@pytest.mark.parametrize("base", [0, 12345, 2**63, 2**64 - 1])
+def test_sample_items_are_the_per_sample_formula(formula: int, count: int, base: int) -> None:
+    # the batch path (NumPy's wrapping uint64 arithmetic from 16 positions on) gives the
+    # seeds of sample_item, position by position, up to the largest positions
+    positions = list(range(0, 2 * count, 2))
+    if count >= 2:
+        positions[-2:] = [2**63 - 2, 2**64 - 2]
+    assert S.sample_items(base, positions, formula) == [S.sample_item(base, p, formula) for p in positions]
+    assert all(type(x) is int for x in S.sample_items(base, positions, formula))
+
+
+@pytest.mark.parametrize(
+    "key_text", ["4", "[3,12345,0]", '["a",[1,2.5],{"k":null}]', '"\u00e9t\u00e9 \u2603"', "true", "-7"]
+)
+def test_key_seed_of_a_prefix_is_the_key_formula(key_text: str) -> None:
+    text = json.dumps(json.loads(key_text), ensure_ascii=False, separators=(",", ":"))
+    prefix = S.key_prefix(2**64 - 1, 9, (0, 3), "Src")
+    expected = derive_seed(2**64 - 1, "key", 9, 0, 3, "Src", text)
+    assert S.key_seed_of(prefix, text.encode()) == expected == S.key_seed(2**64 - 1, 9, (0, 3), "Src", text)

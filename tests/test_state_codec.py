@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import math
 import struct
 
@@ -540,6 +541,13 @@ def test_valid_hand_made_extension_decodes() -> None:
         (msgspec.msgpack.Ext(2, b"\x91\xc1"), None),
         (msgspec.msgpack.Ext(2, msgspec.msgpack.encode([msgspec.msgpack.Ext(7, b"")])), "extension code 7"),
         (msgspec.msgpack.Ext(7, b"\x00"), "extension code 7"),
+        (_array_ext("array", "q", [2], b"\x00" * 15), "needs 16 bytes, got 15"),
+        (_array_ext("array", "d", [], b"\x00" * 8), "invalid array shape"),
+        (_array_ext("array", "q", [1, 1], b"\x00" * 8), "invalid array shape"),
+        (_array_ext("array", "l", [1], b"\x00" * 8), "typecode must be one of bBhHiIqQfd, got 'l'"),
+        (_array_ext("array", "u", [1], b"\x00" * 4), "typecode"),
+        (_array_ext("array", "int64", [1], b"\x00" * 8), "typecode"),
+        (_array_ext("array", ">q", [1], b"\x00" * 8), "typecode"),
     ],
 )
 def test_bad_array_extension_raises_state_error(ext: msgspec.msgpack.Ext, message: str | None) -> None:
@@ -547,6 +555,22 @@ def test_bad_array_extension_raises_state_error(ext: msgspec.msgpack.Ext, messag
         decode(_state_with_ext(ext))
     with pytest.raises(StateError, match=message):
         decode_part(msgspec.msgpack.encode(DatasetState(type="t", fields={"a": ext})), DatasetState)
+
+
+def test_a_malformed_extension_is_named_by_its_field() -> None:
+    bad = _array_ext("array", "q", [2], b"\x00" * 15)
+    with pytest.raises(StateError, match=r"needs 16 bytes, got 15 at position\.workers\[0\]\.dataset: t\.a$"):
+        decode(_state_with_ext(bad))
+    inner = DatasetState(type="m.Inner", fields={"buf": {"x": [1, bad]}})
+    part = msgspec.msgpack.encode(DatasetState(type="m.Outer", fields={"ok": 1}, children=[inner]))
+    with pytest.raises(StateError, match=r"at Inner\.buf\['x'\]\[1\]$"):
+        decode_part(part, DatasetState)
+    # inside a tuple: the tuple is named
+    part = msgspec.msgpack.encode(
+        DatasetState(type="m.T", fields={"t": msgspec.msgpack.Ext(2, msgspec.msgpack.encode([bad]))})
+    )
+    with pytest.raises(StateError, match=r"at T\.t$"):
+        decode_part(part, DatasetState)
 
 
 def test_decode_part_wrong_type_raises_state_error() -> None:
@@ -664,7 +688,7 @@ def test_fuzz_structured_msgpack(value: object) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.sampled_from(["torch", "numpy", "numpy-scalar", "pickle", ""]),
+    st.sampled_from(["torch", "numpy", "numpy-scalar", "array", "pickle", ""]),
     st.sampled_from(
         [
             "float32",
@@ -686,6 +710,10 @@ def test_fuzz_structured_msgpack(value: object) -> None:
             "timedelta64[2147483647as]",
             ">datetime64[D]",
             ">float16",
+            "q",
+            "d",
+            "B",
+            "l",
         ]
     ),
     st.lists(st.integers(-2, 5), max_size=4),
@@ -699,9 +727,12 @@ def test_fuzz_array_extensions(library: str, dtype: str, shape: list[int], raw: 
         return
     value = result.position.workers[0].dataset.fields["a"]
     assert isinstance(value, ArrayValue)
-    assert value.library in ("torch", "numpy", "numpy-scalar")
+    assert value.library in ("torch", "numpy", "numpy-scalar", "array")
     restored = from_plain(value)  # whatever decodes also converts
-    if value.library == "torch":
+    if value.library == "array":
+        assert type(restored) is array.array and (len(restored),) == value.shape
+        assert restored.tobytes() == value.data
+    elif value.library == "torch":
         assert isinstance(restored, torch.Tensor) and tuple(restored.shape) == value.shape
     elif value.library == "numpy":
         assert isinstance(restored, np.ndarray) and restored.shape == value.shape

@@ -123,3 +123,51 @@ def test_cpython_and_numpy_internals():
     ti.queue_push_front(q, "x")
     assert {q.get(timeout=10), q.get(timeout=10)} == {"a", "x"}
     q.close()
+
+
+def test_the_mersenne_twister_layouts_check_out_here():
+    # the fast fingerprints read CPython's RandomObject and NumPy's mt19937_state: a new
+    # interpreter or NumPy that moved them fails here first (the slow forms still work)
+    assert ti._python_layout_ok() and ti._numpy_layout_ok()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fingerprints_change_exactly_when_the_state_does(monkeypatch, fast):
+    if not fast:
+        monkeypatch.setattr(ti, "_python_layout_ok", lambda: False)
+        monkeypatch.setattr(ti, "_numpy_layout_ok", lambda: False)
+    python = ti.python_random_fingerprint(ti.PY_RANDOM)
+    numpy = ti.numpy_mt_fingerprint(ti.numpy_global_randomstate())
+    random.seed(3)
+    np.random.seed(3)
+    before = python(), numpy()
+    assert (python(), numpy()) == before
+    random.gauss(0, 1)  # two normals drawn, one cached in gauss_next
+    after_draw = python()
+    assert after_draw != before[0]
+    random.gauss(0, 1)  # the cached one: the words stay, gauss_next goes
+    assert python() != after_draw
+    np.random.rand()
+    assert numpy() != before[1]
+    state = ti.PY_RANDOM.getstate()
+    random.seed(3)
+    assert python() == before[0]  # the same state again: the same fingerprint
+    ti.PY_RANDOM.setstate(state)
+    np.random.seed(3)
+    assert numpy() == before[1]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_numpy_fingerprint_sees_another_bit_generator(monkeypatch, fast):
+    if not fast:
+        monkeypatch.setattr(ti, "_numpy_layout_ok", lambda: False)
+    state = ti.numpy_global_randomstate()
+    old = np.random.get_bit_generator()
+    look = ti.numpy_mt_fingerprint(state)
+    before = look()
+    np.random.set_bit_generator(np.random.PCG64(1))
+    try:
+        assert look() != before
+    finally:
+        np.random.set_bit_generator(old)
+    assert look() == before

@@ -10,10 +10,12 @@ with the path too.
 
 from __future__ import annotations
 
+import array
 import collections
 import enum
 import math
 import random
+import struct
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ import torch
 from savable_loader._values import freeze, from_plain, numpy_dtype_code, to_plain
 from savable_loader.errors import StateError
 from savable_loader.state.codec import decode_part, encode_part
-from savable_loader.state.schema import ArrayValue, DatasetState, TupleValue
+from savable_loader.state.schema import ARRAY_TYPECODES, ArrayValue, DatasetState, TupleValue
 from tests.common import assert_same
 
 NUMERIC = [
@@ -374,3 +376,115 @@ def test_encode_error_of_a_rank_state_names_the_worker_and_the_field() -> None:
     )
     with pytest.raises(StateError, match=r"at position\.workers\[1\]\.dataset: Source\.pos \(integers"):
         encode(state)
+
+
+# -- big lists of scalars (checked once per snapshot) and array.array ---------------------
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+BIG = 1000  # longer than the lists checked by a sample and a count
+
+
+def bits(values: list[Any]) -> list[tuple[type, Any]]:
+    return [(type(v), struct.pack("<d", v) if type(v) is float else v) for v in values]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [True, False] * (BIG // 2),
+        list(range(BIG)) + [True] + list(range(BIG)),  # one bool among ints, not in the sample
+        [True] + list(range(BIG)),
+        [2**63 - 1, -(2**63), 2**63, 2**64 - 1, 0] * (BIG // 5),
+        [math.nan, -0.0, 0.0, math.inf, -math.inf, struct.unpack("<d", b"\x01\x00\x00\x00\x00\x00\xf8\x7f")[0]] * BIG,
+        [None, 1, 1.0, "1", b"1", False] * BIG,
+        [],
+        [[]] * BIG,
+        [list(range(BIG)), [1.5] * BIG, []],
+    ],
+    ids=["bools", "int-bool-int", "bool-first", "int64-bounds", "float-bits", "mixed", "empty", "empties", "nested"],
+)
+def test_big_lists_of_scalars_keep_types_and_bits(values: list[Any]) -> None:
+    for back in round_trips(values):
+        assert type(back) is list and len(back) == len(values)
+        if values and type(values[0]) is list:
+            assert [bits(x) for x in back] == [bits(x) for x in values]
+            assert all(type(x) is list for x in back)
+        else:
+            assert bits(back) == bits(values)
+
+
+@pytest.mark.parametrize("where", [0, 1, 500, BIG - 1])
+def test_an_int_subclass_anywhere_in_a_big_list_is_refused(where: int) -> None:
+    values: list[Any] = list(range(BIG))
+    values[where] = Level.LOW
+    with pytest.raises(StateError, match=rf"ShuffleBufferDataset\.buffer\[{where}\] holds a value of type Level"):
+        freeze(values, "ShuffleBufferDataset.buffer")
+
+
+@pytest.mark.parametrize("big", [2**64, -(2**63) - 1])
+def test_an_int_beyond_64_bits_in_a_big_list_is_refused_when_encoded(big: int) -> None:
+    values = [*range(BIG), big]
+    node = DatasetState(type="m.ShuffleBufferDataset", fields={"buffer": to_plain(freeze(values, "b"))})
+    with pytest.raises(StateError, match=rf"at ShuffleBufferDataset\.buffer\[{BIG}\] \(integers"):
+        encode_part(node)
+
+
+def test_a_big_list_mutated_after_the_snapshot_does_not_change_it() -> None:
+    live = list(range(BIG))
+    frozen = freeze(live, "T.f")
+    live[0], live[-1] = live[-1], live[0]
+    live.pop()
+    live.append(Level.LOW)
+    for back in (from_plain(frozen), from_plain(to_plain(frozen))):
+        assert back == list(range(BIG)) and type(back) is list
+    assert type(to_plain(frozen)) is list and to_plain(frozen) is not to_plain(frozen)
+
+
+@pytest.mark.parametrize("typecode", sorted(ARRAY_TYPECODES))
+def test_array_array_keeps_typecode_and_bits(typecode: str) -> None:
+    if typecode in "fd":
+        items: list[Any] = [0.5, -0.0, math.inf, -math.inf, math.nan, 1e-30]
+    else:
+        size = ARRAY_TYPECODES[typecode] * 8
+        low, high = (
+            (0, 2**size - 1) if typecode.isupper() or typecode == "B" else (-(2 ** (size - 1)), 2 ** (size - 1) - 1)
+        )
+        items = [low, high, 0, 1, low + 1]
+    for value in (array.array(typecode, items), array.array(typecode)):
+        for back in round_trips(value):
+            assert type(back) is array.array and back.typecode == typecode
+            assert back.tobytes() == value.tobytes() and back is not value
+    live = array.array(typecode, items)
+    frozen = freeze(live, "T.f")
+    live[0] = live[1]
+    assert from_plain(frozen).tobytes() == array.array(typecode, items).tobytes()
+
+
+class Row(array.array):  # type: ignore[type-arg]
+    pass
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (array.array("l", [1]), "typecode 'l'"),
+        (array.array("u", "ab"), "typecode 'u'"),
+        (Row("q", [1]), "type Row.*typecode 'q'"),
+    ],
+    ids=["l", "u", "subclass"],
+)
+def test_array_array_of_other_typecodes_is_refused_naming_the_field(value: Any, message: str) -> None:
+    with pytest.raises(StateError, match=rf"state field T\.f\[0\] holds .*{message}"):
+        freeze([value], "T.f")
+
+
+def test_a_million_ints_round_trip() -> None:  # (the time is in bench/bench_shuffle_restore.py)
+    values = list(range(-500_000, 500_000))
+    back = round_trips(values)
+    assert back[0] == values and back[1] == values
+    packed = array.array("q", values)
+    assert round_trips(packed)[1].tobytes() == packed.tobytes()

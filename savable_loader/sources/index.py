@@ -23,6 +23,7 @@ same way (``savable_loader/_owned_rng.py``); so the data of a sample does not de
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,11 +33,13 @@ import numpy as np
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from savable_loader._elastic import Share, epoch_length, rank_share, share_length
+from savable_loader._global_rngs import GlobalRngs
 from savable_loader._owned_rng import OwnedRngs
 from savable_loader._permutation import ORDER_FEISTEL, EpochOrder
-from savable_loader._seeds import collate_seed, owned_stream_seed, sample_base, sample_item
+from savable_loader._seeds import collate_seed, owned_stream_seed, sample_base, sample_item, sample_items
 from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import (
+    GLOBAL_RNG_NAMES,
     SEED_FORMULA,
     preserve_global_rng,
     seed_global,
@@ -232,6 +235,7 @@ class IndexedDataset(Dataset):
         salt: tuple[int | str, ...] = ("sample",),
         seed_formula: int = SEED_FORMULA,
         reseed: str = "sample",
+        global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
     ) -> None:
         self.dataset = dataset
         self.seed = seed
@@ -240,6 +244,7 @@ class IndexedDataset(Dataset):
         self.salt = salt
         self.seed_formula = seed_formula
         self.reseed = reseed
+        self.global_rngs = global_rngs
 
     @property
     def user_dataset(self) -> Any:
@@ -249,14 +254,16 @@ class IndexedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    #: What crosses to a spawn/forkserver worker (process-local caches stay behind).
+    _FIELDS = ("dataset", "seed", "collate_fn", "batched", "salt", "seed_formula", "reseed", "global_rngs")
+
     def __getstate__(self) -> dict[str, Any]:
         # cloudpickle carries lambdas and local classes to spawn/forkserver workers.
-        fields = (self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula, self.reseed)
-        return {"payload": cloudpickle.dumps(fields)}
+        return {"payload": cloudpickle.dumps(tuple(getattr(self, name) for name in self._FIELDS))}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        fields = cloudpickle.loads(state["payload"])
-        self.dataset, self.seed, self.collate_fn, self.batched, self.salt, self.seed_formula, self.reseed = fields
+        for name, value in zip(self._FIELDS, cloudpickle.loads(state["payload"]), strict=True):
+            setattr(self, name, value)
 
     def build(self, key: BatchKey) -> Any:
         """The batch (or sample, when unbatched) that ``key`` names."""
@@ -265,19 +272,45 @@ class IndexedDataset(Dataset):
         formula = self.seed_formula
         owned = OwnedRngs.cached(self.__dict__, dataset, self.collate_fn, self._owned_seed(), key.epoch)
         many = _own_getitems(dataset) if self.batched else None
+        guard = self._guard()
+        reseed = seed_global if guard is None else guard.seed
+        if guard is not None:
+            guard.begin(self.seed, key.epoch)
         if many is not None or self.reseed == "batch":
-            seed_global(sample_item(base, key.positions[0], formula))
+            reseed(sample_item(base, key.positions[0], formula))
             owned.seed_sample(key.positions[0])
             samples = many(list(key.indices)) if many is not None else [dataset[index] for index in key.indices]
         else:
             samples = []
-            for position, index in zip(key.positions, key.indices):
-                seed_global(sample_item(base, position, formula))
-                owned.seed_sample(position)
-                samples.append(dataset[index])
-        seed_global(collate_seed(self.seed, key.epoch, key.positions[0], formula))
+            seeds = sample_items(base, key.positions, formula)
+            if owned.has_sample_generators:
+                for seed, position, index in zip(seeds, key.positions, key.indices):
+                    reseed(seed)
+                    owned.seed_sample(position)
+                    samples.append(dataset[index])
+            else:  # the common case: nothing but the global RNGs to re-seed
+                for seed, index in zip(seeds, key.indices):
+                    reseed(seed)
+                    samples.append(dataset[index])
+        reseed(collate_seed(self.seed, key.epoch, key.positions[0], formula))
         owned.seed_collate(key.positions[0])
-        return self.collate_fn(samples if self.batched else samples[0])
+        batch = self.collate_fn(samples if self.batched else samples[0])
+        if guard is not None:
+            guard.check(
+                f"the batch of {len(key.positions)} sample(s) from position {key.positions[0]} of epoch {key.epoch}"
+            )
+        return batch
+
+    def _guard(self) -> GlobalRngs | None:
+        """This process's :class:`GlobalRngs` for the setting (None: all three, the default)."""
+        if self.global_rngs == GLOBAL_RNG_NAMES:
+            return None
+        cached = self.__dict__.get("_global_rngs")
+        if cached is None or cached[0] != (os.getpid(), self.global_rngs):
+            cached = ((os.getpid(), self.global_rngs), GlobalRngs(self.global_rngs))
+            self.__dict__["_global_rngs"] = cached
+        guard: GlobalRngs = cached[1]
+        return guard
 
     def _owned_seed(self) -> int:
         """The seed of the owned generators' streams: the loader's seed for the loader's

@@ -21,7 +21,15 @@ import msgspec
 
 from savable_loader._version import __version__
 from savable_loader.errors import StateError, StateVersionError
-from savable_loader.state.schema import SCHEMA_VERSION, ArrayValue, DatasetState, GlobalState, RankState, TupleValue
+from savable_loader.state.schema import (
+    ARRAY_TYPECODES,
+    SCHEMA_VERSION,
+    ArrayValue,
+    DatasetState,
+    GlobalState,
+    RankState,
+    TupleValue,
+)
 
 __all__ = ["decode", "decode_part", "encode", "encode_part"]
 
@@ -51,7 +59,7 @@ _TIME_UNITS = ("Y", "M", "W", "D", "h", "m", "s", "ms", "us", "ns", "ps", "fs", 
 _NUMPY_DTYPE = re.compile(r"(U|S)([1-9][0-9]{0,9})|(datetime64|timedelta64)(?:\[([1-9][0-9]{0,9})?([a-zA-Z]{1,2})\])?")
 _MAX_ITEMSIZE = (1 << 31) - 1  # NumPy's limit for U / S, and for a time unit's multiplier
 _MAX_NDIM = 32
-_LIBRARIES = ("torch", "numpy", "numpy-scalar")
+_LIBRARIES = ("torch", "numpy", "numpy-scalar", "array")
 
 _TopLevel = RankState | GlobalState
 
@@ -68,6 +76,10 @@ def _itemsize(library: str, dtype: str) -> int | None:
     ``"str"`` and ``"bytes"``); ValueError if an ArrayValue cannot carry it."""
     if library == "numpy-scalar" and dtype in ("str", "bytes"):
         return None
+    if library == "array":
+        if dtype not in ARRAY_TYPECODES:
+            raise ValueError(f"array.array typecode must be one of {''.join(ARRAY_TYPECODES)}, got {dtype!r}")
+        return ARRAY_TYPECODES[dtype]
     name = dtype
     if library != "torch" and name.startswith(">"):
         name = name[1:]  # big-endian NumPy data
@@ -108,7 +120,12 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     if library not in _LIBRARIES:
         raise ValueError(f"array library must be one of {list(_LIBRARIES)}, got {library!r}")
     size = _itemsize(library, dtype)
-    if len(shape) > _MAX_NDIM or any(d < 0 for d in shape) or (library == "numpy-scalar" and shape):
+    if (
+        len(shape) > _MAX_NDIM
+        or any(d < 0 for d in shape)
+        or (library == "numpy-scalar" and shape)
+        or (library == "array" and len(shape) != 1)
+    ):
         raise ValueError(f"invalid array shape {shape} for library {library!r}")
     if size is None:
         if dtype == "str":
@@ -117,6 +134,55 @@ def _ext_hook(code: int, data: memoryview) -> Any:
         expected = math.prod(shape) * size
         raise ValueError(f"array of shape {shape} and dtype {dtype} needs {expected} bytes, got {len(raw)}")
     return ArrayValue(library=library, dtype=dtype, shape=tuple(shape), data=raw)
+
+
+class _Malformed:
+    """An extension value that failed to decode, in place (see :func:`_where_malformed`)."""
+
+    __slots__ = ()
+
+
+def _lenient_ext_hook(code: int, data: memoryview) -> Any:
+    try:
+        return _ext_hook(code, data)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return _Malformed()
+
+
+def _where_malformed(data: bytes | bytearray | memoryview, type: Any) -> str:
+    """`` at <path>`` of the first malformed extension value (an array, a tuple) in
+    ``data``, named as :func:`_locate` names a field (``""``: none found, or the rest of
+    ``data`` is malformed too)."""
+    try:
+        obj = msgspec.msgpack.decode(data, type=type, ext_hook=_lenient_ext_hook)
+        where = _find_malformed(obj, "")
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
+        return ""
+    return "" if where is None else f" at {where}"
+
+
+def _find_malformed(value: Any, path: str, node: str = "") -> str | None:
+    if isinstance(value, _Malformed):
+        return path or "<root>"
+    found: str | None = None
+    if isinstance(value, DatasetState):
+        node = node or path
+        owner = value.type.rsplit(".", 1)[-1]
+        for name, field in value.fields.items():
+            found = found or _find_malformed(field, f"{node}: {owner}.{name}" if node else f"{owner}.{name}")
+        for child in value.children:
+            found = found or _find_malformed(child, path, node)
+    elif isinstance(value, msgspec.Struct):
+        for name in value.__struct_fields__:
+            found = found or _find_malformed(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = found or _find_malformed(item, f"{path}[{key!r}]")
+    elif isinstance(value, (list, TupleValue)):
+        items = value.items if isinstance(value, TupleValue) else value
+        for i, item in enumerate(items):
+            found = found or _find_malformed(item, f"{path}[{i}]")
+    return found
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
@@ -225,7 +291,7 @@ def decode(data: bytes | bytearray | memoryview) -> RankState | list[RankState]:
     try:
         obj = _decoder.decode(data)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as e:
-        raise StateError(f"malformed savable_loader state: {e}") from e
+        raise StateError(f"malformed savable_loader state: {e}{_where_malformed(data, _TopLevel)}") from e
     if isinstance(obj, GlobalState):
         for i, rank in enumerate(obj.ranks):
             if rank.schema_version > SCHEMA_VERSION:
@@ -250,4 +316,4 @@ def decode_part(data: bytes | memoryview, type: Any) -> Any:
     try:
         return msgspec.msgpack.decode(data, type=type, ext_hook=_ext_hook)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as e:
-        raise StateError(f"malformed state part: {e}") from e
+        raise StateError(f"malformed state part: {e}{_where_malformed(data, type)}") from e

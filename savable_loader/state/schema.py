@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 __all__ = [
+    "ARRAY_TYPECODES",
     "SCHEMA_VERSION",
     "ArrayValue",
     "DatasetState",
@@ -36,18 +37,26 @@ __all__ = [
 #: older versions stay decodable (see tests/data/ for the kept fixtures).
 SCHEMA_VERSION = 1
 
+#: Typecodes of Python ``array.array`` values an :class:`ArrayValue` may hold (library
+#: ``"array"``), with their item sizes: those whose size is the same on every platform
+#: (``"l"`` / ``"L"`` are 4 or 8 bytes, ``"u"`` / ``"w"`` hold text).
+ARRAY_TYPECODES = {"b": 1, "B": 1, "h": 2, "H": 2, "i": 4, "I": 4, "q": 8, "Q": 8, "f": 4, "d": 8}
+
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class ArrayValue:
-    """A tensor, NumPy array or NumPy scalar inside a dataset state: library, dtype,
-    shape, raw bytes.
+    """A tensor, NumPy array, NumPy scalar or ``array.array`` inside a dataset state:
+    library, dtype, shape, raw bytes.
 
-    ``library`` is ``"torch"``, ``"numpy"`` or ``"numpy-scalar"`` (a NumPy scalar such as
+    ``library`` is ``"torch"``, ``"numpy"``, ``"numpy-scalar"`` (a NumPy scalar such as
     ``np.float32(1.5)``, shape ``()``; dtypes ``"str"`` and ``"bytes"`` hold ``np.str_``
-    as UTF-8 and ``np.bytes_`` as they are). Data is little-endian, except for NumPy
-    dtypes written with a leading ``">"`` (big-endian arrays). Stored as a MessagePack
+    as UTF-8 and ``np.bytes_`` as they are) or ``"array"`` (a Python ``array.array``:
+    ``dtype`` is its typecode, one of :data:`ARRAY_TYPECODES`, shape ``(len,)``; a
+    reader from before this library existed refuses such a state, naming it). Data is
+    little-endian, except for NumPy dtypes written with a leading ``">"`` (big-endian
+    arrays). Stored as a MessagePack
     extension (code 1), never as a pickle. A plain class rather than a Struct so that
     msgspec hands it to the codec's extension hook.
 
@@ -55,6 +64,7 @@ class ArrayValue:
 
         ArrayValue(library="numpy", dtype="int64", shape=(2,), data=np.arange(2).tobytes())
         ArrayValue(library="numpy-scalar", dtype="float32", shape=(), data=b"\x00\x00\xc0?")  # 1.5
+        ArrayValue(library="array", dtype="q", shape=(2,), data=array.array("q", [7, -1]).tobytes())
     """
 
     __slots__ = ("data", "dtype", "library", "shape")
@@ -160,6 +170,9 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     #: their stream; ``"feistel-1"``: the constant-memory keyed bijection of
     #: ``savable_loader/_permutation.py``, which new drop-in loaders write.
     order_algorithm: str = "numpy-permutation"
+    #: Drop-in path: the global RNGs re-seeded before every sample, sorted
+    #: (``SavableDataLoader(global_rngs=...)``); all three by default, as earlier versions did.
+    global_rngs: list[str] = msgspec.field(default_factory=lambda: ["numpy", "random", "torch"])
 
 
 class IndexStage(msgspec.Struct, kw_only=True, frozen=True):
@@ -262,6 +275,13 @@ class WorkerState(msgspec.Struct, kw_only=True, frozen=True):
 class PipelinePosition(msgspec.Struct, kw_only=True, frozen=True, tag="pipeline"):
     """Savable-pipeline path: per-worker states and the logical worker that yields next.
 
+    ``workers`` holds one state per logical worker: as many as the ``num_workers`` the
+    epoch started with (at least 1), which after a restore under another
+    ``num_workers`` may differ from ``LoaderConfig.num_workers`` (the logical workers
+    were then hosted by the loader's workers, see ``savable_loader/_hosting.py``);
+    ``next_worker`` is then the lowest logical worker of the hosting worker that yields
+    next.
+
     Example::
 
         position = loader.save_state_rank().position
@@ -353,6 +373,9 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     order_algorithm: str = "numpy-permutation"
     #: ``"index"`` keys: ``LoaderConfig.reseed`` of the loader that made the key.
     reseed: str = "sample"
+    #: ``"index"`` keys: ``LoaderConfig.global_rngs`` of the loader that made the key
+    #: (the default, all three, is left out of ``str(key)``).
+    global_rngs: tuple[str, ...] = ("numpy", "random", "torch")
 
     def __str__(self) -> str:
         return msgspec.json.encode(self).decode()
