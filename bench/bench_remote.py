@@ -8,10 +8,10 @@ Run from the repository root::
     python bench/bench_remote.py --json bench/results/remote.json
 
 It writes WebDataset tars (the data of ``bench_formats.py``), indexes them, serves them
-from a local moto S3 server (the ``test`` extra) and from an HTTP server that honours
-``Range`` (``tests/storage_servers.py``; it runs in the benchmark's own process, so its
-cold figures are pessimistic: the server's threads compete for the GIL with the reader),
-and measures samples per second of
+from a local moto S3 server (the ``test`` extra; reached through a proxy that counts the
+requests) and from an HTTP server that honours ``Range`` (``tests/storage_servers.py``),
+each in its own process (so they compete with the reader for the machine's cores, not
+for its GIL), and measures samples per second of
 ``ShardedFileDataset`` iterated as one worker does (shuffled), in one process:
 
 * ``prefetch, cold``: an empty cache folder at each run, ``prefetch=2``: every shard is
@@ -45,7 +45,7 @@ from bench.bench_formats import interleaved, save_json, write_tars  # noqa: E402
 from savable_loader.config import _ActiveWorker  # noqa: E402
 from savable_loader.sources import ShardedFileDataset, index_folder  # noqa: E402
 from savable_loader.storage import Storage  # noqa: E402
-from tests.storage_servers import FaultProxy, FileServer, MotoServer  # noqa: E402
+from tests.storage_servers import MotoServer, ServerProcess  # noqa: E402
 
 TARGET = 0.8
 WC = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=0)
@@ -61,7 +61,9 @@ def read_epoch(location: Any) -> int:
 
 def restore_gets(storage_of: Callable[[Path], Storage], log: Any, root: Path, shards: list[str]) -> dict[str, Any]:
     """Save half-way through an unshuffled epoch, restore with a cold cache, count GETs."""
-    # prefetch=0 for the run that saves: no download of it may still be in flight when counting starts
+    # prefetch=0 for the run that saves: no download of it may still be in flight when counting starts;
+    # and for the restored run: at the epoch's end prefetch would fetch the next epoch's first
+    # shards (unshuffled: the consumed ones), which are not the restore's
     loader = sl.SavableDataLoader(
         ShardedFileDataset(storage_of(root / "restore-a", 0), WC, shuffle=False), batch_size=None, worker_config=WC
     )
@@ -73,17 +75,18 @@ def restore_gets(storage_of: Callable[[Path], Storage], log: Any, root: Path, sh
     del it, loader
     log.reset()
     fresh = sl.SavableDataLoader(
-        ShardedFileDataset(storage_of(root / "restore-b"), WC, shuffle=False), batch_size=None, worker_config=WC
+        ShardedFileDataset(storage_of(root / "restore-b", 0), WC, shuffle=False), batch_size=None, worker_config=WC
     )
     fresh.restore_state_rank(state)
     rest = sum(1 for _ in fresh)
-    gets = {name: sum(1 for m, p, _, _ in log.log if m == "GET" and p.endswith("/" + name)) for name in shards}
+    entries = log.log
+    gets = {name: sum(1 for m, p, _, _ in entries if m == "GET" and p.endswith("/" + name)) for name in shards}
     consumed = shards[: len(shards) // 2]
     return {
         "samples_after_restore": rest,
         "gets_per_shard": gets,
         "gets_for_consumed_shards": sum(gets[s] for s in consumed),
-        "requests": len(log.log),
+        "requests": len(entries),
     }
 
 
@@ -107,14 +110,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if backend == "s3":
                 moto = MotoServer()
                 moto.bucket("bench", files)
-                server: Any = FaultProxy(moto.port)
+                server: Any = ServerProcess("proxy", moto.port)
                 options = moto.options(server.port)
 
                 def storage_of(cache: Path, prefetch: int = 2, options: dict[str, Any] = options) -> Storage:
                     return Storage("s3://bench", storage_options=options, cache_dir=cache, prefetch=prefetch)
             else:
                 moto = None
-                server = FileServer(root)
+                server = ServerProcess("file", root)
                 url = f"{server.url}/tar"
 
                 def storage_of(cache: Path, prefetch: int = 2, url: str = url) -> Storage:

@@ -146,6 +146,13 @@ def active_repetitions() -> tuple[int, ...]:
     return getattr(_active, "repetitions", ())
 
 
+def active_repetition_limits() -> tuple[int | None, ...]:
+    """The ``repeats`` of the ``RepeatDataset`` passes the calling code runs in (outermost
+    first; None: endless, or not known): what a source predicting its next pass needs."""
+    limits = getattr(_active, "repetition_limits", ())
+    return limits if len(limits) == len(active_repetitions()) else (None,) * len(active_repetitions())
+
+
 def request_snapshot() -> None:
     """Ask the calling thread's loading context for a snapshot right after the sample
     about to be yielded (see :meth:`SavableDataset.request_snapshot`)."""
@@ -161,16 +168,20 @@ def take_snapshot_request() -> bool:
 
 
 class _Repetition:
-    """Context manager: datasets reset inside it draw seeds for repetition ``n``."""
+    """Context manager: datasets reset inside it draw seeds for repetition ``n`` (of
+    ``limit`` passes, None: endless or not known)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, limit: int | None = None) -> None:
         self.n = n
+        self.limit = limit
 
     def __enter__(self) -> None:
         _active.repetitions = (*getattr(_active, "repetitions", ()), self.n)
+        _active.repetition_limits = (*getattr(_active, "repetition_limits", ()), self.limit)
 
     def __exit__(self, *exc: object) -> None:
         _active.repetitions = _active.repetitions[:-1]
+        _active.repetition_limits = _active.repetition_limits[:-1]
 
 
 class _LogicalWorkers:

@@ -22,14 +22,17 @@ from __future__ import annotations
 import hashlib
 import http.client
 import http.server
+import json
 import os
 import re
+import shutil
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +76,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
     def _fault(self, method: str) -> bool:
-        """Apply the next fault, if any; True if the request was answered by it."""
+        """Apply the next fault, if any; True if the request was answered by it (or was a
+        control request of a ``ServerProcess``: ``/__faults__/log``, ``/__faults__/reset``)."""
+        if self.path.startswith("/__faults__/"):
+            faults = self.server.faults
+            if self.path == "/__faults__/reset":
+                faults.reset()
+            with faults.lock:
+                body = json.dumps(faults.log).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return True
         fault = self.server.faults.next()
         if self.server.faults.delay:
             time.sleep(self.server.faults.delay)
@@ -150,27 +165,35 @@ class _FileHandler(_Handler):
         if not path.is_file():
             self._send(method, 404, [("Content-Length", "0")], b"")
             return
-        data = path.read_bytes()
-        etag = hashlib.md5(data).hexdigest()
+        st = path.stat()
+        stamp = (str(path), st.st_size, st.st_mtime_ns)
+        etag = self.server.etags.get(stamp)
+        if etag is None:  # hashed once per version of the file, not per request
+            etag = self.server.etags[stamp] = hashlib.md5(path.read_bytes()).hexdigest()
+        size = st.st_size
         headers = [("ETag", f'"{etag}"'), ("Accept-Ranges", "bytes")]
         rng = self.headers.get("Range")
         match = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "")
         if match and self.server.honour_range:
             start = int(match.group(1))
-            end = min(int(match.group(2)) + 1 if match.group(2) else len(data), len(data))
-            if start >= len(data):
-                self._send(method, 416, [("Content-Range", f"bytes */{len(data)}"), ("Content-Length", "0")], b"")
+            end = min(int(match.group(2)) + 1 if match.group(2) else size, size)
+            if start >= size:
+                self._send(method, 416, [("Content-Range", f"bytes */{size}"), ("Content-Length", "0")], b"")
                 return
-            body = data[start:end]
-            headers += [("Content-Range", f"bytes {start}-{end - 1}/{len(data)}"), ("Content-Length", str(len(body)))]
+            with open(path, "rb") as f:  # only the bytes asked for
+                f.seek(start)
+                body = f.read(end - start) if method != "HEAD" else b""
+            headers += [("Content-Range", f"bytes {start}-{end - 1}/{size}"), ("Content-Length", str(end - start))]
             self._send(method, 206, headers, body)
         else:
-            self._send(method, 200, [*headers, ("Content-Length", str(len(data)))], data)
+            data = path.read_bytes() if method != "HEAD" else b""
+            self._send(method, 200, [*headers, ("Content-Length", str(size))], data)
 
 
 class _FileServerImpl(_Server):
     root: Path
     honour_range: bool
+    etags: dict[tuple[str, int, int], str]
 
 
 class _ProxyHandler(_Handler):
@@ -233,6 +256,7 @@ class FileServer(_Running):
     def __init__(self, root: Path, honour_range: bool = True) -> None:
         server = _FileServerImpl(("127.0.0.1", 0), _FileHandler)
         server.root, server.honour_range, server.faults = Path(root), honour_range, Faults()
+        server.etags = {}
         super().__init__(server)
 
 
@@ -243,13 +267,151 @@ class FaultProxy(_Running):
         super().__init__(server)
 
 
+class _HubHandler(_Handler):
+    """The Hugging Face Hub routes ``HfFileSystem`` calls to read a dataset repository:
+    the repository's info, its tree (listing), ``paths-info`` (``info``) and ``resolve``
+    (the bytes, honouring ``Range``). Sizes, git blob ids, LFS SHA-256s and ETags are the
+    files' own; any other route is a 404."""
+
+    server: _HubImpl
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_HEAD(self) -> None:
+        self._route("HEAD")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def _route(self, method: str) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) if method == "POST" else b""
+        if self._fault(method):
+            return
+        path, _, query = self.path.partition("?")
+        path = urllib.parse.unquote(path)
+        repo, sha = re.escape(self.server.repo_id), self.server.sha
+        if method == "POST" and (m := re.fullmatch(rf"/api/datasets/{repo}/paths-info/[^/]+", path)):
+            asked = urllib.parse.parse_qs(body.decode()).get("paths", [])
+            return self._json(method, [e for p in asked if (e := self._entry(p.strip("/"))) is not None])
+        if re.fullmatch(rf"/api/datasets/{repo}(/revision/[^/]+)?", path):
+            return self._json(method, {"id": self.server.repo_id, "sha": sha, "private": False, "siblings": []})
+        if m := re.fullmatch(rf"/api/datasets/{repo}/tree/[^/]+(/.*)?", path):
+            under = (m.group(1) or "").strip("/")
+            recursive = urllib.parse.parse_qs(query).get("recursive", ["False"])[0].lower() == "true"
+            base = self.server.root / under
+            if not base.is_dir():
+                return self._json(method, {"error": "not found"}, 404)
+            found = base.rglob("*") if recursive else base.iterdir()
+            rel = sorted(p.relative_to(self.server.root).as_posix() for p in found)
+            return self._json(method, [self._entry(p) for p in rel])
+        if m := re.fullmatch(rf"/datasets/{repo}/resolve/[^/]+/(.+)", path):
+            return self._file(method, m.group(1))
+        self._json(method, {"error": "no such route"}, 404)
+
+    def _entry(self, rel: str) -> dict[str, Any] | None:
+        path = self.server.root / rel
+        if path.is_dir() and rel:
+            return {"type": "directory", "oid": hashlib.sha1(rel.encode()).hexdigest(), "path": rel}
+        if not path.is_file():
+            return None
+        data = path.read_bytes()
+        blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        entry: dict[str, Any] = {"type": "file", "oid": blob, "size": len(data), "path": rel}
+        if len(data) > self.server.lfs_from:  # stored in LFS: the pointer names the SHA-256
+            entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+        return entry
+
+    def _json(self, method: str, value: Any, status: int = 200) -> None:
+        body = json.dumps(value).encode()
+        self._send(method, status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], body)
+
+    def _file(self, method: str, rel: str) -> None:
+        path = self.server.root / rel
+        if not path.is_file():
+            headers = [("X-Error-Code", "EntryNotFound"), ("Content-Length", "0")]
+            return self._send(method, 404, headers, b"")
+        data = path.read_bytes()
+        headers = [("ETag", f'"{hashlib.sha256(data).hexdigest()}"'), ("Accept-Ranges", "bytes")]
+        headers.append(("X-Repo-Commit", self.server.sha))
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+        if not match:
+            return self._send(method, 200, [*headers, ("Content-Length", str(len(data)))], data)
+        start = int(match.group(1))
+        end = min(int(match.group(2)) + 1 if match.group(2) else len(data), len(data))
+        if start >= len(data):
+            return self._send(method, 416, [("Content-Range", f"bytes */{len(data)}"), ("Content-Length", "0")], b"")
+        body = data[start:end]
+        headers += [("Content-Range", f"bytes {start}-{end - 1}/{len(data)}"), ("Content-Length", str(len(body)))]
+        self._send(method, 206, headers, body)
+
+
+class _HubImpl(_Server):
+    root: Path
+    repo_id: str
+    sha: str
+    lfs_from: int
+
+
+class HubServer(_Running):
+    """A folder served as the Hugging Face dataset repository ``repo_id`` (see
+    ``_HubHandler``): ``hf://datasets/<repo_id>/...`` with ``options()`` as storage_options."""
+
+    def __init__(self, root: Path, repo_id: str = "savable/shards", lfs_from: int = 10_000) -> None:
+        server = _HubImpl(("127.0.0.1", 0), _HubHandler)
+        server.root, server.repo_id, server.faults, server.lfs_from = Path(root), repo_id, Faults(), lfs_from
+        server.sha = hashlib.sha1(repo_id.encode()).hexdigest()
+        self.repo_id = repo_id
+        super().__init__(server)
+
+    def options(self) -> dict[str, Any]:
+        return {"endpoint": self.url, "token": False}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-class MotoServer:
+def _wait_for_port(proc: subprocess.Popen[bytes], port: int, what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"the {what} did not start") from None
+            time.sleep(0.05)
+
+
+class _Subprocess:
+    proc: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> _Subprocess:  # noqa: PYI034 - typing.Self needs Python 3.11
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class MotoServer(_Subprocess):
     """moto's S3 server in a subprocess on 127.0.0.1."""
 
     def __init__(self) -> None:
@@ -261,20 +423,7 @@ class MotoServer:
             stderr=subprocess.DEVNULL,
             env=env,
         )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("the moto server did not start") from None
-                time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        _wait_for_port(self.proc, self.port, "moto server")
 
     def options(self, port: int | None = None) -> dict[str, Any]:
         """storage_options reaching this server (or a proxy of it on ``port``)."""
@@ -299,19 +448,78 @@ class MotoServer:
         for key, data in files.items():
             s3.put_object(Bucket=name, Key=key, Body=data)
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
-    def __enter__(self) -> MotoServer:  # noqa: PYI034 - typing.Self needs Python 3.11
-        return self
+TEST_TOOLS = Path(os.environ.get("SAVABLE_LOADER_TEST_TOOLS") or Path.home() / ".cache" / "savable_loader-test-tools")
+AZURITE_VERSION = "3.37.0"
+AZURITE_INSTALL = f"npm install --prefix {TEST_TOOLS} azurite@{AZURITE_VERSION} (what .ci/run does)"
+# Azurite's well-known development account (public, in Microsoft's documentation)
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+
+def azurite_executable() -> str | None:
+    """Azurite's blob server: ``$SAVABLE_LOADER_AZURITE``, the test-tools folder, or PATH."""
+    for candidate in (
+        os.environ.get("SAVABLE_LOADER_AZURITE"),
+        str(TEST_TOOLS / "node_modules" / ".bin" / "azurite-blob"),
+    ):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which("azurite-blob")
+
+
+class AzuriteServer(_Subprocess):
+    """Azurite's blob service (Azure Storage's emulator, Node.js) in memory on 127.0.0.1."""
+
+    def __init__(self, executable: str) -> None:
+        self.port = _free_port()
+        args = ["--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--inMemoryPersistence"]
+        args += ["--extentMemoryLimit", "256", "--skipApiVersionCheck", "--disableTelemetry", "--silent"]
+        self.proc = subprocess.Popen([executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for_port(self.proc, self.port, "Azurite blob server")
+
+    def options(self, port: int | None = None) -> dict[str, Any]:
+        """storage_options (adlfs) reaching this server (or a proxy of it on ``port``)."""
+        endpoint = f"http://127.0.0.1:{port or self.port}/{AZURITE_ACCOUNT}"
+        return {
+            "connection_string": f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+            f"AccountKey={AZURITE_KEY};BlobEndpoint={endpoint};"
+        }
+
+    def container(self, name: str, files: dict[str, bytes]) -> None:
+        import adlfs
+
+        fs = adlfs.AzureBlobFileSystem(**self.options(), skip_instance_cache=True)
+        fs.mkdir(name)
+        for key, data in files.items():
+            fs.pipe(f"{name}/{key}", data)
+
+
+# gcsfs >= 2025.10 asks a gRPC control API (which no emulator has) for each bucket's layout
+# unless this is off; it must be set before gcsfs is imported, in every process.
+GCS_ENV = {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+class GcsEmulator(_Subprocess):
+    """``gcp-storage-emulator`` (Google Cloud Storage's JSON API, Python) in memory on 127.0.0.1."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "gcp_storage_emulator", "start", "-H", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen([*cmd, "--in-memory", "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for_port(self.proc, self.port, "GCS emulator")
+
+    def options(self, port: int | None = None) -> dict[str, Any]:
+        """storage_options (gcsfs) reaching this server (or a proxy of it on ``port``)."""
+        return {"endpoint_url": f"http://127.0.0.1:{port or self.port}", "token": "anon", "project": "test"}
+
+    def bucket(self, name: str, files: dict[str, bytes]) -> None:
+        import gcsfs
+
+        fs = gcsfs.GCSFileSystem(**self.options(), skip_instance_cache=True)
+        fs.mkdir(name)
+        for key, data in files.items():
+            fs.pipe(f"{name}/{key}", data)
 
 
 BACKENDS = ("local", "memory", "s3", "http")
@@ -376,3 +584,54 @@ class Replicas:
             self.proxy.stop()
         if self.moto is not None:
             self.moto.stop()
+
+
+class _RemoteFaults:
+    """The ``Faults`` of a server in another process, as far as reading its log goes."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def _ask(self, what: str) -> list[tuple[str, str, str, str]]:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/__faults__/{what}", timeout=30) as r:
+            return [tuple(entry) for entry in json.loads(r.read())]  # type: ignore[misc]
+
+    @property
+    def log(self) -> list[tuple[str, str, str, str]]:
+        return self._ask("log")
+
+    def reset(self) -> None:
+        self._ask("reset")
+
+
+class ServerProcess(_Subprocess):
+    """A ``FileServer`` of ``arg`` (``kind="file"``) or a ``FaultProxy`` of the port ``arg``
+    (``kind="proxy"``) in its own process (a benchmark's servers do not share the reading
+    process's GIL); ``faults.log`` and ``faults.reset()`` reach it over HTTP."""
+
+    def __init__(self, kind: str, arg: str | int) -> None:
+        repo = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.storage_servers", kind, str(arg)], stdout=subprocess.PIPE, env=env, cwd=repo
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.stop()
+            raise RuntimeError(f"the {kind} server process did not start")
+        self.port = int(line)
+        self.faults = _RemoteFaults(self.url)
+
+
+def _serve_main(argv: list[str]) -> None:
+    kind, arg = argv
+    server = FileServer(Path(arg)) if kind == "file" else FaultProxy(int(arg))
+    print(server.port, flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    _serve_main(sys.argv[1:])

@@ -7,6 +7,7 @@ consumed; indexing works on a URL."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import numpy as np
 import pytest
 
 import savable_loader as sl
@@ -22,6 +24,7 @@ from savable_loader.errors import DataError, IntegrityError, RangeIgnoredError, 
 from savable_loader.sources import ShardedFileDataset, index_folder
 from savable_loader.sources._remote_store import StorageShardStore
 from savable_loader.storage import RetryPolicy, Storage
+from savable_loader.wrappers import RepeatDataset
 from tests.common import assert_same, check_resume_everywhere
 from tests.storage_servers import FileServer, Replicas
 from tests.test_shard_formats import make_folder, sample_id, wconf
@@ -418,3 +421,123 @@ def test_an_energon_folder_in_a_bucket_is_read_unchanged(tmp_path: Path) -> None
     assert remote.metadata.source == "energon"
     assert_same(list(make_loader(remote)), epoch(folder))
     assert remote.config() == ShardedFileDataset(folder, wconf()).config()
+
+
+# -- prefetch across the end of a pass -------------------------------------------------------
+
+
+def _shard_of(ds: ShardedFileDataset, sample: Any) -> str:
+    bounds = np.cumsum(ds.counts)
+    return ds.metadata.shards[int(np.searchsorted(bounds, sample_id(sample), side="right"))].path
+
+
+def _shard_gets(log: Any) -> list[str]:
+    """The shards GET requests asked for, in order (not their .idx files)."""
+    with log.lock:
+        return [p.rsplit("/", 1)[-1] for m, p, _, _ in log.log if m == "GET" and p.endswith(".tar")]
+
+
+def _gets(log: Any, name: str) -> int:
+    return _shard_gets(log).count(name)
+
+
+def _read_from_the_prefetch(later: list[str], first: str) -> None:
+    """The second pass did not download its first shard again: the downloads it made are
+    its other shards, and at most one more of ``first``, last: the prefetch for the pass
+    after it (one shard ahead)."""
+    assert later and later[0] != first, later
+    assert first not in later[:-1], later
+
+
+def _wait_for_gets(log: Any, name: str, n: int, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while _gets(log, name) < n:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _crossing_seed(folder: Path, repeat: bool) -> tuple[int, list[Any], str]:
+    """A seed whose second pass (a ``RepeatDataset`` pass, else the loader's next epoch)
+    starts with a shard that is not one of the last two the first pass reads (with a cache
+    that keeps only files in use, it is then gone from the cache when the first pass ends),
+    its 2-pass local stream, and that first shard."""
+    for seed in range(5, 40):
+        ds = ShardedFileDataset(folder, wconf(seed=seed))
+        if repeat:
+            stream = list(make_loader(RepeatDataset(ds, repeats=2)))
+        else:
+            loader = make_loader(ds)
+            stream = list(loader) + list(loader)
+        order = list(dict.fromkeys(_shard_of(ds, sample) for sample in stream[:20]))
+        if _shard_of(ds, stream[20]) not in order[-2:]:
+            return seed, stream, _shard_of(ds, stream[20])
+    raise AssertionError("no seed")
+
+
+@pytest.mark.filterwarnings("ignore:shard cache")  # a budget of 1 byte: only files in use are kept
+def test_prefetch_crosses_into_the_next_repeat_pass(remotes: Remotes, tmp_path: Path) -> None:
+    """RepeatDataset, in process, a cache that keeps only the files in use: the next pass's
+    first shard is downloaded (a second GET) before the last sample of this pass is
+    consumed, and that download is the one the next pass reads (no third GET). The stream
+    is the local folder's."""
+    seed, want, first = _crossing_seed(remotes.folders["tar"], repeat=True)
+    storage = remotes.location("http", "tar", tmp_path / "cache", prefetch=1, cache_bytes=1)
+    ds = ShardedFileDataset(storage, wconf(seed=seed))
+    log = remotes.http.faults
+    it = iter(make_loader(RepeatDataset(ds, repeats=2)))
+    got = [next(it) for _ in range(20)]  # the whole first pass, not one more
+    _wait_for_gets(log, first, 2, f"{first} (the next pass's first shard) was not prefetched before the pass ended")
+    mark = len(_shard_gets(log))
+    got += list(it)
+    assert_same(got, want)
+    _read_from_the_prefetch(_shard_gets(log)[mark:], first)
+
+
+@pytest.mark.filterwarnings("ignore:shard cache")
+def test_prefetch_crosses_into_the_next_epoch_of_persistent_workers(remotes: Remotes, tmp_path: Path) -> None:
+    """A persistent worker: while it reads the last shard of epoch 0 it downloads the first
+    shard of epoch 1; epoch 1 does not download it again."""
+    seed, want, first = _crossing_seed(remotes.folders["tar"], repeat=False)
+    storage = remotes.location("http", "tar", tmp_path / "cache", prefetch=1, cache_bytes=1)
+    ds = ShardedFileDataset(storage, wconf(0, 1, 1, seed=seed))
+    loader = make_loader(ds, persistent_workers=True)
+    log = remotes.http.faults
+    got = list(loader)
+    _wait_for_gets(log, first, 2, f"{first} (epoch 1's first shard) was not prefetched during epoch 0")
+    mark = len(_shard_gets(log))
+    got += list(loader)
+    assert_same(got, want)
+    _read_from_the_prefetch(_shard_gets(log)[mark:], first)
+
+
+@pytest.mark.parametrize("repeats", [(2,), (None,), (2, 3), (3, 2)])
+def test_the_next_pass_predicted_at_each_pass_end_is_the_pass_that_follows(
+    remotes: Remotes, repeats: tuple[int | None, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nested RepeatDatasets (and the loader's next epoch after the last pass): at the last
+    sample of every pass the source predicts the layout key its next pass uses. (The
+    endless repeat is cut by the loop: its last pass of an epoch never ends.)"""
+    ds = ShardedFileDataset(remotes.folders["tar"], wconf())
+    top: Any = ds
+    for n in repeats:
+        top = RepeatDataset(top, repeats=n)
+    predicted: dict[int, tuple[int, ...]] = {}  # pass number -> the key predicted at its end
+    keys: list[tuple[int, ...]] = []  # the key of each pass, in order
+    mark = ds.mark_sample
+
+    def marking(key: Any) -> None:  # runs inside the source's iteration, in its repetition context
+        if not keys or keys[-1] != tuple(ds.epoch):
+            keys.append(tuple(ds.epoch))
+        if ds.position == 20:  # the pass's last sample: what comes next?
+            predicted[len(keys) - 1] = ds._next_pass()
+        mark(key)
+
+    monkeypatch.setattr(ds, "mark_sample", marking)
+    loader = make_loader(top)
+    for _ in range(2):  # two loader epochs
+        it = iter(loader)
+        for _sample in itertools.islice(it, 20 * 7 - 3):  # an endless repeat is cut mid-pass
+            pass
+        del it
+    checked = [(predicted[i], keys[i + 1]) for i in sorted(predicted) if i + 1 < len(keys)]
+    assert len(checked) >= 3 and all(p == k for p, k in checked), checked

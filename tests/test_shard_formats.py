@@ -200,13 +200,15 @@ def test_loader_restore_sample_with_workers(folders, fmt):
 
 
 def test_upcoming_shards_follow_the_reading_order(folders):
+    """The rest of this epoch's reading order, then the next epoch's (for prefetch)."""
     keys = worker_ids(ShardedFileDataset(folders["parquet"], wconf()), 0, 0)[1]
+    following = worker_ids(ShardedFileDataset(folders["parquet"], wconf()), 0, 1)[1]
     ds = ShardedFileDataset(folders["parquet"], wconf())
     with _ActiveWorker(0, 0):
         ds.reset_state_deep()
         it = iter(ds)
         for p in range(21):
-            ahead = list(dict.fromkeys(k[0] for k in keys[p:]))
+            ahead = list(dict.fromkeys(k[0] for k in keys[p:] + following))
             assert ds.upcoming_shards(10) == ahead and ds.upcoming_shards(2) == ahead[:2], f"position {p}"
             next(it, None)
 

@@ -450,3 +450,38 @@ def test_bad_settings(tmp_path: Path) -> None:
             FileRef(**bad)  # type: ignore[arg-type]
     with pytest.raises(LoaderUsageError, match="ends past the file's 10 bytes"):
         Storage(tmp_path).read_range(FileRef("x", size=10), 5, 11)
+
+
+def test_a_local_folder_checks_sha256_on_request(tmp_path: Path) -> None:
+    """By default a local folder is checked by size; with verify_local_sha256 a shard with
+    the recorded size but other bytes is an IntegrityError when it is opened, from the
+    dataset and from Storage.open alike (the unchanged shards read as before)."""
+    from savable_loader.sources import ShardedFileDataset, index_folder
+    from tests.shard_writers import write_tar_folder
+
+    folder = write_tar_folder(tmp_path / "tar", [3, 4])
+    index_folder(folder, progress=False, sha256=True)
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=0)
+
+    def epoch(location: Any) -> list[Any]:
+        ds = ShardedFileDataset(location, wc, shuffle=False)
+        return list(sl.SavableDataLoader(ds, batch_size=None, worker_config=wc))
+
+    want = epoch(folder)
+    assert len(epoch(Storage(folder, verify_local_sha256=True))) == len(want) == 7
+    shard = folder / "shard-001.tar"
+    data = bytearray(shard.read_bytes())
+    data[700] ^= 1  # inside the first member's data: same size, other bytes
+    shard.write_bytes(bytes(data))
+    assert len(epoch(folder)) == 7  # the default: the size only (cheap), the change goes unseen
+    with pytest.raises(IntegrityError, match=r"shard-001.tar: the metadata's SHA-256 is [0-9a-f]{64}, the file's"):
+        epoch(Storage(folder, verify_local_sha256=True))
+    meta = sl.sources.read_metadata(folder)
+    entry = meta.shards[1]
+    storage = Storage(folder, verify_local_sha256=True)
+    with pytest.raises(IntegrityError, match="SHA-256"):
+        storage.open(FileRef(entry.path, size=entry.size, sha256=entry.sha256))
+    with storage.open(FileRef(meta.shards[0].path, size=meta.shards[0].size, sha256=meta.shards[0].sha256)):
+        pass
+    with pytest.raises(LoaderUsageError, match="verify_local_sha256"):
+        Storage(folder, verify_local_sha256="yes")  # type: ignore[arg-type]

@@ -149,9 +149,22 @@ def test_s3_backend_retries_are_ours() -> None:
     assert mine.config_kwargs["read_timeout"] == 99 and mine.config_kwargs["retries"] == {"total_max_attempts": 1}
 
 
-def test_a_missing_backend_says_what_to_install() -> None:
+def test_azure_backend_retries_are_ours() -> None:
+    pytest.importorskip("adlfs")
+    from tests.storage_servers import AZURITE_KEY
+
+    connection = f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+    connection += "BlobEndpoint=http://127.0.0.1:9/devstoreaccount1;"  # never reached: nothing is read
+    fs = Remote("az://container/x", {"connection_string": connection}).filesystem()
+    policy = fs.service_client._config.retry_policy
+    assert (policy.total_retries, policy.connect_retries, policy.read_retries, policy.status_retries) == (0, 0, 0, 0)
+
+
+def test_a_missing_backend_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     if importlib.util.find_spec("gcsfs") is not None:
-        pytest.skip("gcsfs is installed")
+        monkeypatch.setitem(sys.modules, "gcsfs", None)  # an import of it fails, as when not installed
+        for protocol in ("gs", "gcs"):  # and fsspec forgets a class it imported before
+            monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, protocol, raising=False)
     with pytest.raises(StorageError, match=r"gs://bucket/x: the 'gs' backend is not installed .*savable_loader\[gcs\]"):
         Remote("gs://bucket/x").filesystem()
 

@@ -113,45 +113,47 @@ class ParquetReader(ShardReader):
         self.starts = [0]
         for n in groups:
             self.starts.append(self.starts[-1] + n)
-        self._groups: OrderedDict[int, list[list[Any]]] = OrderedDict()
+        self._groups: OrderedDict[int, list[tuple[Any, ...]]] = OrderedDict()
         self.any_nested = any(self.nested)
         self._low = self._high = 0
-        self._columns: list[list[Any]] = []
+        self._rows: list[tuple[Any, ...]] = []
 
     def __len__(self) -> int:
         return self.starts[-1]
 
-    def _group(self, g: int) -> list[list[Any]]:
-        columns = self._groups.get(g)
-        if columns is not None:
+    def _group(self, g: int) -> list[tuple[Any, ...]]:
+        """Row group ``g`` as one tuple of values per row: converted to Python a column at
+        a time (``to_pylist``), then transposed once, so a read only builds its dict."""
+        rows = self._groups.get(g)
+        if rows is not None:
             self._groups.move_to_end(g)
-            return columns
+            return rows
         try:
             table = self.parquet.read_row_group(g, columns=self.names, use_threads=False)
-            columns = [table.column(name).to_pylist() for name in self.names]
+            rows = list(zip(*(table.column(name).to_pylist() for name in self.names)))
         except Exception as e:  # noqa: BLE001
             raise DataError(f"{self.file.name}: cannot read row group {g} ({type(e).__name__}: {e})") from None
-        self._groups[g] = columns
+        self._groups[g] = rows
         while len(self._groups) > _CACHED_GROUPS:
             self._groups.popitem(last=False)
-        return columns
+        return rows
 
     def read(self, i: int) -> dict[str, Any]:
         if not self._low <= i < self._high:  # another row group than the last read's
             g = bisect.bisect_right(self.starts, i) - 1
-            self._columns = self._group(g)
+            self._rows = self._group(g)
             self._low, self._high = self.starts[g], self.starts[g + 1]
-        j = i - self._low
+        row = self._rows[i - self._low]
         if self.any_nested:
             return {
-                name: copy.deepcopy(column[j]) if nested else column[j]
-                for name, column, nested in zip(self.names, self._columns, self.nested)
+                name: copy.deepcopy(value) if nested else value
+                for name, value, nested in zip(self.names, row, self.nested)
             }
-        return {name: column[j] for name, column in zip(self.names, self._columns)}
+        return dict(zip(self.names, row))
 
     def close(self) -> None:
         self._groups.clear()
-        self._columns = []
+        self._rows = []
         self.parquet = None
         super().close()
 

@@ -212,7 +212,7 @@ def storage_store(folder: Any, storage_options: Any = None) -> ShardStore | None
     else:
         storage = Storage(os.fspath(folder), storage_options=storage_options)
     if storage.is_local:
-        return LocalShardStore(storage.remote.root)
+        return LocalShardStore(storage.remote.root, verify_sha256=storage.verify_local_sha256)
     return StorageShardStore(storage)
 
 

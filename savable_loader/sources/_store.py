@@ -52,6 +52,7 @@ maps to a remote store there.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import tempfile
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
     from savable_loader.storage import Storage
 
 __all__ = ["LocalShardFile", "LocalShardStore", "ShardFile", "ShardStore", "byte_getter", "store_for"]
+
+_HASH_CHUNK = 8 * 2**20  # bytes read at a time to hash a local shard
 
 
 class ShardFile(ABC):
@@ -193,8 +196,10 @@ class LocalShardStore(ShardStore):
         f = store.open_shard("shard-00000.tar", size=None, whole=True)
     """
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str], verify_sha256: bool = False) -> None:
         self.folder = Path(folder)
+        self.verify_sha256 = verify_sha256
+        self._verified: set[tuple[str, int, int]] = set()  # (name, size, mtime) hashed in this process
 
     def __repr__(self) -> str:
         return f"LocalShardStore({str(self.folder)!r})"
@@ -221,7 +226,32 @@ class LocalShardStore(ShardStore):
     def open_shard(
         self, name: str, size: int | None, whole: bool, *, sha256: str | None = None, etag: str | None = None
     ) -> LocalShardFile:
-        return LocalShardFile(self._path(name), size)  # checksums: `index --sha256` and remote downloads
+        file = LocalShardFile(self._path(name), size)  # the size is always checked
+        if self.verify_sha256 and sha256 is not None and whole:
+            try:
+                self._check_sha256(file, name, sha256)
+            except BaseException:
+                file.close()
+                raise
+        return file
+
+    def _check_sha256(self, file: LocalShardFile, name: str, sha256: str) -> None:
+        """Hash the file (once per process while its size and modification time stay)
+        against the manifest's SHA-256: one more read of the whole file."""
+        mtime = os.stat(file.path).st_mtime_ns
+        if (name, file.size, mtime) in self._verified:
+            return
+        digest = hashlib.sha256()
+        offset = 0
+        while offset < file.size:
+            chunk = file.read(offset, min(_HASH_CHUNK, file.size - offset))
+            digest.update(chunk)
+            offset += len(chunk)
+        if digest.hexdigest() != sha256.lower():
+            from savable_loader.storage.store import integrity_mismatch
+
+            raise integrity_mismatch(str(file.path), "sha256", sha256.lower(), digest.hexdigest())
+        self._verified.add((name, file.size, mtime))
 
     def list_files(self) -> list[str]:
         if not self.folder.is_dir():

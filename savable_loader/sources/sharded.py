@@ -41,7 +41,11 @@ URL or a ``Storage`` becomes a ``StorageShardStore``, ``_remote_store.py``): ite
 opens a shard with ``whole=True`` (a remote store hands over a local copy),
 ``restore_sample`` with ``whole=False`` (a few ranged reads). Each time iteration moves
 to another shard it names the next ``prefetch_depth`` shards of its reading order
-(``upcoming_shards``) to the store, which downloads them in the background.
+(``upcoming_shards``) to the store, which downloads them in the background. The reading
+order runs on past the end of the pass: the next pass's layout is a pure function of its
+key (the next ``RepeatDataset`` pass, or the next loader epoch), so its first shards are
+downloaded while the last ones of this pass are read. (At the very end of training that
+is up to ``prefetch_depth`` shards downloaded for nothing.)
 
 State: the epoch key and ``position``, the number of samples this worker has read in
 the epoch. The shard and the offset inside it follow from the position by a binary
@@ -66,7 +70,7 @@ import msgspec
 import numpy as np
 
 from savable_loader._seeds import shard_order_seed, shard_samples_seed
-from savable_loader.config import WorkerConfig, active_repetitions
+from savable_loader.config import WorkerConfig, active_repetition_limits, active_repetitions
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import DataError, LoaderUsageError, RestoreKeyError
 from savable_loader.sources._metadata import (
@@ -212,6 +216,7 @@ class ShardedFileDataset(SavableDataset):
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._whole: set[int] = set()
         self._layout: _Layout | None = None
+        self._next_layout: _Layout | None = None
         self.samples_read = 0
         self.shards_opened = 0
         self.reset_state_own()
@@ -237,29 +242,60 @@ class ShardedFileDataset(SavableDataset):
         return start, start + base + (1 if w < extra else 0)
 
     def _get_layout(self, key: tuple[int, ...]) -> _Layout:
-        if self._layout is None or self._layout.key != key:
-            self._layout = _Layout(self.unit_count, self.worker_config.seed, key, self.shuffle)
+        if self._layout is not None and self._layout.key == key:
+            return self._layout
+        if self._next_layout is not None and self._next_layout.key == key:  # the pass we prefetched for began
+            self._layout, self._next_layout = self._next_layout, self._layout
+            return self._layout
+        self._layout = _Layout(self.unit_count, self.worker_config.seed, key, self.shuffle)
         return self._layout
+
+    def _next_pass(self) -> tuple[int, ...]:
+        """The layout key of the pass after this one. The innermost ``RepeatDataset`` with
+        a pass left resets the source for its next pass inside the repetitions around it:
+        key ``(epoch, *outer passes, its pass + 1)``; with none left, the next loader epoch
+        resets it outside them: ``(epoch + 1,)``."""
+        reps, limits = active_repetitions(), active_repetition_limits()
+        epoch = self.epoch[0]
+        for i in reversed(range(len(reps))):
+            limit = limits[i]
+            if limit is None or reps[i] + 1 < limit:
+                return (epoch, *reps[:i], reps[i] + 1)
+        return (epoch + 1,)
 
     def upcoming_shards(self, limit: int, worker: int | None = None) -> list[int]:
         """The next ``limit`` distinct shards (metadata indices, in reading order) the
-        calling worker (or ``worker``) reads from its current position in this epoch:
-        what a store that prefetches downloads next. Call it in the worker."""
+        calling worker (or ``worker``) reads from its current position: the rest of this
+        pass, then the first shards of the next pass (the next ``RepeatDataset`` pass or
+        loader epoch, whose layout is known in advance): what a store that prefetches
+        downloads next. Call it in the worker."""
         start, end = self.worker_range(worker)
         if start >= end or self.total == 0 or limit <= 0:
             return []
-        layout = self._get_layout(tuple(self.epoch))
         out: list[int] = []
+        key = tuple(self.epoch)
         p = start + self.position
-        while p < end and len(out) < limit:
-            q = p % self.total
-            j, offset = layout.locate(q)
-            unit = int(layout.order[j])
-            shard = int(self.unit_shard[unit])
-            if shard not in out:
-                out.append(shard)
-            p += int(self.unit_count[unit]) - offset
+        for _ in range(2):  # this pass, then the next one from its start
+            layout = self._get_layout(key) if key == tuple(self.epoch) else self._pass_layout(key)
+            while p < end and len(out) < limit:
+                q = p % self.total
+                j, offset = layout.locate(q)
+                unit = int(layout.order[j])
+                shard = int(self.unit_shard[unit])
+                if shard not in out:
+                    out.append(shard)
+                p += int(self.unit_count[unit]) - offset
+            if len(out) >= limit:
+                break
+            key, p = self._next_pass(), start
         return out
+
+    def _pass_layout(self, key: tuple[int, ...]) -> _Layout:
+        """The layout of another pass (kept beside the current one: a prefetch asks for it
+        again at every shard of the pass's end)."""
+        if self._next_layout is None or self._next_layout.key != key:
+            self._next_layout = _Layout(self.unit_count, self.worker_config.seed, key, self.shuffle)
+        return self._next_layout
 
     def _uneven_message(self) -> str:
         world, total = self.worker_config.world_size, self.total
@@ -329,6 +365,7 @@ class ShardedFileDataset(SavableDataset):
         state["_readers"] = OrderedDict()
         state["_whole"] = set()
         state["_layout"] = None
+        state["_next_layout"] = None
         return state
 
     # -- iteration --------------------------------------------------------------------
@@ -352,8 +389,7 @@ class ShardedFileDataset(SavableDataset):
             shard, first, count = int(self.unit_shard[unit]), int(self.unit_first[unit]), int(self.unit_count[unit])
             if previous in self._readers and previous != shard:
                 self._drop(previous)
-            if shard != previous and self.store.prefetch_depth:
-                self._prefetch(shard)
+            moved = shard != previous and self.store.prefetch_depth > 0
             previous = shard
             order = layout.sample_order(unit, count)[offset : offset + min(count - offset, end - p)]
             # the last sample this worker reads of the unit (the unit's end or the end of
@@ -368,6 +404,9 @@ class ShardedFileDataset(SavableDataset):
                     self.request_snapshot()
                 if reader is None or self._readers.get(shard) is not reader:  # (restore_sample may close it)
                     reader = self._reader(shard, True)
+                    if moved:  # after the open: the shard is taken from the prefetcher before it is un-named
+                        self._prefetch(shard)
+                        moved = False
                 sample = reader.read(index)
                 self.samples_read += 1
                 yield sample

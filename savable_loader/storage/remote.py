@@ -12,7 +12,9 @@ with a timeout per attempt: an async filesystem (``s3://``, ``gs://``, ``az://``
 runs it in a helper thread that is abandoned when it does not answer in time;
 ``memory://`` is in the process and is called directly. For ``s3://`` the backend's own
 retries are turned off (``retries=1`` for s3fs, ``total_max_attempts=1`` and connect /
-read timeouts for botocore, unless ``config_kwargs`` sets them): one policy decides.
+read timeouts for botocore, unless ``config_kwargs`` sets them), for ``az://`` the Azure
+SDK's: one policy decides. ``gcsfs`` and ``huggingface_hub`` keep a few quick retries of
+their own inside each attempt (no option turns them off); the attempt's timeout bounds them.
 
 Ranged reads are length-checked: fewer bytes is a short read (retried), more bytes means
 the server ignored ``Range`` (fsspec then hands back the whole file), a
@@ -181,6 +183,8 @@ class Remote:
             raise StorageError(f"{self.url}: cannot open the filesystem ({type(e).__name__}: {e})", self.url) from e
         if self.protocol in ("s3", "s3a") and isinstance(getattr(fs, "retries", None), int):
             fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option): ours decides
+        if self.protocol in ("az", "abfs", "abfss"):
+            _no_azure_retries(fs)
         return fs
 
     def _call(self, method: str, url: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
@@ -344,6 +348,17 @@ class Remote:
                 "end of file",
             )
         return data
+
+
+def _no_azure_retries(fs: Any) -> None:
+    """Turn off the Azure SDK's own retries (3 of them, 15 s apart at first) on an adlfs
+    filesystem, as ``s3fs``'s are: one policy decides. adlfs has no option for it; its
+    client's retry policy is reached through the client's configuration (a no-op when the
+    layout differs)."""
+    policy = getattr(getattr(getattr(fs, "service_client", None), "_config", None), "retry_policy", None)
+    for name in ("total_retries", "connect_retries", "read_retries", "status_retries"):
+        if isinstance(getattr(policy, name, None), int):
+            setattr(policy, name, 0)
 
 
 def check_length(data: bytes, url: str, start: int, end: int) -> bytes:

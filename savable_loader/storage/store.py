@@ -11,8 +11,9 @@ the pieces of this package:
   them in flight, each retried and length-checked),
   checks its size, ETag and SHA-256 against the metadata when it has them, and hands out
   the local copy;
-* ``prefetch(files)`` names the files this process will open next, in order: a
-  background thread downloads the first ``prefetch`` of them and keeps them from
+* ``prefetch(files)`` names the files this process will open next, in order: background
+  threads download the first ``prefetch`` of them (up to ``parallel_requests`` files at
+  once, the first named first) and keep them from
   eviction until they are opened or no longer named. A failed prefetch is not an error:
   the ``open`` that needs the file downloads it again, under the full retry policy;
 * ``read_range(file, start, end)`` reads some bytes of one file (the cached copy if there
@@ -129,6 +130,10 @@ class Storage:
     * ``retry``: the :class:`~savable_loader.storage.RetryPolicy` of every request.
     * ``chunk_bytes``: the size of the ranged requests a download is made of (default
       16 MiB), ``parallel_requests``: how many of them are in flight at once (default 4).
+    * ``verify_local_sha256``: for a local folder, also check each file's SHA-256 (when
+      its metadata records one) the first time a process opens it; the default checks the
+      size only. The cost: one more read of every file per process (SHA-256 hashes
+      about 0.5-2 GB/s per core), so off by default. Downloads are always checked.
 
     ``downloads`` and ``downloaded_bytes`` count this process's downloads (monitoring,
     not state). See the module docstring for what each method does.
@@ -151,6 +156,7 @@ class Storage:
         retry: RetryPolicy | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         parallel_requests: int = 4,
+        verify_local_sha256: bool = False,
     ) -> None:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise LoaderUsageError(f"prefetch is {prefetch!r}; expected an int >= 0 (files downloaded ahead)")
@@ -170,6 +176,9 @@ class Storage:
         self.cache: ShardCache | None = None
         if not self.remote.is_local:
             self.cache = ShardCache(cache_dir if cache_dir is not None else default_cache_dir(), cache_bytes)
+        if not isinstance(verify_local_sha256, bool):
+            raise LoaderUsageError(f"verify_local_sha256 is {verify_local_sha256!r}; expected a bool")
+        self.verify_local_sha256 = verify_local_sha256
         self.prefetch_depth = prefetch
         self.chunk_bytes = chunk_bytes
         self.parallel_requests = parallel_requests
@@ -287,7 +296,18 @@ class Storage:
         except OSError as e:
             raise StorageError(f"{path}: {type(e).__name__}: {e.strerror or e}", str(path), None, 1, str(e)) from e
         if ref.size is not None and size != ref.size:
-            raise _mismatch(str(path), "size", ref.size, size)
+            raise integrity_mismatch(str(path), "size", ref.size, size)
+        if self.verify_local_sha256 and ref.sha256 is not None:
+            rt = self._rt()
+            stamp = f"{path}:{size}:{os.stat(path).st_mtime_ns}"
+            if stamp not in rt.verified:
+                digest = hashlib.sha256()
+                with open(path, "rb") as f:
+                    while chunk := f.read(8 * 2**20):
+                        digest.update(chunk)
+                if digest.hexdigest() != ref.sha256.lower():
+                    raise integrity_mismatch(str(path), "sha256", ref.sha256.lower(), digest.hexdigest())
+                rt.verified.add(stamp)
         return CachedFile(path, size)
 
     def _fetch(self, ref: FileRef) -> CachedFile:
@@ -296,7 +316,7 @@ class Storage:
         if ref.size is None:  # ask the store, so that a changed file is not served from the cache
             info = self.remote.info(ref.path)
             if ref.etag is not None and info["etag"] is not None and normalize_etag(ref.etag) != info["etag"]:
-                raise _mismatch(self.remote.url_of(ref.path), "etag", normalize_etag(ref.etag), info["etag"])
+                raise integrity_mismatch(self.remote.url_of(ref.path), "etag", normalize_etag(ref.etag), info["etag"])
             ref = FileRef(ref.path, info["size"], ref.sha256, ref.etag or info["etag"])
         key = self.key(ref)
         cached = self.cache.lookup(key, ref.size)
@@ -318,9 +338,9 @@ class Storage:
         info = self.remote.info(ref.path)
         size = info["size"]
         if ref.size is not None and size is not None and size != ref.size:
-            raise _mismatch(url, "size", ref.size, size)
+            raise integrity_mismatch(url, "size", ref.size, size)
         if ref.etag is not None and info["etag"] is not None and normalize_etag(ref.etag) != info["etag"]:
-            raise _mismatch(url, "etag", normalize_etag(ref.etag), info["etag"])
+            raise integrity_mismatch(url, "etag", normalize_etag(ref.etag), info["etag"])
         total = ref.size if ref.size is not None else size
         digest = hashlib.sha256() if ref.sha256 else None
         if total is None:  # the server does not say: one whole request
@@ -335,7 +355,7 @@ class Storage:
             if digest is not None:
                 digest.update(data)
         if digest is not None and ref.sha256 is not None and digest.hexdigest() != ref.sha256.lower():
-            raise _mismatch(url, "sha256", ref.sha256.lower(), digest.hexdigest())
+            raise integrity_mismatch(url, "sha256", ref.sha256.lower(), digest.hexdigest())
         return written
 
     def _ranges(self, path: str, ranges: list[tuple[int, int]]) -> Iterator[bytes]:
@@ -379,7 +399,7 @@ class Storage:
         if rt.prefetcher is None:
             if not refs:
                 return
-            rt.prefetcher = _Prefetcher(self)
+            rt.prefetcher = _Prefetcher(self, min(self.prefetch_depth, self.parallel_requests))
         rt.prefetcher.set([(self.key(r), r) for r in refs[: self.prefetch_depth]])
 
     def close(self) -> None:
@@ -425,14 +445,21 @@ class Storage:
             url = self.remote.url_of(ref.path)
             info = self.remote.info(ref.path)
             if ref.size is not None and info["size"] is not None and info["size"] != ref.size:
-                raise _mismatch(url, "size", ref.size, info["size"])
+                raise integrity_mismatch(url, "size", ref.size, info["size"])
             if ref.etag is not None and info["etag"] is not None and normalize_etag(ref.etag) != info["etag"]:
-                raise _mismatch(url, "etag", normalize_etag(ref.etag), info["etag"])
+                raise integrity_mismatch(url, "etag", normalize_etag(ref.etag), info["etag"])
             rt.verified.add(key)
         return self.remote.read_range(ref.path, start, end)
 
 
-def _mismatch(url: str, field: str, expected: Any, found: Any) -> IntegrityError:
+def integrity_mismatch(url: str, field: str, expected: Any, found: Any) -> IntegrityError:
+    """The :class:`~savable_loader.errors.IntegrityError` of a file whose ``field``
+    (``size``, ``sha256``, ``etag``) is ``found`` where its metadata says ``expected``.
+
+    Example::
+
+        raise integrity_mismatch("/data/shard-0.tar", "sha256", expected_hex, found_hex)
+    """
     what = {"size": "bytes", "sha256": "SHA-256", "etag": "ETag"}[field]
     if field == "size":
         text = f"{url}: the metadata says {expected} bytes, the file has {found}"
@@ -460,17 +487,19 @@ class _Runtime:
 
 
 class _Prefetcher:
-    """One background thread downloading the named files in order, holding each until it
-    is taken by ``open`` or no longer named."""
+    """Background threads downloading the named files in order, up to ``parallel`` at
+    once (the first named starts first), holding each until it is taken by ``open`` or no
+    longer named."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, parallel: int = 1) -> None:
         self.storage = storage
+        self.parallel = max(1, parallel)
         self.cond = threading.Condition()
         self.wanted: list[tuple[str, FileRef]] = []  # still to download, in order
         self.named: set[str] = set()
         self.held: dict[str, CachedFile] = {}
         self.failures: dict[str, str] = {}
-        self.thread: threading.Thread | None = None
+        self.threads = 0
 
     def set(self, files: list[tuple[str, FileRef]]) -> None:
         with self.cond:
@@ -478,9 +507,9 @@ class _Prefetcher:
             for key in [k for k in self.held if k not in self.named]:
                 self.held.pop(key).close()
             self.wanted = [(key, ref) for key, ref in files if key not in self.held]
-            if self.wanted and self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="savable_loader-prefetch", daemon=True)
-                self.thread.start()
+            while self.threads < min(self.parallel, len(self.wanted)):
+                self.threads += 1
+                threading.Thread(target=self._run, name="savable_loader-prefetch", daemon=True).start()
             self.cond.notify_all()
 
     def take(self, key: str) -> CachedFile | None:
@@ -495,7 +524,7 @@ class _Prefetcher:
                 if not self.wanted:
                     self.cond.wait(IDLE_EXIT)
                 if not self.wanted:  # idle: the thread ends, the next set() starts another
-                    self.thread = None
+                    self.threads -= 1
                     return
                 key, ref = self.wanted.pop(0)
             try:

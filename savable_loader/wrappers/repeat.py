@@ -49,7 +49,7 @@ class RepeatDataset(BaseWrapperDataset):
             # Each pass pulls inside its repetition, so that keyed sources seed per pass.
             it = iter(inner)
             while True:
-                with _Repetition(self.repetition):
+                with _Repetition(self.repetition, self.repeats):  # the limit: for sources' prefetch
                     try:
                         sample = next(it)
                     except StopIteration:
