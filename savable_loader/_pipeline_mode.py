@@ -162,11 +162,9 @@ class PipelineIteration(Iteration):
             if held[2] is None:
                 held[2] = decode_part(held[1], DatasetState)
             return held[2]
-        runtime = self.mode.torch_dataset.runtime_of(w)
-        if runtime is not None:
-            found = runtime.ring.find(produced)
-            if found is not None and found[0] == produced:
-                return plain_dataset_state(found[1])
+        found = self.mode.torch_dataset.runtime_of(w).ring.find(produced)
+        if found is not None and found[0] == produced:
+            return plain_dataset_state(found[1])
         return None
 
     def on_error(self, error: BaseException) -> bool:
@@ -449,6 +447,13 @@ class PipelineMode(Mode):
             raise RestoreKeyError("key.sample is None: the pipeline gave this item no key")
         check_key_setting("world_size", key.world_size, self.worker_config.world_size)
         # a key made under another num_workers is rebuilt under its logical worker's view
+        if key.num_workers is not None:
+            check_key_int("num_workers", key.num_workers)
+            if key.num_workers > MAX_LOGICAL_WORKERS:
+                raise RestoreKeyError(
+                    f"key.num_workers is {key.num_workers}, expected at most {MAX_LOGICAL_WORKERS} (the most logical "
+                    "workers a pipeline state may have per rank)"
+                )
         workers = self.workers if key.num_workers is None else max(key.num_workers, 1)
         for name in ("epoch", "worker", "index"):
             check_key_int(name, getattr(key, name))

@@ -263,15 +263,23 @@ def numpy_mt_fingerprint(state: np.random.RandomState) -> Callable[[], Any]:
         before = look(); np.random.rand(); look() != before   # True
     """
     bit = _attr(state, "_bit_generator", "numpy.random.RandomState._bit_generator")
+
+    def whole() -> Any:
+        # the generator the RandomState has now (np.random.set_bit_generator() swaps it),
+        # compared by identity and whole state: draws from a swapped-in one show too
+        current = state._bit_generator
+        return id(current), current is bit, _comparable(current.state)
+
     if isinstance(bit, np.random.MT19937) and _numpy_layout_ok():
         address = bit.ctypes.state_address
         string_at = ctypes.string_at
-        # np.random.set_bit_generator() gives the RandomState another bit generator: it shows
-        return lambda: (state._bit_generator is bit, string_at(address, _NP_MT_BYTES))
 
-    def whole() -> Any:
-        return state._bit_generator is bit, _comparable(state.get_state(legacy=False))
+        def fast() -> Any:
+            if state._bit_generator is bit:
+                return string_at(address, _NP_MT_BYTES)
+            return whole()
 
+        return fast
     return whole
 
 

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, cast
 
 import cloudpickle
 from torch.utils.data import IterableDataset, get_worker_info
@@ -40,7 +40,7 @@ from savable_loader._torch_internals import ExceptionWrapper, torch_worker_id
 from savable_loader._values import plain_dataset_state
 from savable_loader.config import WorkerConfig, _ActiveWorker, take_snapshot_request
 from savable_loader.dataset import SavableDataset
-from savable_loader.errors import DataError, StateError
+from savable_loader.errors import ConfigMismatchError, DataError, StateError
 from savable_loader.rng import (
     SEED_FORMULA,
     preserve_global_rng,
@@ -473,10 +473,11 @@ class PipelineWorkerDataset(IterableDataset):
             raise StateError(f"the in-process pipeline has not started logical worker {logical}")
         return found
 
-    def _runtime_at(self, j: int, in_process: bool) -> WorkerRuntime:
-        """The runtime of this context's ``j``-th hosted logical worker (made on first use)."""
+    def _runtime_at(self, j: int, in_process: bool, workers: int = 1) -> WorkerRuntime:
+        """The runtime of this context's ``j``-th hosted logical worker (made on first use;
+        ``workers``: the logical workers of this epoch, for the error message)."""
         while len(self._runtimes) <= j:
-            dataset = self.dataset if not self._runtimes else cloudpickle.loads(cloudpickle.dumps(self.dataset))
+            dataset = self.dataset if not self._runtimes else _copy_pipeline(self.dataset, workers)
             self._runtimes.append(WorkerRuntime(dataset, self.worker_config, self.max_in_flight, in_process=in_process))
         runtime = self._runtimes[j]
         runtime.seed_formula = self.seed_formula
@@ -512,7 +513,7 @@ class PipelineWorkerDataset(IterableDataset):
         hosted_here = hosted_by(physical, rotation, workers, contexts)
         del self._runtimes[max(len(hosted_here), 1) :]  # copies of a past hosted epoch: freed
         for j, logical in enumerate(hosted_here):
-            runtime = self._runtime_at(j, in_process=info is None)
+            runtime = self._runtime_at(j, in_process=info is None, workers=workers)
             self._hosted[logical] = runtime
             start = starts[logical]
             items = runtime.run(epoch, logical, start, self.planned_at if count == 0 else None)
@@ -524,6 +525,24 @@ class PipelineWorkerDataset(IterableDataset):
         if info is None:  # in the main process: one live iteration per pipeline object
             return exclusive(items, self.dataset, self._runtime_at(0, in_process=True))
         return items
+
+
+def _copy_pipeline(dataset: SavableDataset, workers: int) -> SavableDataset:
+    """A copy of ``dataset`` for another hosted logical worker; a pipeline that cannot be
+    copied is a ``ConfigMismatchError`` naming ``num_workers`` (it only needs copying
+    because the state was saved with ``workers`` workers)."""
+    try:
+        return cast(SavableDataset, cloudpickle.loads(cloudpickle.dumps(dataset)))
+    except Exception as e:  # whatever the pipeline's objects raise on pickling
+        info = get_worker_info()
+        raise ConfigMismatchError(
+            "num_workers",
+            workers,
+            0 if info is None else info.num_workers,
+            f"resuming this state with fewer workers runs several of its {workers} logical workers in one process, "
+            f"each in a copy of the pipeline, and the pipeline cannot be copied ({type(e).__name__}: {e}); restore "
+            f"with num_workers={workers}, or make the pipeline picklable",
+        ) from e
 
 
 def _with_snapshots(runtime: WorkerRuntime, items: Iterator[Item | End]) -> Iterator[Item | End]:

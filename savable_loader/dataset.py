@@ -259,7 +259,9 @@ class SavableDataset(IterableDataset):
         taken there and never reads the finished unit again (no download of a consumed
         shard). The loading context takes the snapshot unless it would cost more than
         ``HINTED_SNAPSHOT_SHARE`` of the work since the previous one (``_worker.py``), and
-        never while it replays after a restore. Outside a loader it does nothing.
+        never while it replays after a restore. Outside a loader nothing takes it (the request
+        stays pending in the thread and may make the next in-process loader snapshot once
+        more, which never changes data).
         """
         request_snapshot()
 

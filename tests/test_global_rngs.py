@@ -332,3 +332,32 @@ def test_the_guard_sees_every_kind_of_draw() -> None:
     guard.begin(seed=0, epoch=1)
     torch.rand(3)
     guard.check("a torch draw")  # torch is always re-seeded: not guarded
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_draws_from_a_swapped_in_numpy_generator_are_seen(monkeypatch: pytest.MonkeyPatch, fast: bool) -> None:
+    # np.random.set_bit_generator() after the guard was made: draws from the new
+    # generator must still raise (the guard compares the generator the RandomState has now)
+    import savable_loader._torch_internals as ti
+
+    if not fast:
+        monkeypatch.setattr(ti, "_numpy_layout_ok", lambda: False)
+    old = np.random.get_bit_generator()
+    guard = GlobalRngs(("torch",))
+    guard.begin(seed=0, epoch=0)
+    guard.check("batch 0")
+    try:
+        np.random.set_bit_generator(np.random.MT19937(5))
+        with pytest.raises(sl.UndeclaredRngError):  # the swap itself changed what NumPy draws from
+            guard.check("the batch that swapped it")
+        for _ in range(3):
+            try:
+                guard.begin(seed=0, epoch=0)
+            except (TypeError, ValueError):  # a bit generator without legacy seeding
+                break
+            guard.check("a batch without draws")
+            np.random.rand()
+            with pytest.raises(sl.UndeclaredRngError):
+                guard.check("a batch that drew from the swapped-in generator")
+    finally:
+        np.random.set_bit_generator(old)

@@ -15,6 +15,7 @@ compare whole streams, each item tagged with its logical worker:
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -363,6 +364,40 @@ def test_restore_sample_rebuilds_a_key_made_under_other_logical_workers() -> Non
     del it
     assert key is not None and key.num_workers == 3
     assert_same(shuffled(1).restore_sample(key), first)
+    # a key's num_workers is checked like its other fields
+    for bad, message in ((-1, "expected an int >= 0"), (True, "expected an int >= 0"), (10**6, "at most 1024")):
+        with pytest.raises(sl.RestoreKeyError, match=message):
+            shuffled(1).restore_sample(msgspec.structs.replace(key, num_workers=bad))
+
+
+class _Locked(RangeSource):
+    """A source holding a lock: fine in forked workers, but it cannot be copied."""
+
+    def __init__(self, n: int, wc: sl.WorkerConfig) -> None:
+        super().__init__(n, wc)
+        self.lock = threading.Lock()
+
+
+def test_a_pipeline_that_cannot_be_copied_names_num_workers() -> None:
+    # resumed with fewer workers, a process hosts several logical workers, each in a copy
+    def make(workers: int) -> sl.SavableDataLoader:
+        wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=workers, seed=SEED)
+        return loader_of(_Locked(N, wc))
+
+    loader = make(2)
+    it = iter(loader)
+    next(it)
+    state = roundtrip(loader)
+    del it
+    fewer = make(0)
+    fewer.restore_state_rank(state)
+    with pytest.raises(
+        sl.ConfigMismatchError, match=r"num_workers was 2 .* cannot be copied .*restore with num_workers=2"
+    ):
+        list(fewer)
+    same = make(2)  # the saved num_workers: no copy needed
+    same.restore_state_rank(state)
+    assert len(list(same)) == N - 1
 
 
 # -- 6. hostile cases --------------------------------------------------------------------
