@@ -19,6 +19,7 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
     ├── InternalError               an invariant of savable_loader itself broke: a bug, please report it
     ├── StorageError                a remote read failed (names the URL, byte range, attempts, last cause)
     │   └── RangeIgnoredError       the server answered a ranged read with other bytes (it ignores Range)
+    ├── StreamTimeoutError          a stream source waited longer than its timeout for the next item
     └── WorkerError                 a worker process failed (names the worker)
         ├── WorkerDiedError         the worker process exited
         └── WorkerTimeoutError      the worker did not answer in time
@@ -52,6 +53,7 @@ __all__ = [
     "StateFileError",
     "StateVersionError",
     "StorageError",
+    "StreamTimeoutError",
     "UndeclaredRngError",
     "UnsavedRngWarning",
     "UsageTypeError",
@@ -351,6 +353,33 @@ class RangeIgnoredError(StorageError):
         except RangeIgnoredError as e:
             print(e)   # http://host/data/shard-00000.tar bytes [512, 1024): the server sent 30720 bytes ...
     """
+
+
+class StreamTimeoutError(SavableLoaderError, TimeoutError):
+    """A stream source (one that waits for producers) waited longer than its ``timeout``
+    for one item.
+
+    ``rank`` is the data-parallel rank, ``position`` the item waited for (an index, an
+    entry id), ``waited`` the seconds waited. Raised in the main process; the loader's
+    workers are shut down. Like :class:`StorageError`, only the message crosses a worker
+    process.
+
+    Example::
+
+        try:
+            batch = next(it)
+        except StreamTimeoutError as e:
+            print(e)   # rank 1 waited 30.0 s for index 4711 of its stream (timeout=30.0) ...
+    """
+
+    def __init__(self, message: str, rank: int = -1, position: Any = None, waited: float = 0.0) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.position = position
+        self.waited = waited
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.rank, self.position, self.waited))
 
 
 class WorkerError(SavableLoaderError, RuntimeError):

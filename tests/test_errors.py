@@ -25,6 +25,7 @@ from savable_loader.errors import (
     StateFileError,
     StateVersionError,
     StorageError,
+    StreamTimeoutError,
     WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
@@ -46,6 +47,7 @@ TREE = {
     InternalError: SavableLoaderError,
     StorageError: SavableLoaderError,
     RangeIgnoredError: StorageError,
+    StreamTimeoutError: SavableLoaderError,
     IntegrityError: DataError,
     WorkerError: SavableLoaderError,
     WorkerDiedError: WorkerError,
@@ -249,7 +251,18 @@ def test_storage_error_keeps_its_fields_through_pickling() -> None:
         assert (candidate.url, candidate.field, candidate.expected, candidate.found) == ("s3://b/x", "size", 10, 12)
 
 
-@pytest.mark.parametrize("cls", [StorageError, RangeIgnoredError, IntegrityError], ids=lambda c: c.__name__)
+def test_stream_timeout_error_keeps_its_fields_through_pickling() -> None:
+    exc = StreamTimeoutError("rank 1 waited 2.0 s for index 7", 1, 7, 2.0)
+    for candidate in [exc, *_round_trips(exc)]:
+        assert type(candidate) is StreamTimeoutError
+        assert (candidate.rank, candidate.position, candidate.waited) == (1, 7, 2.0)
+        assert str(candidate) == "rank 1 waited 2.0 s for index 7"
+    assert isinstance(exc, TimeoutError)
+
+
+@pytest.mark.parametrize(
+    "cls", [StorageError, RangeIgnoredError, IntegrityError, StreamTimeoutError], ids=lambda c: c.__name__
+)
 def test_storage_errors_survive_torch_worker_reraise(cls: type[Exception]) -> None:
     """A worker's exception reaches the main process as ``exc_type(text)`` (torch's
     ExceptionWrapper): the class and the message must survive."""
