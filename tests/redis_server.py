@@ -54,18 +54,22 @@ def require_redis() -> str:
 class RedisServer:
     """``redis-server`` on 127.0.0.1 at a free port, in memory only."""
 
-    def __init__(self, executable: str | None = None, port: int | None = None) -> None:
+    def __init__(self, executable: str | None = None, port: int | None = None, password: str | None = None) -> None:
         self.executable = executable or require_redis()
         self.port = port or _free_port()
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = "" if self.password is None else f":{self.password}@"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         args = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while True:
@@ -83,7 +87,7 @@ class RedisServer:
     def client(self) -> Any:
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10)
 
     def stop(self, kill: bool = False) -> None:
         proc, self.proc = self.proc, None

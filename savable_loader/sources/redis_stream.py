@@ -48,6 +48,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 from savable_loader._pipeline_resize import ALL_CONSUMED
+from savable_loader._torch_internals import worker_done_event
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset, type_name
 from savable_loader.errors import (
@@ -59,13 +60,13 @@ from savable_loader.errors import (
     StreamTimeoutError,
 )
 from savable_loader.state.schema import DatasetState, PipelinePosition, RankState
-from savable_loader.storage.retry import RetryPolicy
+from savable_loader.storage.retry import RetryPolicy, transient_reason
 
 __all__ = ["RedisStreamSource", "StreamTrimmedError", "mask_url", "resplit_state"]
 
 #: Longest single blocking read (``XREAD BLOCK``) in seconds: a timeout or a shutdown is
 #: noticed within it.
-BLOCK_SLICE = 1.0
+BLOCK_SLICE = 0.5
 _ORIGIN = "0-0"
 #: The consumed count of a worker that had ended its epoch (every entry of its share).
 _EVERYTHING = 2**62
@@ -128,6 +129,16 @@ def _check_id(value: Any, what: str) -> str:
     if ms < 0 or seq < 0:
         raise StateError(f"RedisStreamSource state {what} is {value!r}, expected non-negative id parts")
     return value
+
+
+#: redis-py errors that are ConnectionErrors but will not pass on another attempt.
+_FINAL = {"AuthenticationError", "AuthenticationWrongNumberOfArgsError", "AuthorizationError"}
+
+
+def _transient(error: BaseException) -> str | None:
+    if any(cls.__name__ in _FINAL for cls in type(error).__mro__):
+        return None
+    return transient_reason(error)
 
 
 def _bad(field: str, found: Any, expected: str) -> LoaderUsageError:
@@ -298,7 +309,7 @@ class RedisStreamSource(SavableDataset):
 
     def _call(self, what: str, fn: Any) -> Any:
         try:
-            return self.retry.call(lambda _timeout: fn(self.client()), url=self.where)
+            return self.retry.call(lambda _timeout: fn(self.client()), url=self.where, transient=_transient)
         except StorageError as e:
             raise StorageError(
                 f"{e.args[0]} (while {what})", self.where, None, e.attempts, e.cause
@@ -387,6 +398,9 @@ class RedisStreamSource(SavableDataset):
                         cursor,
                         waited,
                     )
+                done = worker_done_event()
+                if done is not None and done.is_set():
+                    return  # the loader shuts its workers down: nothing more is wanted
                 left = BLOCK_SLICE if self.timeout is None else min(BLOCK_SLICE, self.timeout - waited)
                 self._wait(cursor, max(left, 0.001))
                 continue
@@ -406,6 +420,9 @@ class RedisStreamSource(SavableDataset):
                 sample["__id__"] = entry_id
                 self.mark_sample(entry_id)
                 self.after, self.ordinal = entry_id, ordinal
+                # a snapshot at every entry when it is cheap (the state is five small
+                # fields): trim and a restore then start from the entry itself
+                self.request_snapshot()
                 yield sample
                 waited_since = time.monotonic()
 
