@@ -19,7 +19,8 @@ import pytest
 
 import savable_loader as sl
 from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StorageError, StreamTimeoutError
-from savable_loader.sources.redis_stream import RedisStreamSource, StreamTrimmedError, mask_url
+from savable_loader.errors import StreamTrimmedError
+from savable_loader.sources.redis_stream import RedisStreamSource, mask_url
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import RankState
 from savable_loader.storage import RetryPolicy

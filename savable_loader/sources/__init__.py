@@ -7,6 +7,8 @@
   (``read_metadata`` reads and checks the manifest). ``decode_sample`` and
   ``DEFAULT_DECODERS`` decode tar samples.
 * ``IterableSource``: a user generator function with an explicit position.
+* ``RedisStreamSource``: the entries of a Redis stream producers ``XADD`` to (``redis``
+  is imported when it first reads; ``pip install 'savable_loader[redis]'``).
 * ``TorchIterableSource``: a plain ``torch.utils.data.IterableDataset`` (the loader builds
   it for one; resumed from its ``state_dict()`` when it has one, by replay otherwise).
 
@@ -26,12 +28,14 @@ from savable_loader.sources._shard_io import open_shard, write_shards
 from savable_loader.sources.decoders import DEFAULT_DECODERS, decode_sample
 from savable_loader.sources.indexing import index_folder
 from savable_loader.sources.iterable import IterableSource, ReplayWarning, StreamInfo
+from savable_loader.sources.redis_stream import RedisStreamSource
 from savable_loader.sources.sharded import ShardedFileDataset
 from savable_loader.sources.torch_iterable import TorchIterableSource
 
 __all__ = [
     "DEFAULT_DECODERS",
     "IterableSource",
+    "RedisStreamSource",
     "ReplayWarning",
     "ShardedFileDataset",
     "StreamInfo",

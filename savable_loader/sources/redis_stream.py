@@ -52,12 +52,12 @@ from savable_loader._torch_internals import worker_done_event
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset, type_name
 from savable_loader.errors import (
-    DataError,
     LoaderUsageError,
     RestoreKeyError,
     StateError,
     StorageError,
     StreamTimeoutError,
+    StreamTrimmedError,
 )
 from savable_loader.state.schema import DatasetState, PipelinePosition, RankState
 from savable_loader.storage.retry import RetryPolicy, transient_reason
@@ -71,31 +71,6 @@ _ORIGIN = "0-0"
 #: The consumed count of a worker that had ended its epoch (every entry of its share).
 _EVERYTHING = 2**62
 _SCHEMES = ("redis", "rediss", "unix")
-
-
-class StreamTrimmedError(DataError):
-    """Entries a restore (or a running reader) needs were removed from the stream
-    (``XTRIM``, ``XADD ... MAXLEN``, ``XDEL``): reading on would skip them.
-
-    ``stream`` is the stream, ``needed`` the id the reader resumes after (it must still
-    be in the stream), ``first`` the stream's first id now ("" when it is empty).
-    Restore from a newer checkpoint (one taken after the trim), or accept the loss
-    explicitly by starting a fresh loader. Example::
-
-        try:
-            batch = next(it)
-        except StreamTrimmedError as e:
-            print(e.stream, e.needed, e.first)
-    """
-
-    def __init__(self, message: str, stream: str = "", needed: str = "", first: str = "") -> None:
-        super().__init__(message)
-        self.stream = stream
-        self.needed = needed
-        self.first = first
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.args[0], self.stream, self.needed, self.first))
 
 
 def mask_url(url: str) -> str:
