@@ -103,7 +103,7 @@ class RedisServer:
             proc.kill()
             proc.wait(10)
 
-    def __enter__(self) -> RedisServer:
+    def __enter__(self) -> RedisServer:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:

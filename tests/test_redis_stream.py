@@ -18,8 +18,13 @@ from typing import Any
 import pytest
 
 import savable_loader as sl
-from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StorageError, StreamTimeoutError
-from savable_loader.errors import StreamTrimmedError
+from savable_loader.errors import (
+    ConfigMismatchError,
+    LoaderUsageError,
+    StorageError,
+    StreamTimeoutError,
+    StreamTrimmedError,
+)
 from savable_loader.sources.redis_stream import RedisStreamSource, mask_url
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import RankState
@@ -210,7 +215,9 @@ def test_another_num_workers_continues_exactly(server: RedisServer, stream: str,
 # -- another world size -----------------------------------------------------------------
 
 
-def _save_ranks(server: RedisServer, stream: str, counts: list[int], workers: int, **kw: Any) -> tuple[list[RankState], list[int]]:
+def _save_ranks(
+    server: RedisServer, stream: str, counts: list[int], workers: int, **kw: Any
+) -> tuple[list[RankState], list[int]]:
     states, consumed = [], []
     for rank, k in enumerate(counts):
         loader = make(server, stream, rank=rank, world=len(counts), workers=workers, **kw)
@@ -219,7 +226,9 @@ def _save_ranks(server: RedisServer, stream: str, counts: list[int], workers: in
     return states, consumed
 
 
-@pytest.mark.parametrize(("old", "new", "workers", "new_workers"), [(2, 1, 2, 0), (2, 3, 2, 2), (1, 2, 0, 2), (3, 2, 1, 3)])
+@pytest.mark.parametrize(
+    ("old", "new", "workers", "new_workers"), [(2, 1, 2, 0), (2, 3, 2, 2), (1, 2, 0, 2), (3, 2, 1, 3)]
+)
 def test_another_world_size_reads_every_entry_exactly_once(
     server: RedisServer, stream: str, old: int, new: int, workers: int, new_workers: int
 ) -> None:
@@ -234,7 +243,7 @@ def test_another_world_size_reads_every_entry_exactly_once(
             parts.append([v(s) for s in loader])
             # the next epoch is an ordinary epoch of the new world size
             assert [v(s) for s in loader] == list(range(rank, 41, new))
-        assert sorted(before + sum(parts, [])) == list(range(41)), counts
+        assert sorted(before + [x for part in parts for x in part]) == list(range(41)), counts
         for rank, part in enumerate(parts):  # the rest in stream order, entry n of it to rank n % new
             assert part == left[rank::new], (counts, rank)
 
@@ -301,13 +310,13 @@ def test_save_while_waiting_returns_at_once_and_resumes_with_the_awaited_entry(
     got: list[int] = []
     it = iter(loader)
 
-    def consume() -> None:
-        for s in it:
+    def consume(items: Iterator[Any]) -> None:
+        for s in items:
             got.append(v(s))
             if len(got) == 4:
                 return
 
-    thread = threading.Thread(target=consume)
+    thread = threading.Thread(target=consume, args=(it,))
     thread.start()
     deadline = time.monotonic() + 20
     while len(got) < 3 and time.monotonic() < deadline:

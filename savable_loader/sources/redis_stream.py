@@ -145,6 +145,39 @@ class _Stage:
         return n - below
 
 
+def _current_ordinal(stages: Sequence[_Stage], ordinal: int) -> int | None:
+    """The ordinal of the epoch's entry ``ordinal`` in the current stage (None: an
+    earlier stage consumed it)."""
+    n: int | None = ordinal
+    for stage in stages:
+        if n is None:
+            return None
+        n = stage.next_ordinal(n)
+    return n
+
+
+def _checked_fields(fields: dict[str, Any]) -> tuple[list[_Stage], tuple[str, int]]:
+    """The stages and origin of a source state, after checking every field (a state is
+    data from a file: malformed values are a StateError naming the field)."""
+    for name in ("after", "end"):
+        value = fields.get(name)
+        if value != "":
+            _check_id(value, name)
+    ordinal = fields.get("ordinal")
+    if not isinstance(ordinal, int) or isinstance(ordinal, bool) or ordinal < -1:
+        raise StateError(f"RedisStreamSource state ordinal is {ordinal!r}, expected an int >= -1")
+    origin = fields.get("origin")
+    if not (
+        isinstance(origin, (list, tuple))
+        and len(origin) == 2
+        and isinstance(origin[1], int)
+        and not isinstance(origin[1], bool)
+        and origin[1] >= -1
+    ):
+        raise StateError(f"RedisStreamSource state origin is {origin!r}, expected [entry id, ordinal >= -1]")
+    return _stages_of(fields.get("stages")), (_check_id(origin[0], "origin"), origin[1])
+
+
 def _stages_of(plain: Any) -> list[_Stage]:
     if not isinstance(plain, list):
         raise StateError(f"RedisStreamSource state stages is {plain!r}, expected a list")
@@ -286,9 +319,7 @@ class RedisStreamSource(SavableDataset):
         try:
             return self.retry.call(lambda _timeout: fn(self.client()), url=self.where, transient=_transient)
         except StorageError as e:
-            raise StorageError(
-                f"{e.args[0]} (while {what})", self.where, None, e.attempts, e.cause
-            ) from e.__cause__
+            raise StorageError(f"{e.args[0]} (while {what})", self.where, None, e.attempts, e.cause) from e.__cause__
 
     def _read(self, cursor: str, last: str) -> list[tuple[str, dict[bytes, bytes]]]:
         """Up to ``batch`` entries after ``cursor`` (up to ``last``; "+" for no bound);
@@ -334,16 +365,7 @@ class RedisStreamSource(SavableDataset):
     # -- reading ----------------------------------------------------------------------
 
     def _validated(self) -> tuple[list[_Stage], str, int]:
-        for name, value in (("after", self.after), ("end", self.end)):
-            if value:
-                _check_id(value, name)
-        origin = self.origin
-        if not (isinstance(origin, list) and len(origin) == 2 and isinstance(origin[1], int) and origin[1] >= -1):
-            raise StateError(f"RedisStreamSource state origin is {origin!r}, expected [entry id, ordinal >= -1]")
-        _check_id(origin[0], "origin")
-        if not isinstance(self.ordinal, int) or self.ordinal < -1:
-            raise StateError(f"RedisStreamSource state ordinal is {self.ordinal!r}, expected an int >= -1")
-        stages = _stages_of(self.stages)
+        stages, origin = _checked_fields(self.__dict__)
         if self.after:
             return stages, self.after, self.ordinal
         return stages, origin[0], origin[1]
@@ -382,11 +404,7 @@ class RedisStreamSource(SavableDataset):
             for entry_id, fields in entries:
                 ordinal += 1
                 cursor = entry_id
-                n: int | None = ordinal
-                for stage in stages:
-                    n = stage.next_ordinal(n)
-                    if n is None:
-                        break
+                n = _current_ordinal(stages, ordinal)
                 if n is None or n % period != mine:
                     continue
                 sample: dict[str, Any] = {
@@ -521,10 +539,11 @@ def resplit_state(
         )
     k = workers.pop()
     present = [f for per_rank in fields for f in per_rank if f is not None and not f.get(ALL_CONSUMED)]
+    checked = [_checked_fields(f) for f in present]
     stages = present[0]["stages"] if present else []
-    origin = present[0]["origin"] if present else [_ORIGIN, -1]
-    for f in present:
-        if f["stages"] != stages or f["origin"] != origin:
+    origin: tuple[str, int] = checked[0][1] if checked else (_ORIGIN, -1)
+    for p, (_, o) in zip(present, checked):
+        if p["stages"] != stages or o != origin:
             raise StateError("the ranks' RedisStreamSource states disagree on the earlier stages of the epoch")
     chain = _stages_of(stages)
     period = world_size * k
@@ -539,9 +558,7 @@ def resplit_state(
             if f is None or not f["after"]:
                 starts.append((origin[1], origin[0]))
                 continue
-            n: int | None = f["ordinal"]
-            for stage in chain:
-                n = None if n is None else stage.next_ordinal(n)
+            n = _current_ordinal(chain, f["ordinal"])
             if n is None or n % period != g:
                 raise StateError(
                     f"rank {r} worker {w}'s RedisStreamSource state is at ordinal {f['ordinal']}, which is not one "
@@ -560,4 +577,3 @@ def resplit_state(
         "origin": [after, ordinal],
         "stages": [*stages, {"world_size": world_size, "workers": k, "consumed": consumed}],
     }
-
