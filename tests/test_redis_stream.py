@@ -9,6 +9,7 @@ module skips (fails under CI).
 from __future__ import annotations
 
 import itertools
+import subprocess
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ import savable_loader as sl
 from savable_loader.errors import (
     ConfigMismatchError,
     LoaderUsageError,
+    StateError,
     StorageError,
     StreamTimeoutError,
     StreamTrimmedError,
@@ -535,6 +537,52 @@ def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
     args = {"url": "redis://127.0.0.1:1/0", "stream": "s", **kwargs}
     with pytest.raises(LoaderUsageError, match=match):
         RedisStreamSource(args.pop("url"), args.pop("stream"), wc, **args)
+
+
+def test_a_unix_socket_url(tmp_path: Any, stream: str) -> None:
+    executable = require_redis()
+    sock = tmp_path / "redis.sock"
+    args = [executable, "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        import redis
+
+        redis.Redis(unix_socket_path=str(sock)).xadd(stream, {"v": b"7"})
+        wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=0)
+        source = RedisStreamSource(f"unix://{sock}?db=0", stream, wc, follow=False, retry=FAST)
+        assert [v(s) for s in sl.SavableDataLoader(source, batch_size=None, worker_config=wc)] == [7]
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("after", "nope", "after is 'nope', expected an entry id"),
+        ("ordinal", -5, "ordinal is -5"),
+        ("origin", ["0-0"], r"origin is \['0-0'\]"),
+        ("stages", [{"world_size": 2}], r"stages\[0\]"),
+        ("end", 3, "end is 3"),
+    ],
+)
+def test_a_malformed_state_is_a_state_error(
+    server: RedisServer, stream: str, field: str, value: Any, match: str
+) -> None:
+    fill(server, stream, range(4))
+    loader = make(server, stream)
+    take(loader, 2)
+    state = loader.save_state_rank()
+    node = state.position.workers[0].dataset
+    assert node is not None
+    node.fields[field] = value
+    resumed = make(server, stream)
+    resumed.restore_state_rank(roundtrip(state))
+    with pytest.raises(StateError, match=match):
+        list(resumed)
 
 
 def test_mask_url() -> None:
