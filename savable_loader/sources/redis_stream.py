@@ -42,6 +42,7 @@ workers all work.
 from __future__ import annotations
 
 import os
+import re
 import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
@@ -68,6 +69,34 @@ __all__ = ["RedisStreamSource", "StreamTrimmedError", "mask_url", "resplit_state
 #: noticed within it.
 BLOCK_SLICE = 0.5
 _ORIGIN = "0-0"
+#: The most entries one scan reads on the server (it blocks the server meanwhile).
+_MAX_SCAN = 8192
+#: A server that runs no Lua scripts (disabled, or refused by an ACL): read client-side.
+_NO_SCRIPTS = re.compile(r"unknown command|NOPERM|NOSCRIPT|disabled|not allowed", re.IGNORECASE)
+#: The scan: up to ARGV[3] entries after the cursor ARGV[1] (which must still be there
+#: when ARGV[4] is 1) up to ARGV[2]; returns {1, scanned, last id scanned, entry at
+#: offset ARGV[6], then every ARGV[5]-th}, or {0} if the cursor entry is gone.
+_SCAN = """
+local r
+local base = 1
+if ARGV[4] == '1' then
+  r = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[2], 'COUNT', tonumber(ARGV[3]) + 1)
+  if #r == 0 or r[1][1] ~= ARGV[1] then return {0} end
+  base = 2
+else
+  r = redis.call('XRANGE', KEYS[1], '-', ARGV[2], 'COUNT', tonumber(ARGV[3]))
+end
+local scanned = #r - base + 1
+if scanned <= 0 then return {1, 0, ''} end
+local out = {1, scanned, r[#r][1]}
+local period = tonumber(ARGV[5])
+local i = base + tonumber(ARGV[6])
+while i <= #r do
+  out[#out + 1] = r[i]
+  i = i + period
+end
+return out
+"""
 #: The consumed count of a worker that had ended its epoch (every entry of its share).
 _EVERYTHING = 2**62
 _SCHEMES = ("redis", "rediss", "unix")
@@ -87,6 +116,10 @@ def mask_url(url: str) -> str:
     if parts.port is not None:
         host = f"{host}:{parts.port}"
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
 
 
 def _id(text: str) -> tuple[int, int]:
@@ -267,6 +300,8 @@ class RedisStreamSource(SavableDataset):
         self.retry = retry
         self.batch = batch
         self._client: tuple[int, Any] | None = None
+        self._script: tuple[Any, Any] | None = None
+        self._scripting = True  # False once the server refused to run the scan script
         self.reset_state_own()
 
     # -- state ------------------------------------------------------------------------
@@ -281,6 +316,7 @@ class RedisStreamSource(SavableDataset):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_client"] = None  # a client belongs to the process that made it
+        state["_script"] = None
         return state
 
     def config(self) -> dict[str, Any]:
@@ -382,8 +418,8 @@ class RedisStreamSource(SavableDataset):
         while True:
             if not self.follow and _id(cursor) >= _id(self.end):
                 return
-            entries = self._read(cursor, last)
-            if not entries:
+            page, reached = self._page(cursor, ordinal, last, stages, period, mine)
+            if reached is None:
                 if not self.follow:
                     return
                 waited = time.monotonic() - waited_since
@@ -401,23 +437,73 @@ class RedisStreamSource(SavableDataset):
                 left = BLOCK_SLICE if self.timeout is None else min(BLOCK_SLICE, self.timeout - waited)
                 self._wait(cursor, max(left, 0.001))
                 continue
-            for entry_id, fields in entries:
-                ordinal += 1
-                cursor = entry_id
-                n = _current_ordinal(stages, ordinal)
-                if n is None or n % period != mine:
-                    continue
-                sample: dict[str, Any] = {
-                    (k.decode("utf-8", "surrogateescape") if isinstance(k, bytes) else k): v for k, v in fields.items()
-                }
+            for entry_id, fields, entry_ordinal in page:
+                sample: dict[str, Any] = {_text(k): v for k, v in fields}
                 sample["__id__"] = entry_id
                 self.mark_sample(entry_id)
-                self.after, self.ordinal = entry_id, ordinal
+                self.after, self.ordinal = entry_id, entry_ordinal
                 # a snapshot at every entry when it is cheap (the state is five small
                 # fields): trim and a restore then start from the entry itself
                 self.request_snapshot()
                 yield sample
                 waited_since = time.monotonic()
+            cursor, ordinal = reached
+
+    def _page(
+        self, cursor: str, ordinal: int, last: str, stages: list[_Stage], period: int, mine: int
+    ) -> tuple[list[tuple[str, list[tuple[Any, bytes]], int]], tuple[str, int] | None]:
+        """This worker's entries of the next page after ``cursor`` (whose ordinal is
+        ``ordinal``), as ``(id, [(field, value)], ordinal)``, and the id and ordinal of
+        the last entry scanned (None: none after ``cursor`` yet)."""
+        if not stages and self._scripting:
+            got = self._scan(cursor, ordinal, last, period, mine)
+            if got is not None:
+                return got
+        entries = self._read(cursor, last)
+        if not entries:
+            return [], None
+        out = []
+        for entry_id, fields in entries:
+            ordinal += 1
+            n = _current_ordinal(stages, ordinal)
+            if n is not None and n % period == mine:
+                out.append((entry_id, list(fields.items()), ordinal))
+        return out, (entries[-1][0], ordinal)
+
+    def _scan(
+        self, cursor: str, ordinal: int, last: str, period: int, mine: int
+    ) -> tuple[list[tuple[str, list[tuple[Any, bytes]], int]], tuple[str, int] | None] | None:
+        """:meth:`_page` with the filtering done by the server (a Lua script), so that a
+        worker receives only its own entries; None if the server runs no scripts."""
+        first = (mine - ordinal - 1) % period  # offset of this worker's first entry after the cursor
+        count = min(self.batch * period, _MAX_SCAN)
+        inclusive = cursor != _ORIGIN
+
+        def call(client: Any) -> Any:
+            script = self._script
+            if script is None or script[0] is not client:
+                script = self._script = (client, client.register_script(_SCAN))
+            try:
+                return script[1](keys=[self.stream], args=[cursor, last, count, int(inclusive), period, first])
+            except Exception as e:
+                if type(e).__name__ in ("ResponseError", "NoPermissionError") and _NO_SCRIPTS.search(str(e)):
+                    return None
+                raise
+
+        got = self._call(f"reading after {cursor}", call)
+        if got is None:
+            self._scripting = False
+            return None
+        if not got[0]:
+            self._trimmed(cursor)
+        scanned = int(got[1])
+        if not scanned:
+            return [], None
+        out = []
+        for k, (entry_id, flat) in enumerate(got[3:]):
+            fields = list(zip(flat[::2], flat[1::2]))
+            out.append((_text(entry_id), fields, ordinal + 1 + first + k * period))
+        return out, (_text(got[2]), ordinal + scanned)
 
     # -- restore keys -----------------------------------------------------------------
 
