@@ -74,7 +74,8 @@ def make(
     **options: Any,
 ) -> sl.SavableDataLoader:
     wc = sl.WorkerConfig(rank=rank, world_size=world, num_workers=workers, seed=0)
-    ds: Any = RedisStreamSource(server.url, stream, wc, follow=follow, retry=options.pop("retry", FAST), **options)
+    url = options.pop("url", server.url)
+    ds: Any = RedisStreamSource(url, stream, wc, follow=follow, retry=options.pop("retry", FAST), **options)
     if wrap is not None:
         ds = wrap(ds, wc)
     return sl.SavableDataLoader(ds, batch_size=None, worker_config=wc)
@@ -537,6 +538,16 @@ def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
     args = {"url": "redis://127.0.0.1:1/0", "stream": "s", **kwargs}
     with pytest.raises(LoaderUsageError, match=match):
         RedisStreamSource(args.pop("url"), args.pop("stream"), wc, **args)
+
+
+def test_a_user_not_allowed_scripts_reads_client_side(server: RedisServer, stream: str) -> None:
+    fill(server, stream, range(9))
+    server.client().acl_setuser(
+        "reader", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-@scripting"]
+    )
+    url = f"redis://reader:pw@127.0.0.1:{server.port}/0"
+    assert [v(s) for s in make(server, stream, workers=2, url=url)] == list(range(9))
+    assert check_resume(lambda: make(server, stream, workers=2, url=url), 1) > 8
 
 
 def test_a_unix_socket_url(tmp_path: Any, stream: str) -> None:

@@ -72,7 +72,7 @@ _ORIGIN = "0-0"
 #: The most entries one scan reads on the server (it blocks the server meanwhile).
 _MAX_SCAN = 8192
 #: A server that runs no Lua scripts (disabled, or refused by an ACL): read client-side.
-_NO_SCRIPTS = re.compile(r"unknown command|NOPERM|NOSCRIPT|disabled|not allowed", re.IGNORECASE)
+_NO_SCRIPTS = re.compile(r"unknown command|NOPERM|no permissions|NOSCRIPT|disabled|not allowed", re.IGNORECASE)
 #: The scan: up to ARGV[3] entries after the cursor ARGV[1] (which must still be there
 #: when ARGV[4] is 1) up to ARGV[2]; returns {1, scanned, last id scanned, entry at
 #: offset ARGV[6], then every ARGV[5]-th}, or {0} if the cursor entry is gone.
