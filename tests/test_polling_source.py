@@ -58,21 +58,23 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def produce(root: str, ranks: list[int], epochs: int, delay: float = 0.0) -> None:
-    """Write every rank's stream of ``epochs`` epochs, one index at a time, ``delay``
-    seconds apart; each epoch's END after its items."""
+def produce(root: str, ranks: list[int], epochs: int, delay: float = 0.0, count: int | None = None) -> None:
+    """Write every rank's stream of ``epochs`` epochs (``count`` items each, default
+    ``length(rank, epoch)``), one index at a time, ``delay`` seconds apart; each epoch's
+    END after its items."""
+    size = length if count is None else (lambda rank, epoch: count)
     for epoch in range(epochs):
         folders = {r: Path(root, f"rank{r}", f"epoch{epoch}") for r in ranks}
         for folder in folders.values():
             folder.mkdir(parents=True, exist_ok=True)
-        for i in range(max(length(r, epoch) for r in ranks)):
+        for i in range(max(size(r, epoch) for r in ranks)):
             for r in ranks:
-                if i < length(r, epoch):
+                if i < size(r, epoch):
                     write_atomic(folders[r] / f"{i}.json", json.dumps({"index": i, "value": payload(r, epoch, i)}))
             if delay:
                 time.sleep(delay)
         for r in ranks:
-            write_atomic(folders[r] / "END", str(length(r, epoch)))
+            write_atomic(folders[r] / "END", str(size(r, epoch)))
 
 
 class FolderFetch:
