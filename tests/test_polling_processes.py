@@ -154,7 +154,7 @@ def test_a_timeout_names_rank_index_and_seconds_and_shuts_the_workers_down(num_w
     elapsed = time.monotonic() - started
     assert type(caught.value) is StreamTimeoutError and isinstance(caught.value, SavableLoaderError)
     message = str(caught.value)
-    found = re.search(r"rank 1 waited (\d+\.\d) s for index (\d+) of its stream", message)
+    found = re.search(r"rank 1 waited (\d+\.\d\d) s for index (\d+) of its stream", message)
     assert found, message
     assert float(found[1]) >= 0.5 and int(found[2]) in (3, 4), message
     assert "timeout=0.5" in message

@@ -572,6 +572,15 @@ def test_restore_sample_of_an_index_now_past_the_end_is_an_error():
         PollingSource(ok, wconf()).restore_sample([0, 7])
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_empty_epochs_and_epochs_shorter_than_the_workers(num_workers):
+    def fetch(info: StreamInfo, index: int) -> Any:
+        return END if index >= info.epoch % 3 else (info.epoch, index)
+
+    loader = loader_of(PollingSource(fetch, wconf(0, 1, num_workers)))
+    assert epochs_of(loader, 4) == [[], [[1, 0]], [[2, 0], [2, 1]], []]
+
+
 def test_epochs_end_at_end_and_the_next_iter_is_the_next_epoch():
     seen: list[tuple[int, int]] = []
 

@@ -104,7 +104,8 @@ class PollingSource(SavableDataset):
     (doubling after each miss, up to 1 s; in ``(0, 1]``). ``timeout``: seconds to wait
     for one index before raising :class:`~savable_loader.errors.StreamTimeoutError`
     (naming the rank, the index and the seconds waited; the loader's workers are shut
-    down); ``None`` waits forever.
+    down); ``None`` waits forever. It bounds the polling: a single call of ``fetch`` that
+    blocks is the client's to bound (give it a timeout of its own).
 
     Worker ``w`` of ``K`` fetches ``w, w + K, ...``; a state records how many items each
     worker handed out, a restore continues at the next index (items fetched ahead but
@@ -210,7 +211,7 @@ class PollingSource(SavableDataset):
             waited = time.monotonic() - started
             if self.timeout is not None and waited >= self.timeout:
                 raise StreamTimeoutError(
-                    f"PollingSource({_name(self.fetch)}): rank {info.rank} waited {waited:.1f} s for index {index} "
+                    f"PollingSource({_name(self.fetch)}): rank {info.rank} waited {waited:.2f} s for index {index} "
                     f"of its stream (epoch {info.epoch}, worker {info.worker} of {info.workers_per_rank}; "
                     f"timeout={self.timeout:g}): fetch returned None every time. Is the producer running? (With "
                     "several workers, fetch must return END for every index at or past the stream's end.)",
