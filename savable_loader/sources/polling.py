@@ -48,7 +48,7 @@ from typing import Any, Final, final
 from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError, StreamTimeoutError, UsageTypeError
-from savable_loader.sources.iterable import StreamInfo
+from savable_loader.sources.iterable import StreamInfo, is_index_pair, stream_info
 
 __all__ = ["END", "PollingSource"]
 
@@ -162,16 +162,7 @@ class PollingSource(SavableDataset):
 
     def info(self, worker: int | None = None, epoch: int | None = None) -> StreamInfo:
         """The :class:`StreamInfo` of the calling worker (or of logical ``worker``, in ``epoch``)."""
-        wc = self.worker_config
-        return StreamInfo(
-            rank=wc.rank,
-            world_size=wc.world_size,
-            worker=wc.rank_worker_id() if worker is None else worker,
-            workers_per_rank=wc.workers_per_rank,
-            epoch=wc.active_epoch() if epoch is None else epoch,
-            repetitions=active_repetitions(),
-            seed=wc.seed,
-        )
+        return stream_info(self.worker_config, worker, epoch)
 
     def __iter__(self) -> Iterator[Any]:
         info = self.info()
@@ -225,11 +216,7 @@ class PollingSource(SavableDataset):
 
     def restore_sample(self, key: Any) -> Any:
         """Item ``[epoch, index]``: ``fetch`` asked for it again (waiting as the stream does)."""
-        if (
-            not isinstance(key, (list, tuple))
-            or len(key) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in key)
-        ):
+        if not is_index_pair(key):
             raise RestoreKeyError(f"PollingSource key must be [epoch, index] (ints >= 0), got {key!r}")
         epoch, index = key
         info = self.info(worker=index % self.worker_config.workers_per_rank, epoch=epoch)
