@@ -11,9 +11,10 @@ ends at ``index``.
 same item, every time it is asked for, in any process** (and, once the stream has
 ended at ``n``, :data:`END` for every ``index >= n``: with several workers, some ask
 for indices past the end). A restore asks ``fetch`` again for the items a worker had
-fetched ahead but the training loop had not consumed; it never asks for an item the
-loop consumed before the save (the source asks the loader for a snapshot after every
-item; see below for when it may).
+fetched ahead but the training loop had not consumed, and for those consumed since the
+worker's last snapshot: the source asks the loader for a snapshot after every item,
+which the loader takes whenever it costs at most a quarter of the loading time since
+the previous one (next to a fetch that does I/O: nearly always; see docs/streams.md).
 
 Worker ``w`` of ``K`` (per rank) fetches indices ``w, w + K, w + 2K, ...``; the loader
 yields them in index order (its round robin). The state is per worker: ``position``,
