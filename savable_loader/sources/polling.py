@@ -48,7 +48,7 @@ from typing import Any, Final, final
 
 from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.dataset import SavableDataset
-from savable_loader.errors import LoaderUsageError, RestoreKeyError, StreamTimeoutError, UsageTypeError
+from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError, StreamTimeoutError, UsageTypeError
 from savable_loader.sources.iterable import StreamInfo, is_index_pair, stream_info
 
 __all__ = ["END", "PollingSource"]
@@ -167,6 +167,10 @@ class PollingSource(SavableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         info = self.info()
+        if isinstance(self.position, bool) or not isinstance(self.position, int) or self.position < 0:
+            raise StateError(
+                f"PollingSource position must be an int >= 0 (the items this worker handed out), got {self.position!r}"
+            )
         while True:
             index = info.worker + self.position * info.workers_per_rank
             item = self._wait(info, index)
