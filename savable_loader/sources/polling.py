@@ -176,8 +176,8 @@ class PollingSource(SavableDataset):
             item = self._wait(info, index)
             if item is END:
                 return
-            # the state after this item costs next to nothing: a restore past it then
-            # starts here and never fetches a consumed item again
+            # the state after this item is two ints: a snapshot here (taken when cheap next
+            # to the fetches since the last one) spares a restore past it the consumed items
             self.request_snapshot()
             self.position += 1
             yield item
