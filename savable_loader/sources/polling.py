@@ -10,11 +10,11 @@ ends at ``index``.
 **The contract that makes resumes exact: the same ``(rank, epoch, index)`` gives the
 same item, every time it is asked for, in any process** (and, once the stream has
 ended at ``n``, :data:`END` for every ``index >= n``: with several workers, some ask
-for indices past the end). A restore asks ``fetch`` again for the items a worker had
-fetched ahead but the training loop had not consumed, and for those consumed since the
-worker's last snapshot: the source asks the loader for a snapshot after every item,
-which the loader takes whenever it costs at most a quarter of the loading time since
-the previous one (next to a fetch that does I/O: nearly always; see docs/streams.md).
+for indices past the end). A restore asks ``fetch`` again only for the items a worker
+had fetched ahead but the training loop had not consumed: the source has the loader
+snapshot the pipeline after every item it reads (``request_snapshot(force=True)``,
+taken when the item leaves the pipeline: once per batch under a ``BatchDataset``), so
+no consumed item is ever fetched again.
 
 Worker ``w`` of ``K`` (per rank) fetches indices ``w, w + K, w + 2K, ...``; the loader
 yields them in index order (its round robin). The state is per worker: ``position``,
@@ -176,9 +176,9 @@ class PollingSource(SavableDataset):
             item = self._wait(info, index)
             if item is END:
                 return
-            # the state after this item is two ints: a snapshot here (taken when cheap next
-            # to the fetches since the last one) spares a restore past it the consumed items
-            self.request_snapshot()
+            # a snapshot right after this item (forced: the producer may have dropped what
+            # was consumed), so that a restore never fetches a consumed item again
+            self.request_snapshot(force=True)
             self.position += 1
             yield item
 
