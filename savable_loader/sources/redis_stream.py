@@ -48,7 +48,6 @@ import urllib.parse
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-from savable_loader._pipeline_resize import ALL_CONSUMED
 from savable_loader._torch_internals import worker_done_event
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset, type_name
@@ -60,6 +59,15 @@ from savable_loader.errors import (
     StreamTimeoutError,
     StreamTrimmedError,
 )
+from savable_loader.sources._stream_stages import (
+    ORIGIN,
+    Stage,
+    check_id,
+    checked_fields,
+    current_ordinal,
+    parse_id,
+    resplit_state,
+)
 from savable_loader.state.schema import DatasetState, PipelinePosition, RankState
 from savable_loader.storage.retry import RetryPolicy, transient_reason
 
@@ -68,7 +76,6 @@ __all__ = ["RedisStreamSource", "StreamTrimmedError", "mask_url", "resplit_state
 #: Longest single blocking read (``XREAD BLOCK``) in seconds: a timeout or a shutdown is
 #: noticed within it.
 BLOCK_SLICE = 0.5
-_ORIGIN = "0-0"
 #: The most entries one scan reads on the server (it blocks the server meanwhile).
 _MAX_SCAN = 8192
 #: A server that runs no Lua scripts (disabled, or refused by an ACL): read client-side.
@@ -97,8 +104,6 @@ while i <= #r do
 end
 return out
 """
-#: The consumed count of a worker that had ended its epoch (every entry of its share).
-_EVERYTHING = 2**62
 _SCHEMES = ("redis", "rediss", "unix")
 
 
@@ -122,23 +127,6 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
 
 
-def _id(text: str) -> tuple[int, int]:
-    ms, _, seq = text.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _check_id(value: Any, what: str) -> str:
-    if not isinstance(value, str):
-        raise StateError(f"RedisStreamSource state {what} is {value!r}, expected an entry id string '<ms>-<seq>'")
-    try:
-        ms, seq = _id(value)
-    except ValueError:
-        raise StateError(f"RedisStreamSource state {what} is {value!r}, expected an entry id '<ms>-<seq>'") from None
-    if ms < 0 or seq < 0:
-        raise StateError(f"RedisStreamSource state {what} is {value!r}, expected non-negative id parts")
-    return value
-
-
 #: redis-py errors that are ConnectionErrors but will not pass on another attempt.
 _FINAL = {"AuthenticationError", "AuthenticationWrongNumberOfArgsError", "AuthorizationError"}
 
@@ -151,85 +139,6 @@ def _transient(error: BaseException) -> str | None:
 
 def _bad(field: str, found: Any, expected: str) -> LoaderUsageError:
     return LoaderUsageError(f"RedisStreamSource {field} is {found!r}; expected {expected}")
-
-
-class _Stage:
-    """An earlier stage of the epoch: ``world`` ranks of ``workers`` logical workers had
-    consumed ``consumed[g]`` entries of residue ``g = rank + world * worker`` (of the
-    stage's numbering). Maps a stage ordinal to the next stage's (None: consumed)."""
-
-    def __init__(self, world: int, workers: int, consumed: Sequence[int]) -> None:
-        self.period = world * workers
-        self.consumed = list(consumed)
-        self.total = sum(self.consumed)
-        # from this ordinal on, every residue's consumed prefix lies behind
-        self.flat = max((g + c * self.period for g, c in enumerate(self.consumed)), default=0)
-
-    def next_ordinal(self, n: int) -> int | None:
-        if n >= self.flat:
-            return n - self.total
-        g, m = n % self.period, n // self.period
-        if m < self.consumed[g]:
-            return None
-        below = 0
-        for h, c in enumerate(self.consumed):
-            if n > h:
-                below += min(c, -(-(n - h) // self.period))
-        return n - below
-
-
-def _current_ordinal(stages: Sequence[_Stage], ordinal: int) -> int | None:
-    """The ordinal of the epoch's entry ``ordinal`` in the current stage (None: an
-    earlier stage consumed it)."""
-    n: int | None = ordinal
-    for stage in stages:
-        if n is None:
-            return None
-        n = stage.next_ordinal(n)
-    return n
-
-
-def _checked_fields(fields: dict[str, Any]) -> tuple[list[_Stage], tuple[str, int]]:
-    """The stages and origin of a source state, after checking every field (a state is
-    data from a file: malformed values are a StateError naming the field)."""
-    for name in ("after", "end"):
-        value = fields.get(name)
-        if value != "":
-            _check_id(value, name)
-    ordinal = fields.get("ordinal")
-    if not isinstance(ordinal, int) or isinstance(ordinal, bool) or ordinal < -1:
-        raise StateError(f"RedisStreamSource state ordinal is {ordinal!r}, expected an int >= -1")
-    origin = fields.get("origin")
-    if not (
-        isinstance(origin, (list, tuple))
-        and len(origin) == 2
-        and isinstance(origin[1], int)
-        and not isinstance(origin[1], bool)
-        and origin[1] >= -1
-    ):
-        raise StateError(f"RedisStreamSource state origin is {origin!r}, expected [entry id, ordinal >= -1]")
-    return _stages_of(fields.get("stages")), (_check_id(origin[0], "origin"), origin[1])
-
-
-def _stages_of(plain: Any) -> list[_Stage]:
-    if not isinstance(plain, list):
-        raise StateError(f"RedisStreamSource state stages is {plain!r}, expected a list")
-    out = []
-    for i, st in enumerate(plain):
-        ok = (
-            isinstance(st, dict)
-            and all(isinstance(st.get(k), int) and st[k] >= 1 for k in ("world_size", "workers"))
-            and isinstance(st.get("consumed"), list)
-            and len(st["consumed"]) == st["world_size"] * st["workers"]
-            and all(isinstance(c, int) and c >= 0 for c in st["consumed"])
-        )
-        if not ok:
-            raise StateError(
-                f"RedisStreamSource state stages[{i}] is {st!r}, expected "
-                "{'world_size': W, 'workers': K, 'consumed': [W * K counts >= 0]}"
-            )
-        out.append(_Stage(st["world_size"], st["workers"], st["consumed"]))
-    return out
 
 
 class RedisStreamSource(SavableDataset):
@@ -310,7 +219,7 @@ class RedisStreamSource(SavableDataset):
         self.after = ""  # the id of the last entry consumed in the current stage ("": none)
         self.ordinal = -1  # its ordinal in the epoch
         self.end = ""  # follow=False: the epoch's last id ("": not read yet)
-        self.origin = [_ORIGIN, -1]  # where the current stage starts: [id, ordinal]
+        self.origin = [ORIGIN, -1]  # where the current stage starts: [id, ordinal]
         self.stages: list[dict[str, Any]] = []  # the epoch's earlier stages (other world sizes)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -360,7 +269,7 @@ class RedisStreamSource(SavableDataset):
     def _read(self, cursor: str, last: str) -> list[tuple[str, dict[bytes, bytes]]]:
         """Up to ``batch`` entries after ``cursor`` (up to ``last``; "+" for no bound);
         a :class:`StreamTrimmedError` if ``cursor`` (once consumed) is gone."""
-        inclusive = cursor != _ORIGIN
+        inclusive = cursor != ORIGIN
         start = cursor if inclusive else "-"
         got = self._call(
             f"reading after {cursor}",
@@ -396,12 +305,12 @@ class RedisStreamSource(SavableDataset):
 
     def _last_id(self) -> str:
         got = self._call("reading the last entry", lambda c: c.xrevrange(self.stream, count=1))
-        return got[0][0].decode() if got else _ORIGIN
+        return got[0][0].decode() if got else ORIGIN
 
     # -- reading ----------------------------------------------------------------------
 
-    def _validated(self) -> tuple[list[_Stage], str, int]:
-        stages, origin = _checked_fields(self.__dict__)
+    def _validated(self) -> tuple[list[Stage], str, int]:
+        stages, origin = checked_fields(self.__dict__)
         if self.after:
             return stages, self.after, self.ordinal
         return stages, origin[0], origin[1]
@@ -416,7 +325,7 @@ class RedisStreamSource(SavableDataset):
         last = "+" if self.follow else self.end
         waited_since = time.monotonic()
         while True:
-            if not self.follow and _id(cursor) >= _id(self.end):
+            if not self.follow and parse_id(cursor) >= parse_id(self.end):
                 return
             page, reached = self._page(cursor, ordinal, last, stages, period, mine)
             if reached is None:
@@ -450,7 +359,7 @@ class RedisStreamSource(SavableDataset):
             cursor, ordinal = reached
 
     def _page(
-        self, cursor: str, ordinal: int, last: str, stages: list[_Stage], period: int, mine: int
+        self, cursor: str, ordinal: int, last: str, stages: list[Stage], period: int, mine: int
     ) -> tuple[list[tuple[str, list[tuple[Any, bytes]], int]], tuple[str, int] | None]:
         """This worker's entries of the next page after ``cursor`` (whose ordinal is
         ``ordinal``), as ``(id, [(field, value)], ordinal)``, and the id and ordinal of
@@ -465,7 +374,7 @@ class RedisStreamSource(SavableDataset):
         out = []
         for entry_id, fields in entries:
             ordinal += 1
-            n = _current_ordinal(stages, ordinal)
+            n = current_ordinal(stages, ordinal)
             if n is not None and n % period == mine:
                 out.append((entry_id, list(fields.items()), ordinal))
         return out, (entries[-1][0], ordinal)
@@ -477,7 +386,7 @@ class RedisStreamSource(SavableDataset):
         worker receives only its own entries; None if the server runs no scripts."""
         first = (mine - ordinal - 1) % period  # offset of this worker's first entry after the cursor
         count = min(self.batch * period, _MAX_SCAN)
-        inclusive = cursor != _ORIGIN
+        inclusive = cursor != ORIGIN
 
         def call(client: Any) -> Any:
             script = self._script
@@ -512,7 +421,7 @@ class RedisStreamSource(SavableDataset):
         if not isinstance(key, str):
             raise RestoreKeyError(f"RedisStreamSource key must be an entry id str, got {key!r}")
         try:
-            _id(key)
+            parse_id(key)
         except ValueError:
             raise RestoreKeyError(f"RedisStreamSource key {key!r} is not an entry id '<ms>-<seq>'") from None
         got = self._call(f"reading entry {key}", lambda c: c.xrange(self.stream, min=key, max=key))
@@ -547,9 +456,9 @@ class RedisStreamSource(SavableDataset):
                 source.trim(states)
         """
         ids = self._anchors(states)
-        if not ids or _ORIGIN in ids:
+        if not ids or ORIGIN in ids:
             return 0
-        keep = min(ids, key=_id)
+        keep = min(ids, key=parse_id)
         return int(self._call(f"trimming before {keep}", lambda c: c.xtrim(self.stream, minid=keep, approximate=False)))
 
     def _anchors(self, states: Any) -> list[str]:
@@ -591,75 +500,12 @@ class RedisStreamSource(SavableDataset):
 
     def _anchor_of(self, node: DatasetState | None) -> str:
         if node is None:
-            return _ORIGIN  # at the start of its epoch: it needs every entry
+            return ORIGIN  # at the start of its epoch: it needs every entry
         if node.type != type_name(self):
             raise StateError(f"RedisStreamSource.trim: the state has {node.type} where the source is")
         after, origin = node.fields.get("after"), node.fields.get("origin")
         if after:
-            return _check_id(after, "after")
+            return check_id(after, "after")
         if not isinstance(origin, (list, tuple)) or len(origin) != 2:
             raise StateError(f"RedisStreamSource state origin is {origin!r}, expected [entry id, ordinal]")
-        return _check_id(origin[0], "origin")
-
-
-def resplit_state(
-    fields: Sequence[Sequence[dict[str, Any] | None]],
-    world_size: int,
-    new_world_size: int,
-) -> dict[str, Any]:
-    """The source state every new worker starts from when the states of ``world_size``
-    ranks (``fields[r][w]``: the source fields of rank ``r``'s logical worker ``w`` at
-    what the loop consumed, None for a worker that consumed nothing in the epoch) are
-    restored on ``new_world_size`` ranks.
-
-    The stage that ends adds ``{'world_size', 'workers', 'consumed'}`` (per residue
-    ``r + world_size * w``, the entries that worker consumed in it); the new stage
-    starts at the earliest position any old worker stopped at. What no old worker
-    consumed, in stream order, is the new stage, numbered from 0 and split as usual
-    (``n % new_world_size``, then by worker).
-    """
-    workers = {len(per_rank) for per_rank in fields}
-    if len(fields) != world_size or len(workers) != 1:
-        raise StateError(
-            f"resplit needs {world_size} ranks with the same number of logical workers, got {[len(f) for f in fields]}"
-        )
-    k = workers.pop()
-    present = [f for per_rank in fields for f in per_rank if f is not None and not f.get(ALL_CONSUMED)]
-    checked = [_checked_fields(f) for f in present]
-    stages = present[0]["stages"] if present else []
-    origin: tuple[str, int] = checked[0][1] if checked else (_ORIGIN, -1)
-    for p, (_, o) in zip(present, checked):
-        if p["stages"] != stages or o != origin:
-            raise StateError("the ranks' RedisStreamSource states disagree on the earlier stages of the epoch")
-    chain = _stages_of(stages)
-    period = world_size * k
-    consumed = [0] * period
-    starts: list[tuple[int, str]] = []
-    for r, per_rank in enumerate(fields):
-        for w, f in enumerate(per_rank):
-            g = r + world_size * w
-            if f is not None and f.get(ALL_CONSUMED):  # it had ended its epoch: all of its share
-                consumed[g] = _EVERYTHING
-                continue
-            if f is None or not f["after"]:
-                starts.append((origin[1], origin[0]))
-                continue
-            n = _current_ordinal(chain, f["ordinal"])
-            if n is None or n % period != g:
-                raise StateError(
-                    f"rank {r} worker {w}'s RedisStreamSource state is at ordinal {f['ordinal']}, which is not one "
-                    f"of its entries (residue {g} of {period})"
-                )
-            consumed[g] = n // period + 1
-            starts.append((f["ordinal"], f["after"]))
-    if not starts:
-        raise StateError("resplit needs a worker that had not ended its epoch")
-    ordinal, after = min(starts)
-    ends = [f["end"] for f in present if f["end"]]
-    return {
-        "after": "",
-        "ordinal": -1,
-        "end": max(ends, key=_id) if ends else "",
-        "origin": [after, ordinal],
-        "stages": [*stages, {"world_size": world_size, "workers": k, "consumed": consumed}],
-    }
+        return check_id(origin[0], "origin")
