@@ -33,11 +33,12 @@ from typing import Any, cast
 import cloudpickle
 import msgspec
 
+from savable_loader._hosting import MAX_LOGICAL_WORKERS
 from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._worker import walk
 from savable_loader.config import _ActiveWorker, _LogicalWorkers
 from savable_loader.dataset import SavableDataset, type_name
-from savable_loader.errors import ConfigMismatchError, DataError, StateError
+from savable_loader.errors import DataError, StateError
 from savable_loader.rng import preserve_global_rng, seed_global
 from savable_loader.state.schema import PipelinePosition, RankState, WorkerState
 
@@ -141,6 +142,10 @@ def resized_state(
     if len(logical) != 1:
         raise StateError(f"the ranks' states have different numbers of logical workers: {sorted(logical)}")
     workers = logical.pop()
+    if workers > MAX_LOGICAL_WORKERS:
+        raise StateError(
+            f"the ranks' states have {workers} logical workers each, expected at most {MAX_LOGICAL_WORKERS}"
+        )
     epoch = min(p.epoch for p in positions)
     if max(p.epoch for p in positions) > epoch + 1:
         raise StateError(f"the ranks' states are in epochs {sorted({p.epoch for p in positions})}, more than one apart")
@@ -151,9 +156,8 @@ def resized_state(
         for ws in sorted(p.workers, key=lambda w: w.worker_id):
             done = p.epoch > epoch or ws.exhausted
             ended.append(done)
-            if done:  # every entry of its residue this epoch: the epoch's end is not exceeded
-                got = None if ws.dataset is None else _consumed_fields(pipeline, states, epoch, r, ws, workers)
-                per_rank.append({**(got or _blank(pipeline)), ALL_CONSUMED: True})
+            if done:  # it consumed every entry of its share this epoch
+                per_rank.append({ALL_CONSUMED: True})
             else:
                 per_rank.append(_consumed_fields(pipeline, states, epoch, r, ws, workers))
         fields.append(per_rank)
@@ -176,16 +180,3 @@ def resized_state(
 
 def _copy(pipeline: SavableDataset) -> SavableDataset:
     return cast(SavableDataset, cloudpickle.loads(cloudpickle.dumps(pipeline)))
-
-
-def _blank(pipeline: SavableDataset) -> dict[str, Any]:
-    copy = _copy(pipeline)
-    copy.reset_state_deep()
-    return _source_fields(copy)
-
-
-def check_resizable(pipeline: SavableDataset, saved_world: int, world_size: int) -> None:
-    """ConfigMismatchError naming ``world_size`` and the reason, if the pipeline cannot move."""
-    reason = resize_blocker(pipeline)
-    if reason is not None:
-        raise ConfigMismatchError("world_size", saved_world, world_size, reason)

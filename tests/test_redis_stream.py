@@ -618,3 +618,15 @@ def test_spawn_and_forkserver_workers_make_their_own_client(server: RedisServer,
     source.client().ping()  # a client in the parent is not carried over
     loader = sl.SavableDataLoader(source, batch_size=None, worker_config=wc, multiprocessing_context=context)
     assert [v(s) for s in loader] == list(range(6))
+
+
+def test_resplit_counts_a_worker_that_ended_its_epoch_as_having_consumed_all_of_its_share() -> None:
+    from savable_loader._pipeline_resize import ALL_CONSUMED
+    from savable_loader.sources._stream_stages import current_ordinal, resplit_state, stages_of
+
+    # one rank, two workers: worker 0 ended its epoch, worker 1 consumed ordinals 1 and 3 (entry id "0-3")
+    w1 = {"after": "0-3", "ordinal": 3, "end": "0-9", "origin": ["0-0", -1], "stages": []}
+    new = resplit_state([[{ALL_CONSUMED: True}, w1]], 1, 2)
+    assert new["origin"] == ["0-3", 3] and new["end"] == "0-9" and new["after"] == ""
+    stages = stages_of(new["stages"])
+    assert [current_ordinal(stages, n) for n in range(4, 10)] == [None, 0, None, 1, None, 2]
