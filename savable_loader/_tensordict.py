@@ -77,9 +77,9 @@ def collection_size(batch: Any, path: str) -> int:
     return int(sizes[0])
 
 
-def slice_jagged(nt: torch.Tensor, start: int, stop: int, path: str) -> torch.Tensor:
+def slice_jagged(nt: Any, start: int, stop: int, path: str) -> Any:
     """Rows ``start:stop`` of a jagged nested tensor, compact (see the module docstring)."""
-    ragged = nt._ragged_idx  # type: ignore[attr-defined]
+    ragged = nt._ragged_idx  # a NestedTensor's (torch.nested has no public accessor)
     if ragged != 1:
         raise LoaderUsageError(
             f"MicroBatchDataset: {path} is a jagged nested tensor ragged along dim {ragged}; expected the ragged "
@@ -174,8 +174,6 @@ def _encode(value: Any, path: str) -> list[Any]:
     if cls is list or cls is tuple:
         return [cls.__name__, [_encode(v, f"{path}[{i}]") for i, v in enumerate(value)]]
     if is_jagged(value):
-        if value._ragged_idx != 1:  # type: ignore[attr-defined]
-            raise StateError(f"state field {path} holds a jagged tensor ragged along dim {value._ragged_idx}")  # type: ignore[attr-defined]
         compact = slice_jagged(value, 0, int(value.shape[0]), path)
         return ["jagged", compact.values(), compact.offsets()]
     if not is_collection(value):
@@ -244,7 +242,7 @@ def _decode(node: Any, path: str) -> Any:
         return items if kind == "list" else tuple(items)
     try:
         return _decode_tensors(kind, args, path)
-    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+    except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
         raise StateError(f"state field {path}: cannot rebuild a {kind} node ({type(e).__name__}: {e})") from e
 
 
@@ -284,7 +282,7 @@ def compare(a: Any, b: Any, path: str, same: Callable[[Any, Any, str], None], fa
     dimension names, keys in order and values; lazy stacks their stack dim and members;
     ``NonTensorData`` its value."""
     if is_jagged(a):
-        if a.dtype != b.dtype or a._ragged_idx != b._ragged_idx or a.shape[0] != b.shape[0]:  # type: ignore[attr-defined]
+        if a.dtype != b.dtype or a._ragged_idx != b._ragged_idx or a.shape[0] != b.shape[0]:
             fail(f"{path}: jagged {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
         for i, (x, y) in enumerate(zip(a.unbind(), b.unbind())):
             same(x, y, f"{path}[{i}]")
