@@ -389,3 +389,25 @@ def test_savable_loader_imports_tensordict_only_when_a_batch_is_one():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["5", "False"]  # micro-batches 2, 2, 2, 2, 1
     assert td.__version__  # the module under test here
+
+
+def test_assert_same_tells_tensordicts_apart():
+    batch = rich_batch()
+    assert_same(batch, rich_batch())
+    changes = {
+        "tokens": lambda b: b.set("tokens", torch.nested.nested_tensor([torch.arange(3)] * 5, layout=torch.jagged)),
+        "task": lambda b: b.set("task", NonTensorData("code", batch_size=[5])),
+        "prompt": lambda b: b.set("prompt", NonTensorStack(*[f"q{i}" for i in range(5)])),
+        "deep": lambda b: b.set(("nested", "deep", "v"), torch.arange(5.0) + 1),
+        "dtype": lambda b: b.set("obs", b["obs"].float()),
+        "order": lambda b: TensorDict({k: b.get(k) for k in reversed(list(b.keys()))}, batch_size=[5]),
+        "names": lambda b: b.refine_names("batch"),
+    }
+    for name, change in changes.items():
+        with pytest.raises(ResumeMismatchError):
+            assert_same(change(rich_batch()), batch)
+        with pytest.raises(ResumeMismatchError):
+            assert_same(batch, change(rich_batch()))
+    stacked = default_collate([ragged_sample(torch.tensor([i, 0, 0, 0])) for i in range(3)])
+    with pytest.raises(ResumeMismatchError, match=r"batch_size torch.Size\(\[3\]\) vs torch.Size\(\[2\]\)"):
+        assert_same(stacked, stacked[:2])
