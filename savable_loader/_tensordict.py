@@ -45,6 +45,7 @@ __all__ = [
     "encode_rest",
     "is_collection",
     "is_jagged",
+    "ragged_dim",
     "slice_collection",
     "slice_jagged",
 ]
@@ -77,9 +78,15 @@ def collection_size(batch: Any, path: str) -> int:
     return int(sizes[0])
 
 
+def ragged_dim(nt: Any) -> int:
+    """The ragged dimension of a jagged nested tensor: the one whose size is a symbolic
+    (nested) int in its public ``shape``."""
+    return next(i for i, size in enumerate(nt.shape) if isinstance(size, torch.SymInt))
+
+
 def slice_jagged(nt: Any, start: int, stop: int, path: str) -> Any:
     """Rows ``start:stop`` of a jagged nested tensor, compact (see the module docstring)."""
-    ragged = nt._ragged_idx  # a NestedTensor's (torch.nested has no public accessor)
+    ragged = ragged_dim(nt)
     if ragged != 1:
         raise LoaderUsageError(
             f"MicroBatchDataset: {path} is a jagged nested tensor ragged along dim {ragged}; expected the ragged "
@@ -282,7 +289,7 @@ def compare(a: Any, b: Any, path: str, same: Callable[[Any, Any, str], None], fa
     dimension names, keys in order and values; lazy stacks their stack dim and members;
     ``NonTensorData`` its value."""
     if is_jagged(a):
-        if a.dtype != b.dtype or a._ragged_idx != b._ragged_idx or a.shape[0] != b.shape[0]:
+        if a.dtype != b.dtype or ragged_dim(a) != ragged_dim(b) or a.shape[0] != b.shape[0]:
             fail(f"{path}: jagged {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
         for i, (x, y) in enumerate(zip(a.unbind(), b.unbind())):
             same(x, y, f"{path}[{i}]")

@@ -404,10 +404,10 @@ def test_assert_same_tells_tensordicts_apart():
         "names": lambda b: b.refine_names("batch"),
     }
     for name, change in changes.items():
-        with pytest.raises(ResumeMismatchError):
-            assert_same(change(rich_batch()), batch)
-        with pytest.raises(ResumeMismatchError):
-            assert_same(batch, change(rich_batch()))
+        with pytest.raises(ResumeMismatchError, match=f"^{name}"):
+            assert_same(change(rich_batch()), batch, name)
+        with pytest.raises(ResumeMismatchError, match=f"^{name}"):
+            assert_same(batch, change(rich_batch()), name)
     stacked = default_collate([ragged_sample(torch.tensor([i, 0, 0, 0])) for i in range(3)])
     with pytest.raises(ResumeMismatchError, match=r"batch_size torch.Size\(\[3\]\) vs torch.Size\(\[2\]\)"):
         assert_same(stacked, stacked[:2])
