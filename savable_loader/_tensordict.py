@@ -165,8 +165,12 @@ def contains_collection(value: Any) -> bool:
     if type(value) is dict:
         return TAG in value or any(contains_collection(v) for v in value.values())
     if type(value) in (list, tuple):
-        return any(contains_collection(v) for v in value)
+        # a list of strings or numbers (a batch's names, ids) is looked at once, at C speed
+        return not set(map(type, value)) <= _PLAIN and any(contains_collection(v) for v in value)
     return False
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes})
 
 
 def encode_rest(value: Any, path: str) -> dict[str, Any]:
