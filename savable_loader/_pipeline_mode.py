@@ -126,9 +126,6 @@ class PipelineIteration(Iteration):
         self._last_save: tuple[Any, PipelinePosition] | None = None
         self._lock = threading.Lock()
 
-    def physical(self, logical: int) -> int:
-        return (slot_of(logical, self.hosts) - self.rotation) % self.hosts
-
     def logical(self, physical: int) -> int:
         """The (lowest) logical worker physical worker ``physical`` hosts; a worker that
         hosts none (more workers than the state's logical workers) keeps its own id."""

@@ -498,6 +498,7 @@ class _Prefetcher:
         self.wanted: list[tuple[str, FileRef]] = []  # still to download, in order
         self.named: set[str] = set()
         self.held: dict[str, CachedFile] = {}
+        self.fetching: set[str] = set()  # being downloaded by a thread now
         self.failures: dict[str, str] = {}
         self.threads = 0
 
@@ -506,7 +507,9 @@ class _Prefetcher:
             self.named = {key for key, _ in files}
             for key in [k for k in self.held if k not in self.named]:
                 self.held.pop(key).close()
-            self.wanted = [(key, ref) for key, ref in files if key not in self.held]
+            # a file held or being downloaded is not queued again (a second thread would
+            # only wait on the cache's lock for it and keep a parallel slot busy)
+            self.wanted = [(key, ref) for key, ref in files if key not in self.held and key not in self.fetching]
             while self.threads < min(self.parallel, len(self.wanted)):
                 self.threads += 1
                 threading.Thread(target=self._run, name="savable_loader-prefetch", daemon=True).start()
@@ -527,13 +530,17 @@ class _Prefetcher:
                     self.threads -= 1
                     return
                 key, ref = self.wanted.pop(0)
+                self.fetching.add(key)
             try:
                 cached = self.storage._fetch(ref)
             except Exception as e:  # noqa: BLE001 - the open that needs the file tries again
                 self.failures[key] = f"{type(e).__name__}: {e}"
                 log.debug("prefetch of %s failed: %s", ref.path, e)
+                with self.cond:
+                    self.fetching.discard(key)
                 continue
             with self.cond:
+                self.fetching.discard(key)
                 if key in self.named and key not in self.held:
                     self.held[key] = cached
                 else:
