@@ -325,7 +325,7 @@ def convert(data: Any) -> Any:
     each item), except that tensor collections and jagged tensors pass as they are, inside
     dicts, lists and tuples too: torch's function iterates a ``TensorDict`` as a mapping,
     but iterating one walks its batch dimension, so it fails on any batched TensorDict."""
-    if not contains_collection(data):
+    if "tensordict" not in sys.modules or not contains_collection(data):  # (torch keeps jagged tensors as they are)
         return default_convert(data)
     if is_collection(data) or is_jagged(data):
         return data
