@@ -34,6 +34,7 @@ from savable_loader._index_mode import check_dataset_config, check_key_int, chec
 from savable_loader._mode import SKIP, Iteration, Mode
 from savable_loader._pipeline_resize import resize_blocker, resized_state
 from savable_loader._seeds import pipeline_base, pipeline_item
+from savable_loader._tensordict import convert as tensordict_convert
 from savable_loader._values import plain_dataset_state
 from savable_loader._worker import End, Item, PipelineWorkerDataset, walk
 from savable_loader.config import WorkerConfig, _ActiveWorker, _LogicalWorkers
@@ -83,7 +84,8 @@ class _TaggedCollate:
     """Applies the per-item collate function to a pipeline item, keeping its tag."""
 
     def __init__(self, collate: Callable[[Any], Any]) -> None:
-        self.collate = collate
+        # torch's default_convert fails on batched TensorDicts: theirs pass as they are
+        self.collate = tensordict_convert if collate is default_convert else collate
 
     def __call__(self, item: Item | End) -> Item | End:
         if isinstance(item, End):

@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from savable_loader._tensordict import compare, is_collection, is_jagged
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError, ResumeMismatchError
 from savable_loader.state import decode, encode
@@ -50,8 +51,9 @@ def assert_same(a: Any, b: Any, path: str = "item") -> None:
     not a dict, ``1`` not ``1.0``), tensors and arrays of the same dtype and shape with
     the same values (or the same bits: NaNs of equal payloads match), NumPy scalars of
     the same dtype (byte order included) and bits, floats of the same bits (``-0.0`` is
-    not ``0.0``), dicts with the same keys in the same order. ``path`` names the compared
-    value in the message.
+    not ``0.0``), dicts with the same keys in the same order, ``tensordict`` collections
+    with the same ``batch_size``, keys and leaves, jagged nested tensors row by row.
+    ``path`` names the compared value in the message.
 
     Example::
 
@@ -59,7 +61,9 @@ def assert_same(a: Any, b: Any, path: str = "item") -> None:
     """
     if type(a) is not type(b):
         _fail(f"{path}: {type(a).__qualname__} {a!r} vs {type(b).__qualname__} {b!r}")
-    if isinstance(a, torch.Tensor):
+    if is_jagged(a) or is_collection(a):  # tensordict collections, jagged nested tensors
+        compare(a, b, path, assert_same, _fail)
+    elif isinstance(a, torch.Tensor):
         if a.dtype != b.dtype or a.shape != b.shape:
             _fail(f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
         if not (torch.equal(a, b) or _bits(a) == _bits(b)):

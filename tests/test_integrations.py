@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "transformers", "datasets")
+FRAMEWORKS = (
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "accelerate",
+    "transformers",
+    "datasets",
+    "tensordict",  # optional: imported only when a batch is a TensorDict
+)
 
 
 def test_importing_savable_loader_imports_no_framework():

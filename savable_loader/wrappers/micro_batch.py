@@ -8,6 +8,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from savable_loader._tensordict import (
+    collection_size,
+    contains_collection,
+    decode_rest,
+    encode_rest,
+    is_collection,
+    is_jagged,
+    slice_collection,
+    slice_jagged,
+)
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers.base import BaseWrapperDataset
@@ -18,11 +28,13 @@ __all__ = ["MicroBatchDataset"]
 def _is_structure(seq: list[Any] | tuple[Any, ...]) -> bool:
     """A list/tuple of containers is a structure (fields of a batch); one of plain values
     (ints, strings) is itself a batch dimension."""
-    return any(isinstance(v, (torch.Tensor, np.ndarray, dict, list, tuple)) for v in seq)
+    return any(isinstance(v, (torch.Tensor, np.ndarray, dict, list, tuple)) or is_collection(v) for v in seq)
 
 
 def batch_sizes(batch: Any, path: str = "batch") -> dict[str, int]:
     """The length along the batch dimension of every leaf of ``batch``, by path."""
+    if is_collection(batch):
+        return {path: collection_size(batch, path)}
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return {path: int(batch.shape[0])} if batch.ndim else {}
     if isinstance(batch, dict):
@@ -40,16 +52,21 @@ def batch_sizes(batch: Any, path: str = "batch") -> dict[str, int]:
     return {}  # a scalar: the same for every micro-batch
 
 
-def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    """Samples ``start:stop`` of a batch: tensors, arrays, dicts, lists and tuples (nested)."""
+def slice_batch(batch: Any, start: int, stop: int, path: str = "batch") -> Any:
+    """Samples ``start:stop`` of a batch: tensors, arrays, dicts, lists and tuples (nested),
+    tensordict collections and jagged nested tensors (``savable_loader._tensordict``)."""
+    if is_collection(batch):
+        return slice_collection(batch, start, stop, path)
+    if is_jagged(batch):
+        return slice_jagged(batch, start, stop, path)
     if isinstance(batch, (torch.Tensor, np.ndarray)):
         return batch[start:stop] if batch.ndim else batch
     if isinstance(batch, dict):
-        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
+        return {k: slice_batch(v, start, stop, f"{path}[{k!r}]") for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         if not _is_structure(batch):
             return batch[start:stop]
-        parts = [slice_batch(v, start, stop) for v in batch]
+        parts = [slice_batch(v, start, stop, f"{path}[{i}]") for i, v in enumerate(batch)]
         if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
             return type(batch)(*parts)
         return type(batch)(parts)
@@ -61,15 +78,18 @@ class MicroBatchDataset(BaseWrapperDataset):
 
     Batches may be tensors, NumPy arrays, dicts, lists and tuples of them, nested; every
     leaf is split along its first dimension (lists of plain values such as strings count
-    as leaves, scalars are repeated in every micro-batch). The last micro-batch of a batch
-    may be smaller. Sits after ``BatchDataset``: when the batch size is known (the wrapped
+    as leaves, scalars are repeated in every micro-batch). A ``tensordict`` batch (any
+    ``TensorDictBase`` or tensorclass, nested, lazy stacks and jagged nested tensors
+    included) is split along dim 0 of its ``batch_size``, which it must have. The last
+    micro-batch of a batch may be smaller. Sits after ``BatchDataset``: when the batch size is known (the wrapped
     dataset is a ``BatchDataset``, or ``batch_size=`` is given) a micro-batch size larger
     than it is refused at once; otherwise any batch smaller than ``micro_batch_size`` is an
     error (pass ``batch_size=`` when short last batches are expected).
 
     State: the part of the current batch not yet yielded (it keeps its types: tuples,
-    NumPy scalars; a namedtuple batch is refused when the state is taken, since it would
-    come back as a plain tuple), the batch's key and the next micro index. Restore keys
+    NumPy scalars, TensorDicts, lazy stacks, non-tensor data and jagged tensors; a
+    namedtuple or tensorclass batch is refused when the state is taken, since it would not
+    come back identical), the batch's key and the next micro index. Restore keys
     are ``[batch key, micro index]``, marked before each micro-batch is yielded (the RNG
     rule of ``SavableDataset``).
 
@@ -102,9 +122,21 @@ class MicroBatchDataset(BaseWrapperDataset):
         self.reset_state_own()
 
     def reset_state_own(self) -> None:
-        self.rest: Any = None
+        self._rest: Any = None
         self.batch_key: Any = None
         self.micro = 0
+
+    @property
+    def rest(self) -> Any:
+        """The state's view of the part of the current batch not yet yielded: the batch
+        itself, or a tagged tree of plain values when it holds a ``tensordict`` collection
+        or a jagged tensor (``savable_loader._tensordict.encode_rest``)."""
+        live = self._rest
+        return encode_rest(live, "MicroBatchDataset.rest") if contains_collection(live) else live
+
+    @rest.setter
+    def rest(self, value: Any) -> None:
+        self._rest = decode_rest(value)
 
     def _size(self, batch: Any) -> int:
         sizes = batch_sizes(batch)
@@ -122,7 +154,7 @@ class MicroBatchDataset(BaseWrapperDataset):
         it = iter(inner)
         m = self.micro_batch_size
         while True:
-            if self.rest is None:
+            if self._rest is None:
                 try:
                     batch = next(it)
                 except StopIteration:
@@ -136,10 +168,10 @@ class MicroBatchDataset(BaseWrapperDataset):
                         f"expected a micro-batch size of at most {size} (pass batch_size= if short last "
                         "batches are expected)"
                     )
-                self.rest, self.batch_key, self.micro = batch, inner.sample_key, 0
-            size = self._size(self.rest)
-            out = slice_batch(self.rest, 0, m)
-            self.rest = None if size <= m else slice_batch(self.rest, m, size)
+                self._rest, self.batch_key, self.micro = batch, inner.sample_key, 0
+            size = self._size(self._rest)
+            out = slice_batch(self._rest, 0, m)
+            self._rest = None if size <= m else slice_batch(self._rest, m, size)
             key = None if self.batch_key is None else [self.batch_key, self.micro]
             self.micro += 1
             self.mark_sample(key)  # the RNG rule: re-seed from the key (None: no key, no re-seed)
