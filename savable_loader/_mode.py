@@ -25,6 +25,7 @@ from savable_loader.state.schema import (
     IndexPosition,
     LoaderConfig,
     PipelinePosition,
+    RankState,
     RestoreKey,
 )
 
@@ -100,6 +101,13 @@ class Mode(ABC):
     fingerprint: str
     #: The per-item seed formula (``savable_loader.rng.SEED_FORMULA``).
     seed_formula: int
+
+    def resized(self, states: list[RankState], world_size: int, num_workers: int) -> tuple[RankState, Any]:
+        """The state to check and the position to restore when the gathered ``states`` of
+        another world size are restored on ``world_size`` ranks (``resizable`` modes)."""
+        from savable_loader._elastic import elastic_position
+
+        return states[0], elastic_position(states, world_size)
 
     @abstractmethod
     def engine_kwargs(self) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from savable_loader._guards import release
 from savable_loader._hosting import MAX_LOGICAL_WORKERS, hosts, slot_of
 from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting
 from savable_loader._mode import SKIP, Iteration, Mode
+from savable_loader._pipeline_resize import resize_blocker, resized_state
 from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._tensordict import convert as tensordict_convert
 from savable_loader._values import plain_dataset_state
@@ -41,7 +42,14 @@ from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
 from savable_loader.rng import SEED_FORMULA, preserve_global_rng, seed_global
 from savable_loader.state.codec import decode_part
-from savable_loader.state.schema import DatasetState, LoaderConfig, PipelinePosition, RestoreKey, WorkerState
+from savable_loader.state.schema import (
+    DatasetState,
+    LoaderConfig,
+    PipelinePosition,
+    RankState,
+    RestoreKey,
+    WorkerState,
+)
 
 __all__ = ["SKIP", "PipelineIteration", "PipelineMode"]
 
@@ -270,10 +278,22 @@ class PipelineMode(Mode):
         self.carries = any(type(ds).carries_across_epochs for ds in walk(dataset))
         #: Why a position cannot go on under another num_workers (None: it can, hosted).
         self.fixed_workers = _fixed_workers(dataset)
+        #: Why the ranks' states cannot move to another world size (None: the source
+        #: re-splits, ``_pipeline_resize.py``).
+        resize_reason = resize_blocker(dataset)
+        self.resizable = resize_reason is None
+        if resize_reason is not None and type(self).fixed_world_size == PipelineMode.fixed_world_size:
+            self.fixed_world_size = resize_reason
         # the rotation of the worker pool started last (persistent workers keep theirs),
         # and whether it hosted another number of logical workers than its own
         self.pool_rotation = 0
         self.pool_hosting = False
+
+    def resized(self, states: list[RankState], world_size: int, num_workers: int) -> tuple[RankState, Any]:
+        """This rank's share of the ranks' ``states`` on ``world_size`` ranks: a source
+        that re-splits starts a new stage of the epoch (``_pipeline_resize.py``)."""
+        state = resized_state(self.torch_dataset.dataset, states, self.worker_config.rank, world_size, num_workers)
+        return state, state.position
 
     def carry_on(self, epoch: int, ended: list[DatasetState | None] | None) -> None:
         """``epoch`` goes on from the workers' states ``ended`` (None: from scratch)."""
@@ -367,11 +387,12 @@ class PipelineMode(Mode):
         current = self.loader_config(num_workers)
         for name in ("rank", "world_size", "seed"):
             if getattr(saved, name) != getattr(current, name):
-                hint = (
-                    "a savable pipeline's state is split per rank and worker: restore it on the same world size"
-                    if name == "world_size"
-                    else ""
-                )
+                hint = self.fixed_world_size if name == "world_size" else ""
+                if name == "world_size" and self.resizable:
+                    hint = (
+                        "this pipeline's source re-splits: pass every rank's state to restore_state_global "
+                        "(a list from save_state_global) to restore it on another world size"
+                    )
                 raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name), hint)
         factor = None
         if saved.dataset_fingerprint != current.dataset_fingerprint:

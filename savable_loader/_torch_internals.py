@@ -28,6 +28,7 @@ import os
 import random
 import re
 import struct
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,7 @@ __all__ = [
     "set_queue_feeder_hook",
     "shutdown_workers",
     "torch_worker_id",
+    "worker_done_event",
     "worker_processes",
 ]
 
@@ -152,6 +154,41 @@ def replace_worker_info(**changes: Any) -> None:
     if not _original or _original[0][0] != os.getpid():
         _original[:] = [(os.getpid(), info.id)]
     _torch_worker._worker_info = dataclasses.replace(info, **changes)
+
+
+_DONE_EVENT: tuple[int, Any] | None = None
+
+
+def worker_done_event() -> Any:
+    """In a DataLoader worker process: the ``done_event`` of torch's worker loop, which the
+    main process sets when it shuts the workers down; None outside a worker.
+
+    A source that waits inside one item (a stream waiting for its producers) checks it
+    between bounded waits and ends, instead of being killed after torch's 5 s join timeout
+    per worker. torch passes it only as an argument of ``_worker_loop``: it is read from
+    that function's frame (the caller's stack) once per process.
+
+    Example::
+
+        done = worker_done_event()
+        if done is not None and done.is_set():
+            return   # the loader is shutting its workers down
+    """
+    global _DONE_EVENT
+    if _torch_worker._worker_info is None:
+        return None
+    pid = os.getpid()
+    if _DONE_EVENT is not None and _DONE_EVENT[0] == pid:
+        return _DONE_EVENT[1]
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_worker_loop" and frame.f_globals.get("__name__") == _torch_worker.__name__:
+            if "done_event" not in frame.f_locals:
+                break
+            _DONE_EVENT = (pid, frame.f_locals["done_event"])
+            return _DONE_EVENT[1]
+        frame = frame.f_back  # type: ignore[assignment]
+    raise _missing("torch.utils.data._utils.worker._worker_loop's done_event argument on a worker's stack")
 
 
 def torch_worker_id() -> int | None:

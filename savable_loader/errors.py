@@ -14,7 +14,8 @@ Every error the library raises on purpose derives from :class:`SavableLoaderErro
     │   └── UndeclaredRngError      a batch drew from a global RNG that global_rngs= does not list
     ├── RestoreKeyError             a restore key cannot be rebuilt (foreign, malformed, unsupported)
     ├── DataError                   data on disk is malformed (shard metadata, shard files)
-    │   └── IntegrityError          a file's size or checksum differs from what its metadata says
+    │   ├── IntegrityError          a file's size or checksum differs from what its metadata says
+    │   └── StreamTrimmedError      entries a stream reader needs were trimmed from the stream
     ├── ResumeMismatchError         savable_loader.testing.check_resume found a resumed run that differs
     ├── InternalError               an invariant of savable_loader itself broke: a bug, please report it
     ├── StorageError                a remote read failed (names the URL, byte range, attempts, last cause)
@@ -54,6 +55,7 @@ __all__ = [
     "StateVersionError",
     "StorageError",
     "StreamTimeoutError",
+    "StreamTrimmedError",
     "UndeclaredRngError",
     "UnsavedRngWarning",
     "UsageTypeError",
@@ -299,6 +301,31 @@ class IntegrityError(DataError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.args[0], self.url, self.field, self.expected, self.found))
+
+
+class StreamTrimmedError(DataError):
+    """Entries a restore (or a running reader) needs were removed from the stream
+    (``XTRIM``, ``XADD ... MAXLEN``, ``XDEL``): reading on would skip them.
+
+    ``stream`` is the stream, ``needed`` the id the reader resumes after (it must still
+    be in the stream), ``first`` the stream's first id now ("" when it is empty).
+    Restore from a newer checkpoint (one taken after the trim), or accept the loss
+    explicitly by starting a fresh loader. Example::
+
+        try:
+            batch = next(it)
+        except StreamTrimmedError as e:
+            print(e.stream, e.needed, e.first)
+    """
+
+    def __init__(self, message: str, stream: str = "", needed: str = "", first: str = "") -> None:
+        super().__init__(message)
+        self.stream = stream
+        self.needed = needed
+        self.first = first
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.stream, self.needed, self.first))
 
 
 class StorageError(SavableLoaderError):

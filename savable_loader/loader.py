@@ -35,7 +35,6 @@ from savable_loader._arguments import (
     resolve_seed,
     resolve_worker_config,
 )
-from savable_loader._elastic import elastic_position
 from savable_loader._failures import terminate_worker, translate_worker_error
 from savable_loader._feeder import WorkerInit
 from savable_loader._frameworks import fabric_iterating, saving_framework
@@ -782,7 +781,8 @@ class SavableDataLoader(DataLoader[T_co]):
     def _restore_resized(self, states: list[RankState], world_size: int) -> None:
         if not self._mode.resizable:
             raise ConfigMismatchError("world_size", len(states), world_size, self._mode.fixed_world_size)
-        self._restore(states[0], elastic_position(states, world_size), elastic=True)
+        state, position = self._mode.resized(states, world_size, self.num_workers)
+        self._restore(state, position, elastic=True)
 
     def save_state_global(self, global_dst_rank: int) -> list[RankState] | None:
         """Gather every data-parallel rank's state to ``global_dst_rank``.

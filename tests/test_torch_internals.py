@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from savable_loader._torch_internals import replace_worker_info, torch_worker_id
+from savable_loader._torch_internals import replace_worker_info, torch_worker_id, worker_done_event
 
 
 class _Info(Dataset):
@@ -27,6 +27,21 @@ def test_replace_worker_info_changes_what_get_worker_info_returns():
     assert sorted(item[0] for item in loader) == [10, 11]
     assert {item[1] for item in loader} == {"user"}
     assert sorted((item[0], item[2]) for item in loader) == [(10, 0), (11, 1)]  # torch's ids survive
+
+
+class _Done(Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> list:
+        event = worker_done_event()
+        return [type(event).__name__, event.is_set(), worker_done_event() is event]
+
+
+def test_worker_done_event_is_torchs_shutdown_signal_in_a_worker():
+    assert worker_done_event() is None  # the main process
+    loader = DataLoader(_Done(), batch_size=None, num_workers=2, multiprocessing_context="fork")
+    assert list(loader) == [["Event", False, True]] * 2
 
 
 def test_replace_worker_info_outside_a_worker_is_an_error():

@@ -9,6 +9,8 @@
 * ``IterableSource``: a user generator function with an explicit position.
 * ``PollingSource``: a stream producers keep filling, read by index with ``fetch(info,
   index)`` (None: not there yet, polled again; ``END``: the epoch ends there).
+* ``RedisStreamSource``: the entries of a Redis stream producers ``XADD`` to (``redis``
+  is imported when it first reads; ``pip install 'savable_loader[redis]'``).
 * ``TorchIterableSource``: a plain ``torch.utils.data.IterableDataset`` (the loader builds
   it for one; resumed from its ``state_dict()`` when it has one, by replay otherwise).
 
@@ -29,6 +31,7 @@ from savable_loader.sources.decoders import DEFAULT_DECODERS, decode_sample
 from savable_loader.sources.indexing import index_folder
 from savable_loader.sources.iterable import IterableSource, ReplayWarning, StreamInfo
 from savable_loader.sources.polling import END, PollingSource
+from savable_loader.sources.redis_stream import RedisStreamSource
 from savable_loader.sources.sharded import ShardedFileDataset
 from savable_loader.sources.torch_iterable import TorchIterableSource
 
@@ -37,6 +40,7 @@ __all__ = [
     "END",
     "IterableSource",
     "PollingSource",
+    "RedisStreamSource",
     "ReplayWarning",
     "ShardedFileDataset",
     "StreamInfo",

@@ -1,0 +1,511 @@
+"""RedisStreamSource: the entries of a Redis stream that producers ``XADD`` to, exact across restarts.
+
+**Who reads what.** The entries of an epoch are numbered in stream order from 0 (their
+*ordinal*). Entry ``n`` goes to data-parallel rank ``n % world_size``; within a rank, the
+rank's ``j``-th entry (``j = n // world_size``) goes to logical worker ``j % K`` of the
+``K`` workers per rank. So worker ``w`` of rank ``r`` takes the entries whose ordinal is
+``r + world_size * w`` modulo ``world_size * K`` (its *residue*), in order: each worker
+reads the stream in batches and keeps its own entries (Redis has no index by ordinal).
+
+**A sample** is a dict of the entry's fields (``str`` names, ``bytes`` values) plus
+``"__id__"``, the entry id (``str``). Its restore key is the entry id, so
+``restore_sample`` reads that one entry again.
+
+**follow.** ``follow=True``: one endless epoch that waits for new entries with blocking
+reads (``XREAD BLOCK`` in slices of at most a second, so that ``timeout`` and shutdown are
+honoured; no busy polling). ``follow=False``: an epoch is the entries present when the
+worker first reads in that epoch (the id of the stream's last entry then, recorded in the
+state, so that a resume reads the same set); each epoch reads the stream from its first
+entry again.
+
+**The state** of a worker is the id and ordinal of the last entry it consumed (and the
+epoch's end id for ``follow=False``): a restore reads from that id on (``XRANGE`` from
+the id), at a cost that does not depend on how far the stream is. A state never grows
+with the stream: a restore on another world size adds one *stage* (per old rank and
+logical worker, the count of entries it consumed; see :func:`resplit_state`).
+
+**trim.** :meth:`RedisStreamSource.trim` removes the prefix of the stream every saved
+worker has consumed (``XTRIM MINID``), keeping the last consumed entry of the slowest one
+as a marker: a restore checks that the entry it resumes after is still there, so a
+restore from a state whose next entries were trimmed is a :class:`StreamTrimmedError`,
+never a skip (the same check runs on every read, so a producer's ``MAXLEN`` that
+overtakes a reader is caught too).
+
+**Failures.** Every Redis call goes through a :class:`~savable_loader.storage.RetryPolicy`
+(connection failures and timeouts are retried with backoff); when it gives up, a
+:class:`~savable_loader.errors.StorageError` names the URL (password masked) and the
+stream. ``redis`` (``pip install 'savable_loader[redis]'``) is imported only when a
+worker first reads; each process makes its own client, so fork, spawn and forkserver
+workers all work.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import urllib.parse
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+from savable_loader._torch_internals import worker_done_event
+from savable_loader.config import WorkerConfig
+from savable_loader.dataset import SavableDataset, type_name
+from savable_loader.errors import (
+    LoaderUsageError,
+    RestoreKeyError,
+    StateError,
+    StorageError,
+    StreamTimeoutError,
+    StreamTrimmedError,
+)
+from savable_loader.sources._stream_stages import (
+    ORIGIN,
+    Stage,
+    check_id,
+    checked_fields,
+    current_ordinal,
+    parse_id,
+    resplit_state,
+)
+from savable_loader.state.schema import DatasetState, PipelinePosition, RankState
+from savable_loader.storage.retry import RetryPolicy, transient_reason
+
+__all__ = ["RedisStreamSource", "StreamTrimmedError", "mask_url", "resplit_state"]
+
+#: Longest single blocking read (``XREAD BLOCK``) in seconds: a timeout or a shutdown is
+#: noticed within it.
+BLOCK_SLICE = 0.5
+#: The most entries one scan reads on the server (it blocks the server meanwhile).
+_MAX_SCAN = 8192
+#: A server that runs no Lua scripts (disabled, or refused by an ACL): read client-side.
+_NO_SCRIPTS = re.compile(r"unknown command|NOPERM|no permissions|NOSCRIPT|disabled|not allowed", re.IGNORECASE)
+#: The scan: up to ARGV[3] entries after the cursor ARGV[1] (which must still be there
+#: when ARGV[4] is 1) up to ARGV[2]; returns {1, scanned, last id scanned, entry at
+#: offset ARGV[6], then every ARGV[5]-th}, or {0} if the cursor entry is gone.
+_SCAN = """
+local r
+local base = 1
+if ARGV[4] == '1' then
+  r = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[2], 'COUNT', tonumber(ARGV[3]) + 1)
+  if #r == 0 or r[1][1] ~= ARGV[1] then return {0} end
+  base = 2
+else
+  r = redis.call('XRANGE', KEYS[1], '-', ARGV[2], 'COUNT', tonumber(ARGV[3]))
+end
+local scanned = #r - base + 1
+if scanned <= 0 then return {1, 0, ''} end
+local out = {1, scanned, r[#r][1]}
+local period = tonumber(ARGV[5])
+local i = base + tonumber(ARGV[6])
+while i <= #r do
+  out[#out + 1] = r[i]
+  i = i + period
+end
+return out
+"""
+_SCHEMES = ("redis", "rediss", "unix")
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (as errors and configs show it).
+
+    >>> mask_url("redis://:secret@db:6379/0"), mask_url("redis://user:pw@db/1")
+    ('redis://:***@db:6379/0', 'redis://user:***@db/1')
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+
+
+#: redis-py errors that are ConnectionErrors but will not pass on another attempt.
+_FINAL = {"AuthenticationError", "AuthenticationWrongNumberOfArgsError", "AuthorizationError"}
+
+
+def _transient(error: BaseException) -> str | None:
+    if any(cls.__name__ in _FINAL for cls in type(error).__mro__):
+        return None
+    return transient_reason(error)
+
+
+def _bad(field: str, found: Any, expected: str) -> LoaderUsageError:
+    return LoaderUsageError(f"RedisStreamSource {field} is {found!r}; expected {expected}")
+
+
+class RedisStreamSource(SavableDataset):
+    """A savable source over the Redis stream ``stream`` at ``url``.
+
+    ``url``: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` (TLS) or
+    ``unix:///path/to/socket?db=0``. ``follow``: wait for new entries forever (True) or
+    read the entries present at each epoch's start (False). ``timeout``: seconds a
+    worker may wait for its next entry before a :class:`StreamTimeoutError` (None: no
+    limit). ``retry``: the policy for connection failures. ``batch``: entries read per
+    request.
+
+    Example::
+
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=2, seed=0)
+        source = RedisStreamSource("redis://localhost:6379/0", "rollouts", wc, follow=True)
+        loader = SavableDataLoader(source, batch_size=None, worker_config=wc)
+        for sample in loader:             # {"prompt": b"...", "__id__": "1712345678901-0"}
+            ...
+        state = loader.save_state_rank()  # in the checkpoint hook; once it is durable:
+        source.trim([state])              # drop what every rank has consumed
+    """
+
+    #: This source can split what is left of an epoch over another world size
+    #: (``restore_state_global`` on another number of ranks; see :func:`resplit_state`).
+    resplits: ClassVar[bool] = True
+    _savable_fields = ("after", "ordinal", "end", "origin", "stages")
+
+    @staticmethod
+    def resplit(
+        fields: Sequence[Sequence[dict[str, Any] | None]], world_size: int, new_world_size: int
+    ) -> dict[str, Any]:
+        """:func:`resplit_state`: the state every new worker starts from on another world size."""
+        return resplit_state(fields, world_size, new_world_size)
+
+    def __init__(
+        self,
+        url: str,
+        stream: str,
+        worker_config: WorkerConfig,
+        *,
+        follow: bool = True,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        batch: int = 256,
+    ) -> None:
+        super().__init__(worker_config)
+        if not isinstance(url, str) or urllib.parse.urlsplit(url).scheme not in _SCHEMES:
+            raise _bad("url", url, "a str 'redis://host:port/db', 'rediss://...' or 'unix:///path?db=0'")
+        if not isinstance(stream, str) or not stream:
+            raise _bad("stream", stream, "a non-empty str (the stream's key)")
+        if not isinstance(follow, bool):
+            raise _bad("follow", follow, "True or False")
+        if timeout is not None and (
+            not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0
+        ):
+            raise _bad("timeout", timeout, "None or a number of seconds > 0")
+        if retry is None:
+            retry = RetryPolicy()
+        elif not isinstance(retry, RetryPolicy):
+            raise _bad("retry", retry, "None or a savable_loader.storage.RetryPolicy")
+        if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 100_000:
+            raise _bad("batch", batch, "an int in [1, 100000]")
+        self.url = url
+        self.stream = stream
+        self.follow = follow
+        self.timeout = None if timeout is None else float(timeout)
+        self.retry = retry
+        self.batch = batch
+        self._client: tuple[int, Any] | None = None
+        self._script: tuple[Any, Any] | None = None
+        self._scripting = True  # False once the server refused to run the scan script
+        self.reset_state_own()
+
+    # -- state ------------------------------------------------------------------------
+
+    def reset_state_own(self) -> None:
+        self.after = ""  # the id of the last entry consumed in the current stage ("": none)
+        self.ordinal = -1  # its ordinal in the epoch
+        self.end = ""  # follow=False: the epoch's last id ("": not read yet)
+        self.origin = [ORIGIN, -1]  # where the current stage starts: [id, ordinal]
+        self.stages: list[dict[str, Any]] = []  # the epoch's earlier stages (other world sizes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_client"] = None  # a client belongs to the process that made it
+        state["_script"] = None
+        return state
+
+    def config(self) -> dict[str, Any]:
+        # not the URL: the same stream served from another address is the same data
+        return {"stream": self.stream, "follow": self.follow}
+
+    @property
+    def where(self) -> str:
+        """The masked URL and the stream, as errors name them."""
+        return f"{mask_url(self.url)} stream {self.stream!r}"
+
+    # -- Redis ------------------------------------------------------------------------
+
+    def client(self) -> Any:
+        """This process's client (made on first use; a forked child makes its own)."""
+        pid = os.getpid()
+        if self._client is None or self._client[0] != pid:
+            try:
+                import redis
+                from redis.backoff import NoBackoff
+                from redis.retry import Retry
+            except ImportError:
+                raise LoaderUsageError(
+                    "RedisStreamSource needs the redis package: pip install 'savable_loader[redis]'"
+                ) from None
+            client = redis.Redis.from_url(
+                self.url,
+                socket_timeout=self.retry.timeout + BLOCK_SLICE,
+                socket_connect_timeout=self.retry.timeout,
+                retry=Retry(NoBackoff(), 0),  # our policy retries, not redis-py's
+            )
+            self._client = (pid, client)
+        return self._client[1]
+
+    def _call(self, what: str, fn: Any) -> Any:
+        try:
+            return self.retry.call(lambda _timeout: fn(self.client()), url=self.where, transient=_transient)
+        except StorageError as e:
+            raise StorageError(f"{e.args[0]} (while {what})", self.where, None, e.attempts, e.cause) from e.__cause__
+
+    def _read(self, cursor: str, last: str) -> list[tuple[str, dict[bytes, bytes]]]:
+        """Up to ``batch`` entries after ``cursor`` (up to ``last``; "+" for no bound);
+        a :class:`StreamTrimmedError` if ``cursor`` (once consumed) is gone."""
+        inclusive = cursor != ORIGIN
+        start = cursor if inclusive else "-"
+        got = self._call(
+            f"reading after {cursor}",
+            lambda c: c.xrange(self.stream, min=start, max=last, count=self.batch + inclusive),
+        )
+        entries = [(i.decode() if isinstance(i, bytes) else i, f) for i, f in got]
+        if inclusive:
+            if not entries or entries[0][0] != cursor:
+                self._trimmed(cursor)
+            entries = entries[1:]
+        return entries
+
+    def _trimmed(self, cursor: str) -> None:
+        first = self._call("looking up the first entry", lambda c: c.xrange(self.stream, count=1))
+        head = first[0][0].decode() if first else ""
+        raise StreamTrimmedError(
+            f"{self.where}: the entry {cursor} this reader resumes after is no longer in the stream (its first "
+            f"entry is {head or 'none: the stream is empty'}), so the entries after it may have been trimmed; "
+            "reading on could skip entries. Restore from a checkpoint taken after the trim (trim only with the "
+            "states of the newest durable checkpoint), or start a fresh loader",
+            self.stream,
+            cursor,
+            head,
+        )
+
+    def _wait(self, cursor: str, seconds: float) -> None:
+        """Block up to ``seconds`` until an entry after ``cursor`` exists (XREAD BLOCK)."""
+        ms = max(int(seconds * 1000), 1)
+        self._call(
+            f"waiting for entries after {cursor}",
+            lambda c: c.xread({self.stream: cursor}, count=1, block=ms),
+        )
+
+    def _last_id(self) -> str:
+        got = self._call("reading the last entry", lambda c: c.xrevrange(self.stream, count=1))
+        return got[0][0].decode() if got else ORIGIN
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _validated(self) -> tuple[list[Stage], str, int]:
+        stages, origin = checked_fields(self.__dict__)
+        if self.after:
+            return stages, self.after, self.ordinal
+        return stages, origin[0], origin[1]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        stages, cursor, ordinal = self._validated()
+        wc = self.worker_config
+        period = wc.world_size * wc.workers_per_rank
+        mine = wc.rank + wc.world_size * wc.rank_worker_id()
+        if not self.follow and not self.end:
+            self.end = self._last_id()
+        last = "+" if self.follow else self.end
+        waited_since = time.monotonic()
+        while True:
+            if not self.follow and parse_id(cursor) >= parse_id(self.end):
+                return
+            page, reached = self._page(cursor, ordinal, last, stages, period, mine)
+            if reached is None:
+                if not self.follow:
+                    return
+                waited = time.monotonic() - waited_since
+                if self.timeout is not None and waited >= self.timeout:
+                    raise StreamTimeoutError(
+                        f"rank {wc.rank} worker {wc.rank_worker_id()} waited {waited:.1f} s for its next entry of "
+                        f"{self.where} after {cursor} (timeout={self.timeout:g}); is the producer running?",
+                        wc.rank,
+                        cursor,
+                        waited,
+                    )
+                done = worker_done_event()
+                if done is not None and done.is_set():
+                    return  # the loader shuts its workers down: nothing more is wanted
+                left = BLOCK_SLICE if self.timeout is None else min(BLOCK_SLICE, self.timeout - waited)
+                self._wait(cursor, max(left, 0.001))
+                continue
+            for entry_id, fields, entry_ordinal in page:
+                sample: dict[str, Any] = {_text(k): v for k, v in fields}
+                sample["__id__"] = entry_id
+                self.mark_sample(entry_id)
+                self.after, self.ordinal = entry_id, entry_ordinal
+                # a snapshot at every entry when it is cheap (the state is five small
+                # fields): trim and a restore then start from the entry itself
+                self.request_snapshot()
+                yield sample
+                waited_since = time.monotonic()
+            cursor, ordinal = reached
+
+    def _page(
+        self, cursor: str, ordinal: int, last: str, stages: list[Stage], period: int, mine: int
+    ) -> tuple[list[tuple[str, list[tuple[Any, bytes]], int]], tuple[str, int] | None]:
+        """This worker's entries of the next page after ``cursor`` (whose ordinal is
+        ``ordinal``), as ``(id, [(field, value)], ordinal)``, and the id and ordinal of
+        the last entry scanned (None: none after ``cursor`` yet)."""
+        if not stages and self._scripting:
+            got = self._scan(cursor, ordinal, last, period, mine)
+            if got is not None:
+                return got
+        entries = self._read(cursor, last)
+        if not entries:
+            return [], None
+        out = []
+        for entry_id, fields in entries:
+            ordinal += 1
+            n = current_ordinal(stages, ordinal)
+            if n is not None and n % period == mine:
+                out.append((entry_id, list(fields.items()), ordinal))
+        return out, (entries[-1][0], ordinal)
+
+    def _scan(
+        self, cursor: str, ordinal: int, last: str, period: int, mine: int
+    ) -> tuple[list[tuple[str, list[tuple[Any, bytes]], int]], tuple[str, int] | None] | None:
+        """:meth:`_page` with the filtering done by the server (a Lua script), so that a
+        worker receives only its own entries; None if the server runs no scripts."""
+        first = (mine - ordinal - 1) % period  # offset of this worker's first entry after the cursor
+        count = min(self.batch * period, _MAX_SCAN)
+        inclusive = cursor != ORIGIN
+
+        def call(client: Any) -> Any:
+            script = self._script
+            if script is None or script[0] is not client:
+                script = self._script = (client, client.register_script(_SCAN))
+            try:
+                return script[1](keys=[self.stream], args=[cursor, last, count, int(inclusive), period, first])
+            except Exception as e:
+                if type(e).__name__ in ("ResponseError", "NoPermissionError") and _NO_SCRIPTS.search(str(e)):
+                    return None
+                raise
+
+        got = self._call(f"reading after {cursor}", call)
+        if got is None:
+            self._scripting = False
+            return None
+        if not got[0]:
+            self._trimmed(cursor)
+        scanned = int(got[1])
+        if not scanned:
+            return [], None
+        out = []
+        for k, (entry_id, flat) in enumerate(got[3:]):
+            fields = list(zip(flat[::2], flat[1::2]))
+            out.append((_text(entry_id), fields, ordinal + 1 + first + k * period))
+        return out, (_text(got[2]), ordinal + scanned)
+
+    # -- restore keys -----------------------------------------------------------------
+
+    def restore_sample(self, key: Any) -> dict[str, Any]:
+        """The sample of entry ``key`` (an entry id), read again."""
+        if not isinstance(key, str):
+            raise RestoreKeyError(f"RedisStreamSource key must be an entry id str, got {key!r}")
+        try:
+            parse_id(key)
+        except ValueError:
+            raise RestoreKeyError(f"RedisStreamSource key {key!r} is not an entry id '<ms>-<seq>'") from None
+        got = self._call(f"reading entry {key}", lambda c: c.xrange(self.stream, min=key, max=key))
+        if not got:
+            raise RestoreKeyError(f"{self.where}: entry {key} is not in the stream (trimmed or deleted)")
+        self.mark_sample(key)
+        sample: dict[str, Any] = {k.decode("utf-8", "surrogateescape"): v for k, v in got[0][1].items()}
+        sample["__id__"] = key
+        return sample
+
+    def restore_sample_blocker(self) -> str | None:
+        return None
+
+    # -- trim -------------------------------------------------------------------------
+
+    def trim(self, states: Any) -> int:
+        """Remove the entries every state's workers have consumed; return how many went.
+
+        ``states``: the list ``save_state_global`` returns, or one rank's ``RankState``
+        (a one-rank job). Take them from a checkpoint that is durable (written and
+        synced): a restore from an older state after the trim raises
+        :class:`StreamTrimmedError`. The last entry the slowest worker consumed stays (a
+        restore checks it is there); a worker that consumed nothing in its epoch keeps
+        the whole stream. With ``follow=False`` the trimmed entries are gone from later
+        epochs too.
+
+        Example::
+
+            states = loader.save_state_global(0)
+            if rank == 0:
+                write_durably(states)
+                source.trim(states)
+        """
+        ids = self._anchors(states)
+        if not ids or ORIGIN in ids:
+            return 0
+        keep = min(ids, key=parse_id)
+        return int(self._call(f"trimming before {keep}", lambda c: c.xtrim(self.stream, minid=keep, approximate=False)))
+
+    def _anchors(self, states: Any) -> list[str]:
+        """Per saved worker (not ended) of this stream: the id its restore reads after."""
+        if isinstance(states, RankState):
+            states = [states]
+        if not isinstance(states, (list, tuple)) or not all(isinstance(s, RankState) for s in states):
+            raise LoaderUsageError(
+                f"RedisStreamSource.trim needs the list save_state_global returns or one RankState, got {states!r:.200}"
+            )
+        ids: list[str] = []
+        for i, s in enumerate(states):
+            if not isinstance(s.position, PipelinePosition):
+                raise LoaderUsageError(f"RedisStreamSource.trim: states[{i}] is a drop-in state, not a pipeline's")
+            paths = list(self._paths(s.config.dataset_config, []))
+            if not paths:
+                raise LoaderUsageError(
+                    f"RedisStreamSource.trim: states[{i}] has no RedisStreamSource of stream {self.stream!r} "
+                    "(a state of another pipeline?)"
+                )
+            for ws in s.position.workers:
+                if ws.exhausted:
+                    continue  # it needs nothing more of this epoch
+                for path in paths:
+                    node = ws.dataset if ws.dataset is not None else ws.carried
+                    for step in path:
+                        node = None if node is None or step >= len(node.children) else node.children[step]
+                    ids.append(self._anchor_of(node))
+        return ids
+
+    def _paths(self, config: Any, path: list[int]) -> Iterator[list[int]]:
+        """Paths (child indices) to this stream's sources in a saved configuration tree."""
+        if not isinstance(config, dict):
+            return
+        if config.get("type") == type_name(self) and config.get("stream") == self.stream:
+            yield path
+        for i, child in enumerate(config.get("children", ())):
+            yield from self._paths(child, [*path, i])
+
+    def _anchor_of(self, node: DatasetState | None) -> str:
+        if node is None:
+            return ORIGIN  # at the start of its epoch: it needs every entry
+        if node.type != type_name(self):
+            raise StateError(f"RedisStreamSource.trim: the state has {node.type} where the source is")
+        after, origin = node.fields.get("after"), node.fields.get("origin")
+        if after:
+            return check_id(after, "after")
+        if not isinstance(origin, (list, tuple)) or len(origin) != 2:
+            raise StateError(f"RedisStreamSource state origin is {origin!r}, expected [entry id, ordinal]")
+        return check_id(origin[0], "origin")
