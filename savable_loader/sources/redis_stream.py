@@ -1,11 +1,19 @@
 """RedisStreamSource: the entries of a Redis stream that producers ``XADD`` to, exact across restarts.
 
-**Who reads what.** The entries of an epoch are numbered in stream order from 0 (their
-*ordinal*). Entry ``n`` goes to data-parallel rank ``n % world_size``; within a rank, the
-rank's ``j``-th entry (``j = n // world_size``) goes to logical worker ``j % K`` of the
-``K`` workers per rank. So worker ``w`` of rank ``r`` takes the entries whose ordinal is
-``r + world_size * w`` modulo ``world_size * K`` (its *residue*), in order: each worker
-reads the stream in batches and keeps its own entries (Redis has no index by ordinal).
+**Who reads what.** An entry's *ordinal* is its number since the stream's creation
+(0-based): how many entries were added before it. Every reader computes the same
+ordinal for the same entry whenever it reads: a worker that starts at the stream's head
+reads ``XINFO STREAM`` in one transaction with its first page, and the first entry's
+ordinal is ``entries-added - length`` (Redis >= 7.0; entries are removed only from the
+start: an ``XDEL`` after a reader's position is a :class:`StreamTrimmedError`, since it
+would change the numbering). Entry ``n`` goes to data-parallel rank ``n % world_size``;
+within a rank, the rank's ``j``-th entry (``j = n // world_size``) goes to logical
+worker ``j % K`` of the ``K`` workers per rank. So worker ``w`` of rank ``r`` takes the
+entries whose ordinal is ``r + world_size * w`` modulo ``world_size * K`` (its
+*residue*), in order: each worker reads the stream in batches and keeps its own entries
+(Redis has no index by ordinal). A worker starts its epoch at the stream's first entry
+when it first reads: entries removed before that are read by no one (a producer's
+``MAXLEN`` that overtakes the readers drops data), and the others exactly once.
 
 **A sample** is a dict of the entry's fields (``str`` names, ``bytes`` values) plus
 ``"__id__"``, the entry id (``str``). Its restore key is the entry id, so
@@ -18,8 +26,9 @@ worker first reads in that epoch (the id of the stream's last entry then, record
 state, so that a resume reads the same set); each epoch reads the stream from its first
 entry again.
 
-**The state** of a worker is the id and ordinal of the last entry it consumed (and the
-epoch's end id for ``follow=False``): a restore reads from that id on (``XRANGE`` from
+**The state** of a worker is the id and ordinal of the last entry it consumed, the
+ordinal of the first entry it found (``origin``, once it has read) and the epoch's end
+id for ``follow=False``, snapshotted at every entry the loop consumes: a restore reads from that id on (``XRANGE`` from
 the id), at a cost that does not depend on how far the stream is. A state never grows
 with the stream: a restore on another world size adds one *stage* (per old rank and
 logical worker, the count of entries it consumed; see :func:`resplit_state`).
