@@ -205,3 +205,25 @@ def test_xdel_in_the_middle_is_a_named_error(server: RedisServer, stream: str, s
     server.client().xtrim(stream, minid=ids[7], approximate=False)
     server.client().xdel(stream, ids[7])
     assert [v(s) for s in make(server, stream, world=2, url=url)] == [8]
+
+
+@pytest.mark.parametrize("new", [1, 3])
+def test_another_world_size_after_ranks_began_at_different_heads(server: RedisServer, stream: str, new: int) -> None:
+    """Rank 0 began at entry 0, rank 1 after entries 0 and 1 were trimmed (entry 1, rank
+    1's, was read by nobody): on another world size the entries present that no rank consumed
+    are split exactly once, in stream order."""
+    ids = fill(server, stream, range(20))
+    rank0 = make(server, stream, rank=0, world=2, workers=2)
+    before = take(rank0, 3)
+    server.client().xtrim(stream, minid=ids[2], approximate=False)  # rank 0 resumes after 2 and 4
+    rank1 = make(server, stream, rank=1, world=2, workers=2)
+    before += take(rank1, 2)
+    assert before == [0, 2, 4, 5, 3]  # rank 1 worker 0 owns 1 (gone), 5, 9, ...; worker 1 owns 3, 7, ...
+    states = [roundtrip(rank0.save_state_rank()), roundtrip(rank1.save_state_rank())]
+    left = sorted(set(range(2, 20)) - set(before))
+    parts = []
+    for rank in range(new):
+        loader = make(server, stream, rank=rank, world=new, workers=2)
+        loader.restore_state_global(states)
+        parts.append([v(s) for s in loader])
+    assert parts == [left[r::new] for r in range(new)]
