@@ -42,6 +42,16 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+def _helper(process: psutil.Process) -> bool:
+    """multiprocessing's resource tracker (or forkserver), which the first spawn (or
+    forkserver) worker of the test process starts and which outlives every loader."""
+    try:
+        cmdline = " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+    return "resource_tracker" in cmdline or "forkserver" in cmdline
+
+
 def _wait_gone(before: set[int], seconds: float = 15.0) -> list[psutil.Process]:
     """Child processes started since ``before`` still running after ``seconds`` (none: good)."""
     deadline = time.monotonic() + seconds
@@ -49,7 +59,7 @@ def _wait_gone(before: set[int], seconds: float = 15.0) -> list[psutil.Process]:
         left = [
             p
             for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE and not _helper(p)
         ]
         if not left or time.monotonic() > deadline:
             return left
@@ -164,6 +174,23 @@ def test_a_timeout_names_rank_index_and_seconds_and_shuts_the_workers_down(num_w
     left = _wait_gone(before)
     assert not left, f"worker processes left after the timeout: {left}"
     print(f"timeout raised after {elapsed:.2f} s")
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_waiting_for_a_stalled_producer_stop_at_once_when_the_loader_is_done(context):
+    """A worker polling an index that never comes (no timeout) notices the loader's
+    shutdown between polls instead of being killed after torch's 5 s join timeout."""
+    before = _children()
+    loader = loader_of(PollingSource(stalled, wconf(0, 1, 2), poll_interval=1.0), context=context)
+    it = iter(loader)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    time.sleep(0.3)  # both workers are waiting in their poll
+    started = time.monotonic()
+    del it
+    left = _wait_gone(before, seconds=15)
+    elapsed = time.monotonic() - started
+    assert not left, f"worker processes left: {left}"
+    assert elapsed < 3.0, f"the workers took {elapsed:.2f} s to stop (torch's join timeout is 5 s a worker)"
 
 
 # -- SIGKILL mid-stream, restart from the last checkpoint -----------------------------------------------

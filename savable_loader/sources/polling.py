@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Final, final
 
+from savable_loader._torch_internals import worker_done_event
 from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError, StreamTimeoutError, UsageTypeError
@@ -216,7 +217,11 @@ class PollingSource(SavableDataset):
                     waited=waited,
                 )
             pause = delay if self.timeout is None else min(delay, self.timeout - waited)
-            time.sleep(max(pause, 0.0))
+            done = worker_done_event()  # (None in the main process)
+            if done is not None and (done.is_set() or done.wait(max(pause, 0.0))):
+                return END  # the loader shuts its workers down: nothing more is wanted from this one
+            if done is None:
+                time.sleep(max(pause, 0.0))
             delay = min(delay * 2, MAX_POLL_INTERVAL)
 
     def restore_sample(self, key: Any) -> Any:
