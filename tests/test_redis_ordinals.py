@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -22,24 +21,16 @@ import savable_loader as sl
 from savable_loader.errors import StreamTrimmedError
 from savable_loader.sources._stream_stages import ORIGIN
 from savable_loader.sources.redis_stream import RedisStreamSource
-from tests.redis_server import RedisServer, require_redis
+from tests import test_redis_stream
+from tests.redis_server import RedisServer
 from tests.test_redis_stream import FAST, fill, make, roundtrip, take, v
 
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    require_redis()
-    with RedisServer() as s:
-        yield s
-
-
-@pytest.fixture
-def stream(server: RedisServer) -> Iterator[str]:
-    name = f"o-{os.urandom(5).hex()}"
-    yield name
-    server.client().delete(name)
+# the same server and per-test stream fixtures as the main Redis test module
+server = test_redis_stream.server
+stream = test_redis_stream.stream
 
 
 def _hold_worker_one(gate: str, worker_id: int) -> None:
