@@ -218,3 +218,31 @@ def test_another_world_size_after_ranks_began_at_different_heads(server: RedisSe
         loader.restore_state_global(states)
         parts.append([v(s) for s in loader])
     assert parts == [left[r::new] for r in range(new)]
+
+
+class _OldServer:
+    """A client of a Redis 6.2 server: XINFO STREAM has no entries-added."""
+
+    def pipeline(self, transaction: bool) -> _OldServer:
+        return self
+
+    def xinfo_stream(self, name: str) -> None:
+        pass
+
+    def xrange(self, name: str, min: str, max: str, count: int) -> None:
+        pass
+
+    def execute(self, raise_on_error: bool) -> list[object]:
+        entry = (b"1-0", {b"v": b"0"})
+        return [{"length": 1, "last-generated-id": b"1-0", "first-entry": entry, "last-entry": entry}, [entry]]
+
+    def info(self, section: str) -> dict[str, str]:
+        return {"redis_version": "6.2.14"}
+
+
+def test_a_server_older_than_7_is_a_clear_error() -> None:
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=0)
+    source = RedisStreamSource("redis://127.0.0.1:1/0", "s", wc, follow=True, retry=FAST)
+    source._client = (os.getpid(), _OldServer())
+    with pytest.raises(sl.errors.LoaderUsageError, match=r"needs Redis >= 7.0 .*the server is Redis 6.2.14"):
+        next(iter(source))
