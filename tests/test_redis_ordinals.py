@@ -246,3 +246,20 @@ def test_a_server_older_than_7_is_a_clear_error() -> None:
     source._client = (os.getpid(), _OldServer())
     with pytest.raises(sl.errors.LoaderUsageError, match=r"needs Redis >= 7.0 .*the server is Redis 6.2.14"):
         next(iter(source))
+
+
+def test_a_state_of_the_first_numbering_is_refused(
+    server: RedisServer, stream: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """States saved before ordinals counted from the stream's creation (no "ordinals" in
+    the source's configuration) would split the rest differently: refused."""
+    from savable_loader.errors import ConfigMismatchError
+
+    fill(server, stream, range(4))
+    with monkeypatch.context() as m:
+        m.setattr(RedisStreamSource, "config", lambda self: {"stream": self.stream, "follow": self.follow})
+        loader = make(server, stream)
+        take(loader, 1)
+        old = roundtrip(loader.save_state_rank())
+    with pytest.raises(ConfigMismatchError):
+        make(server, stream).restore_state_rank(old)

@@ -246,8 +246,10 @@ class RedisStreamSource(SavableDataset):
         return state
 
     def config(self) -> dict[str, Any]:
-        # not the URL: the same stream served from another address is the same data
-        return {"stream": self.stream, "follow": self.follow}
+        # not the URL: the same stream served from another address is the same data.
+        # "ordinals": how the state numbers entries (2: since the stream's creation; the
+        # unreleased first numbering, from each reader's first entry, restores nowhere)
+        return {"stream": self.stream, "follow": self.follow, "ordinals": 2}
 
     @property
     def where(self) -> str:
