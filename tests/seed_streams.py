@@ -1,6 +1,6 @@
 """Loaders whose datasets draw from NumPy's and torch's global RNGs side by side, one per
-loading path (drop-in, savable pipeline with and without restore keys, plain
-IterableDataset), for the seed-formula tests (``tests/test_seed_formula.py``).
+loading path (drop-in with the loader's order or a sampler of the user's drawing from
+NumPy, savable pipeline with and without restore keys, plain IterableDataset), for the seed-formula tests (``tests/test_seed_formula.py``).
 
 Every item is ``[value, numpy word x3, torch word x3]`` (ints below ``2**31``): under seed
 formulas 1 and 2 the NumPy and torch words of an item are one Mersenne Twister stream
@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
 import savable_loader as sl
 
@@ -85,6 +85,17 @@ class TwoStreamsIterable(IterableDataset):
             yield draws(i)
 
 
+class NumpyOrder(Sampler):
+    """A sampler of the user's drawing its order from NumPy's global RNG (the loader runs
+    it on a private stream of all three global RNGs, seeded per epoch)."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self):
+        return iter(np.random.permutation(N).tolist())
+
+
 def _plain(items: Any) -> Any:
     return items
 
@@ -97,6 +108,16 @@ def make(path: str, num_workers: int = 0) -> sl.SavableDataLoader:
             TwoStreamsMap(),
             batch_size=2,
             shuffle=True,
+            collate_fn=_plain,
+            num_workers=num_workers,
+            seed=5,
+            multiprocessing_context=context,
+        )
+    if path == "sampler":
+        return sl.SavableDataLoader(
+            TwoStreamsMap(),
+            batch_size=2,
+            sampler=NumpyOrder(),
             collate_fn=_plain,
             num_workers=num_workers,
             seed=5,
@@ -118,7 +139,7 @@ def make(path: str, num_workers: int = 0) -> sl.SavableDataLoader:
     )
 
 
-FACTORIES = ("dropin", "pipeline", "pipeline-keyed", "iterable")
+FACTORIES = ("dropin", "sampler", "pipeline", "pipeline-keyed", "iterable")
 
 
 def at_formula(loader: sl.SavableDataLoader, formula: int) -> sl.SavableDataLoader:
