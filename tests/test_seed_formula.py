@@ -26,7 +26,7 @@ from savable_loader.errors import RestoreKeyError
 from savable_loader.rng import SEED_FORMULA, seed_global
 from savable_loader.state import decode, encode
 from tests.common import check_resume_everywhere
-from tests.seed_streams import DRAWS, FACTORIES, at_formula, digest, make
+from tests.seed_streams import DRAWS, at_formula, digest, make
 
 pytestmark = [
     pytest.mark.timeout(600),
