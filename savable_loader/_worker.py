@@ -38,7 +38,13 @@ from savable_loader._hosting import hosted_by, in_view, interleave
 from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._torch_internals import ExceptionWrapper, torch_worker_id
 from savable_loader._values import plain_dataset_state
-from savable_loader.config import WorkerConfig, _ActiveWorker, take_snapshot_request
+from savable_loader.config import (
+    SNAPSHOT_FORCED,
+    SNAPSHOT_HINT,
+    WorkerConfig,
+    _ActiveWorker,
+    take_snapshot_request,
+)
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import ConfigMismatchError, DataError, StateError
 from savable_loader.rng import (
@@ -340,7 +346,10 @@ class WorkerRuntime:
                     self.cold_seconds = cold if 0 < cold < 3600 else work
                 # The state after `index` samples, taken before the sample leaves: attached
                 # to it, the main process holds the snapshot of the position it yields.
-                hinted = take_snapshot_request() and (snapshot_cost or 0.0) <= HINTED_SNAPSHOT_SHARE * work
+                request = take_snapshot_request()
+                hinted = request == SNAPSHOT_FORCED or (
+                    request == SNAPSHOT_HINT and (snapshot_cost or 0.0) <= HINTED_SNAPSHOT_SHARE * work
+                )
                 if not skip and (hinted or snapshot_due(work, snapshot_cost, self.cold_seconds, first=taken == 1)):
                     # the policy's cost: the cheapest of the last 3 snapshots, so that one
                     # slowed by a garbage collection or a page fault burst does not push

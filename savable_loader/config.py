@@ -154,17 +154,24 @@ def active_repetition_limits() -> tuple[int | None, ...]:
     return limits if len(limits) == len(active_repetitions()) else (None,) * len(active_repetitions())
 
 
-def request_snapshot() -> None:
+#: What :func:`take_snapshot_request` returns: no request, a request (taken when cheap),
+#: a forced request (always taken).
+NO_SNAPSHOT, SNAPSHOT_HINT, SNAPSHOT_FORCED = 0, 1, 2
+
+
+def request_snapshot(force: bool = False) -> None:
     """Ask the calling thread's loading context for a snapshot right after the sample
     about to be yielded (see :meth:`SavableDataset.request_snapshot`)."""
-    _active.snapshot_requested = True
+    wanted = SNAPSHOT_FORCED if force else SNAPSHOT_HINT
+    _active.snapshot_requested = max(wanted, getattr(_active, "snapshot_requested", NO_SNAPSHOT))
 
 
-def take_snapshot_request() -> bool:
-    """Whether a snapshot was requested since the last call (and clear the request)."""
-    wanted: bool = getattr(_active, "snapshot_requested", False)
+def take_snapshot_request() -> int:
+    """The snapshot request since the last call (``NO_SNAPSHOT``, ``SNAPSHOT_HINT`` or
+    ``SNAPSHOT_FORCED``), and clear it."""
+    wanted: int = getattr(_active, "snapshot_requested", NO_SNAPSHOT)
     if wanted:
-        _active.snapshot_requested = False
+        _active.snapshot_requested = NO_SNAPSHOT
     return wanted
 
 

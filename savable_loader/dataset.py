@@ -251,19 +251,23 @@ class SavableDataset(IterableDataset):
     def reset_state_own(self) -> None:
         """Set this dataset's own ``_savable_fields`` to the start of an epoch."""
 
-    def request_snapshot(self) -> None:
+    def request_snapshot(self, force: bool = False) -> None:
         """Ask for a snapshot of the pipeline right after the sample about to be yielded.
 
-        A source calls it before yielding the last sample of a unit it reads whole (a
-        shard, a row group), so that a restore past that point starts from a snapshot
-        taken there and never reads the finished unit again (no download of a consumed
-        shard). The loading context takes the snapshot unless it would cost more than
-        ``HINTED_SNAPSHOT_SHARE`` of the work since the previous one (``_worker.py``), and
-        never while it replays after a restore. Outside a loader nothing takes it (the request
-        stays pending in the thread and may make the next in-process loader snapshot once
-        more, which never changes data).
+        The snapshot is taken when the item that carries this sample leaves the pipeline
+        (after a whole batch, when a ``BatchDataset`` sits above). A source calls it
+        before yielding the last sample of a unit it reads whole (a shard, a row group),
+        so that a restore past that point starts from a snapshot taken there and never
+        reads the finished unit again (no download of a consumed shard). The loading
+        context takes the snapshot unless it would cost more than
+        ``HINTED_SNAPSHOT_SHARE`` of the work since the previous one (``_worker.py``).
+        ``force=True`` takes it whatever it costs: a source whose consumed samples may be
+        gone (a producer's stream) asks so for every sample, and a restore then never
+        reads a consumed sample again. Never while replaying after a restore. Outside a
+        loader nothing takes it (the request stays pending in the thread and may make
+        the next in-process loader snapshot once more, which never changes data).
         """
-        request_snapshot()
+        request_snapshot(force)
 
     # -- restore keys -----------------------------------------------------------------
 

@@ -513,16 +513,20 @@ def test_saves_of_a_restored_loader_before_its_first_snapshot_restore_exactly(mo
 
 
 class _AskingSource(RangeSource):
-    """RangeSource that asks for a snapshot after the values in ``asks``."""
+    """RangeSource that asks for a snapshot after the values in ``asks`` (forced ones
+    after those in ``forces``)."""
 
-    def __init__(self, n: int, worker_config: sl.WorkerConfig, asks: set[int]) -> None:
+    def __init__(self, n: int, worker_config: sl.WorkerConfig, asks: set[int], forces: set[int] = frozenset()) -> None:
         super().__init__(n, worker_config)
         self.asks = asks
+        self.forces = forces
 
     def __iter__(self):
         for value in super().__iter__():
             if int(value[0]) in self.asks:
                 self.request_snapshot()
+            if int(value[0]) in self.forces:
+                self.request_snapshot(force=True)
             yield value
 
 
@@ -553,3 +557,22 @@ def test_an_asked_snapshot_is_skipped_when_snapshots_cost_too_much(monkeypatch):
     rt = runtime(_AskingSource(N, wc, set(range(N))), max_in_flight=10**6)
     list(rt.run(0, 0, None))
     assert _snapshot_points(rt) == [0, 1]  # the start, then the first (its cost unknown: 0)
+
+
+def test_a_forced_snapshot_is_taken_whatever_it_costs(monkeypatch):
+    """``request_snapshot(force=True)`` (a producer's stream, whose consumed items may be
+    gone) is taken at every item even when snapshots cost more than the hint allows; a
+    plain request in the same sample does not weaken it; restores from each are exact
+    and replay nothing."""
+    monkeypatch.setattr(worker_module, "snapshot_due", lambda *a, **k: False)
+    monkeypatch.setattr(worker_module, "HINTED_SNAPSHOT_SHARE", 0.0)
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=3)
+    everything = set(range(N))
+    rt = runtime(_AskingSource(N, wc, everything, forces=everything), max_in_flight=10**6)
+    items = list(rt.run(0, 0, None))
+    assert _snapshot_points(rt) == list(range(N + 1))
+    for k in range(N + 1):
+        start = rt.checkpoint(0, k)
+        assert (start.snapshot_index, start.skip) == (k, 0)
+        again = runtime(_AskingSource(N, wc, everything, forces=everything), max_in_flight=10**6)
+        assert_streams(items[k:], list(again.run(0, 0, start)), f"restored at {k}")

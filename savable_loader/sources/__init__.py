@@ -7,6 +7,8 @@
   (``read_metadata`` reads and checks the manifest). ``decode_sample`` and
   ``DEFAULT_DECODERS`` decode tar samples.
 * ``IterableSource``: a user generator function with an explicit position.
+* ``PollingSource``: a stream producers keep filling, read by index with ``fetch(info,
+  index)`` (None: not there yet, polled again; ``END``: the epoch ends there).
 * ``TorchIterableSource``: a plain ``torch.utils.data.IterableDataset`` (the loader builds
   it for one; resumed from its ``state_dict()`` when it has one, by replay otherwise).
 
@@ -26,12 +28,15 @@ from savable_loader.sources._shard_io import open_shard, write_shards
 from savable_loader.sources.decoders import DEFAULT_DECODERS, decode_sample
 from savable_loader.sources.indexing import index_folder
 from savable_loader.sources.iterable import IterableSource, ReplayWarning, StreamInfo
+from savable_loader.sources.polling import END, PollingSource
 from savable_loader.sources.sharded import ShardedFileDataset
 from savable_loader.sources.torch_iterable import TorchIterableSource
 
 __all__ = [
     "DEFAULT_DECODERS",
+    "END",
     "IterableSource",
+    "PollingSource",
     "ReplayWarning",
     "ShardedFileDataset",
     "StreamInfo",

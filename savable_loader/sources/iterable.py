@@ -78,6 +78,30 @@ class StreamInfo:
         return itertools.islice(iterable, self.global_worker, None, self.num_global_workers)
 
 
+def stream_info(wc: WorkerConfig, worker: int | None = None, epoch: int | None = None) -> StreamInfo:
+    """The :class:`StreamInfo` of the calling worker under ``wc`` (or of logical
+    ``worker``, in ``epoch``): shared by the stream sources."""
+    return StreamInfo(
+        rank=wc.rank,
+        world_size=wc.world_size,
+        worker=wc.rank_worker_id() if worker is None else worker,
+        workers_per_rank=wc.workers_per_rank,
+        epoch=wc.active_epoch() if epoch is None else epoch,
+        repetitions=active_repetitions(),
+        seed=wc.seed,
+    )
+
+
+def is_index_pair(key: Any) -> bool:
+    """``key`` is a list or tuple of two ints ``>= 0`` (bools excluded): the restore key
+    shape of the stream sources."""
+    return (
+        isinstance(key, (list, tuple))
+        and len(key) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in key)
+    )
+
+
 def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
@@ -121,16 +145,7 @@ class IterableSource(SavableDataset):
 
     def info(self, worker: int | None = None) -> StreamInfo:
         """The :class:`StreamInfo` of the calling worker (or of logical ``worker``)."""
-        wc = self.worker_config
-        return StreamInfo(
-            rank=wc.rank,
-            world_size=wc.world_size,
-            worker=wc.rank_worker_id() if worker is None else worker,
-            workers_per_rank=wc.workers_per_rank,
-            epoch=wc.active_epoch(),
-            repetitions=active_repetitions(),
-            seed=wc.seed,
-        )
+        return stream_info(self.worker_config, worker)
 
     def _open(self, what: str, call: Callable[[], Any]) -> Iterator[Any]:
         stream = call()
@@ -182,11 +197,7 @@ class IterableSource(SavableDataset):
         reason = self.restore_sample_blocker()
         if reason is not None:
             raise RestoreKeyError(reason)
-        if (
-            not isinstance(key, (list, tuple))
-            or len(key) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in key)
-        ):
+        if not is_index_pair(key):
             raise RestoreKeyError(f"IterableSource key must be [worker, position], got {key!r}")
         worker, position = key
         if worker >= self.worker_config.workers_per_rank:
