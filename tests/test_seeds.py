@@ -131,7 +131,9 @@ def test_golden_global_draws_of_each_formula(formula: int, how: str) -> None:
             global_seeder(("numpy",), formula)(123456789123)
             global_seeder(("random", "torch"), formula)(123456789123)
         got = (np.random.randint(0, 2**31, 3).tolist(), torch.randint(0, 2**31, (3,)).tolist(), random.getrandbits(32))
-    assert got == GLOBAL_GOLDEN[formula], f"formula {formula}'s global streams changed: its states would resume into other data"
+    assert got == GLOBAL_GOLDEN[formula], (
+        f"formula {formula}'s global streams changed: its states would resume into other data"
+    )
 
 
 def test_golden_numpy_words() -> None:
