@@ -101,36 +101,19 @@ def _plain(items: Any) -> Any:
 
 
 def make(path: str, num_workers: int = 0) -> sl.SavableDataLoader:
-    """A fresh loader of ``path`` ("dropin", "pipeline", "pipeline-keyed", "iterable")."""
+    """A fresh loader of ``path`` (one of :data:`FACTORIES`)."""
     context = "fork" if num_workers else None
-    if path == "dropin":
+    if path in ("dropin", "sampler", "iterable"):
+        dataset: Any = TwoStreamsIterable() if path == "iterable" else TwoStreamsMap()
+        order: dict[str, Any] = {"sampler": NumpyOrder()} if path == "sampler" else {"shuffle": path == "dropin"}
         return sl.SavableDataLoader(
-            TwoStreamsMap(),
-            batch_size=2,
-            shuffle=True,
+            dataset,
+            batch_size=None if path == "iterable" else 2,
             collate_fn=_plain,
             num_workers=num_workers,
             seed=5,
             multiprocessing_context=context,
-        )
-    if path == "sampler":
-        return sl.SavableDataLoader(
-            TwoStreamsMap(),
-            batch_size=2,
-            sampler=NumpyOrder(),
-            collate_fn=_plain,
-            num_workers=num_workers,
-            seed=5,
-            multiprocessing_context=context,
-        )
-    if path == "iterable":
-        return sl.SavableDataLoader(
-            TwoStreamsIterable(),
-            batch_size=None,
-            collate_fn=_plain,
-            num_workers=num_workers,
-            seed=5,
-            multiprocessing_context=context,
+            **order,
         )
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=num_workers, seed=5)
     source = TwoStreamsSource(wc, keyed=path == "pipeline-keyed")
