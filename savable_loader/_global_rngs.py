@@ -47,7 +47,7 @@ from savable_loader._torch_internals import (
     python_random_fingerprint,
 )
 from savable_loader.errors import LoaderUsageError, UndeclaredRngError
-from savable_loader.rng import GLOBAL_RNG_NAMES, global_seeder
+from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA, global_seeder
 
 __all__ = ["GlobalRngs", "global_rngs_setting"]
 
@@ -83,15 +83,18 @@ def global_rngs_setting(value: Any) -> tuple[str, ...]:
 
 class GlobalRngs:
     """Re-seeds the declared global generators per sample and guards the others per batch
-    (see the module docstring). Process-local: made in the process that loads.
+    (see the module docstring), as seed formula ``formula`` seeds them (the run's: NumPy's
+    word differs from formula 3 on, ``rng.numpy_word``). Process-local: made in the
+    process that loads.
     """
 
-    def __init__(self, names: tuple[str, ...]) -> None:
+    def __init__(self, names: tuple[str, ...], formula: int = SEED_FORMULA) -> None:
         self.names = names
+        self.formula = formula
         self.undeclared = tuple(n for n in GLOBAL_RNG_NAMES if n not in names)
-        #: seeds the declared generators (as ``seed_global`` seeds each)
-        self.seed: Callable[[int], None] = global_seeder(names)
-        self._seed_undeclared = global_seeder(self.undeclared)
+        #: seeds the declared generators (as ``seed_global(s, formula)`` seeds each)
+        self.seed: Callable[[int], None] = global_seeder(names, formula)
+        self._seed_undeclared = global_seeder(self.undeclared, formula)
         looks = {
             "numpy": lambda: numpy_mt_fingerprint(numpy_global_randomstate()),
             "random": lambda: python_random_fingerprint(PY_RANDOM),

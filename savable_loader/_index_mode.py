@@ -26,7 +26,7 @@ from savable_loader._mode import Iteration, Mode
 from savable_loader._permutation import ORDER_ALGORITHMS, ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.dataset import config_fingerprint, current_names, plain_config, type_name
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
-from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA
+from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA, SEED_FORMULAS
 from savable_loader.sources.index import (
     BatchKey,
     IndexedDataset,
@@ -48,6 +48,7 @@ __all__ = [
     "check_dataset_config",
     "check_key_int",
     "check_key_setting",
+    "key_seed_formula",
     "map_dataset_config",
 ]
 
@@ -293,6 +294,7 @@ class IndexMode(Mode):
             shuffle=self.shuffle,
             batched=self.torch_dataset.batched,
             world_size=self.world_size,
+            seed_formula=self.seed_formula,
         )  # the default order is left out of str(key), as earlier versions wrote it
         order, reseed = self.order_algorithm, self.reseed
         if order != ORDER_LEGACY:
@@ -490,6 +492,7 @@ class OrderMode(IndexMode):
         )
         check_key_setting("reseed", key.reseed, self.reseed, "re-seeding per sample or per batch draws other values")
         self.check_key_global_rngs(key)
+        formula = key_seed_formula(key, self.seed_formula)
         check_key_int("epoch", key.epoch)
         if key.order_algorithm not in ORDER_ALGORITHMS:
             raise RestoreKeyError(
@@ -505,7 +508,7 @@ class OrderMode(IndexMode):
         if not p.batch_size and len(positions) != 1:
             raise RestoreKeyError(f"key.positions names {len(positions)} samples, this loader is unbatched (one)")
         # the key's own order: a key made before a restore from an older state still names its batch
-        return self.torch_dataset[p.key(key.epoch, positions, key.order_algorithm)]
+        return self.torch_dataset.rebuild(p.key(key.epoch, positions, key.order_algorithm), formula)
 
 
 def check_batch_size(saved: int | None, current: int | None) -> None:
@@ -526,6 +529,23 @@ def check_key_setting(name: str, in_key: Any, current: Any, hint: str = "") -> N
             f"key.{name} is {in_key!r}, this loader's {name} is {current!r}: the key names data of a loader "
             f"built with another {name}{f' ({hint})' if hint else ''}"
         )
+
+
+def key_seed_formula(key: RestoreKey, current: int) -> int:
+    """The seed formula ``key``'s sample is rebuilt under: the key's own (RestoreKeyError
+    naming the field if it is not one this version knows). A key made before
+    ``RestoreKey.seed_formula`` existed is rebuilt as earlier versions rebuilt it: under
+    the loader's formula ``current`` if that is 1 or 2 (a loader restored from such a
+    state), else 2 (the formula every earlier fresh loader used)."""
+    found = key.seed_formula
+    if found is None:
+        return min(current, 2)
+    if type(found) is not int or found not in SEED_FORMULAS:
+        raise RestoreKeyError(
+            f"key.seed_formula is {found!r}, expected one of {list(SEED_FORMULAS)} (or absent: a key made before "
+            "the field existed, formula 2); a newer savable-loader may know it"
+        )
+    return found
 
 
 def check_key_int(name: str, value: Any, low: int = 0) -> None:

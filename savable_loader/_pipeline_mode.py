@@ -30,7 +30,7 @@ from torch.utils.data import default_convert
 from savable_loader._elastic import batch_rescale_factor
 from savable_loader._guards import release
 from savable_loader._hosting import MAX_LOGICAL_WORKERS, hosts, slot_of
-from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting
+from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting, key_seed_formula
 from savable_loader._mode import SKIP, Iteration, Mode
 from savable_loader._pipeline_resize import resize_blocker, resized_state
 from savable_loader._seeds import pipeline_base, pipeline_item
@@ -451,6 +451,7 @@ class PipelineMode(Mode):
             index=index,
             sample=sample,
             world_size=wc.world_size,
+            seed_formula=self.seed_formula,
             # the logical workers the item was made under (a resized restore's: hosted)
             num_workers=wc.num_workers if logical == self.workers else logical,
         )
@@ -492,8 +493,9 @@ class PipelineMode(Mode):
                     else f"key.num_workers is {key.num_workers}, the key is malformed"
                 )
             )
+        formula = key_seed_formula(key, self.seed_formula)  # the key's own (mark_sample's too)
         wc = self.worker_config
-        with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch), _LogicalWorkers(workers):
+        with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch, formula), _LogicalWorkers(workers):
             base = pipeline_base(wc.seed, key.rank, key.worker, key.epoch)
-            seed_global(pipeline_item(base, key.index, self.seed_formula))
+            seed_global(pipeline_item(base, key.index, formula), formula)
             return self.collate.collate(dataset.restore_sample(key.sample))

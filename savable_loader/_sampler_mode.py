@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import torch
 
-from savable_loader._index_mode import MAX_HELD, IndexIteration, IndexMode, check_key_setting
+from savable_loader._index_mode import MAX_HELD, IndexIteration, IndexMode, check_key_setting, key_seed_formula
 from savable_loader._seeds import sampler_seed
 from savable_loader.dataset import type_name
 from savable_loader.errors import ConfigMismatchError, LoaderUsageError, RestoreKeyError
@@ -181,7 +181,7 @@ class SamplerMode(IndexMode):
             self.check_resume_length(resume)
             record = resume.sampler
             apply(sampler, record)
-        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, epoch))
+        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, epoch), self.seed_formula)
         items = rng.call(iter, sampler)
         iteration = SamplerIteration(self, epoch, record, rng, items, resumed=resume is not None)
         if resume is not None:
@@ -241,7 +241,7 @@ class SamplerMode(IndexMode):
             return
         sampler = self.index_sampler
         apply(sampler, record)
-        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, position.epoch))
+        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, position.epoch), self.seed_formula)
         iteration = SamplerIteration(self, position.epoch, record, rng, rng.call(iter, sampler), resumed=True)
         iteration.skip(position)  # checks the order against the state's digest
         iteration.prime()  # the sampler's end: its generators where the uninterrupted run had them
@@ -323,4 +323,5 @@ class SamplerMode(IndexMode):
             )
         check_key_setting("reseed", key.reseed, self.reseed, "re-seeding per sample or per batch draws other values")
         self.check_key_global_rngs(key)
-        return self.torch_dataset[BatchKey(key.epoch, tuple(positions), tuple(key.sample))]
+        formula = key_seed_formula(key, self.seed_formula)
+        return self.torch_dataset.rebuild(BatchKey(key.epoch, tuple(positions), tuple(key.sample)), formula)

@@ -8,13 +8,24 @@ would resume into other data. ``tests/test_seeds.py`` pins each formula's output
 
 The primitives are in :mod:`savable_loader.rng`: ``derive_seed(*parts)`` (a 64-bit hash
 of the parts), ``counter_seed(base, i)`` (a fast 64-bit mix of a base and a counter) and
-``item_seed(s, formula)`` (a seed below ``2**63`` for seed formula 2, see
+``item_seed(s, formula)`` (a seed below ``2**63`` for seed formulas 2 and 3, see
 ``rng.SEED_FORMULA``).
+
+A per-item seed ``s`` goes to the three global generators through
+``rng.seed_global(s, formula)`` (or the function ``rng.global_seeder(names, formula)``
+returns): Python's ``random`` and torch's CPU RNG get ``s`` under every formula; NumPy's
+global RNG gets ``rng.numpy_word(s, formula)``: ``s & 0xFFFFFFFF`` under formulas 1 and 2
+(the low word torch's Mersenne Twister is seeded from too, so NumPy's stream was torch's,
+shifted by one draw), a word independent of it from formula 3 on. The formula is the
+run's (``LoaderConfig.seed_formula``; a run restored from an older state keeps its own)
+or, when a sample is rebuilt from a restore key, the key's (``RestoreKey.seed_formula``).
+Generators a dataset owns (``_owned_rng``) are seeded from their own per-path bases, never
+from the same value as another generator: no formula changes them.
 
 Example::
 
-    base = pipeline_base(seed, rank, worker, epoch)   # once per epoch
-    seed_global(pipeline_item(base, index, formula))  # before each item
+    base = pipeline_base(seed, rank, worker, epoch)             # once per epoch
+    seed_global(pipeline_item(base, index, formula), formula)   # before each item
 """
 
 from __future__ import annotations

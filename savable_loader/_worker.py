@@ -48,9 +48,10 @@ from savable_loader.config import (
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import ConfigMismatchError, DataError, StateError
 from savable_loader.rng import (
+    GLOBAL_RNG_NAMES,
     SEED_FORMULA,
+    global_seeder,
     preserve_global_rng,
-    seed_global,
 )
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
@@ -290,12 +291,14 @@ class WorkerRuntime:
             return
         wc = self.worker_config
         base_seed = pipeline_base(wc.seed, wc.rank, worker_id, epoch)
+        formula = self.seed_formula  # the run's (a restored state's own): items and mark_sample
+        seed_all = global_seeder(GLOBAL_RNG_NAMES, formula)
         self.carried = None if start is None or start.dataset is not None else start.carried
         # reset/restore run user code too (reset_state_own): keep the caller's RNG out of it
         if self.carried is not None:  # go on from the previous epoch's end (EpochizeDataset)
-            with _ActiveWorker(worker_id, epoch - 1), _rng_scope(self.in_process):
+            with _ActiveWorker(worker_id, epoch - 1, formula), _rng_scope(self.in_process):
                 self.dataset.restore_state(self.carried)
-        with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
+        with _ActiveWorker(worker_id, epoch, formula), _rng_scope(self.in_process):
             if start is None:
                 self.dataset.reset_state_deep()
                 index, skip, snapshot = 0, 0, None
@@ -318,8 +321,8 @@ class WorkerRuntime:
         costs: list[float] = []
         iterator: Iterator[Any] | None = None
         while True:
-            with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
-                seed_global(pipeline_item(base_seed, index, self.seed_formula))
+            with _ActiveWorker(worker_id, epoch, formula), _rng_scope(self.in_process):
+                seed_all(pipeline_item(base_seed, index, formula))
                 t0 = time.perf_counter()
                 if iterator is None:
                     iterator = iter(self.dataset)
@@ -362,7 +365,7 @@ class WorkerRuntime:
         if self.carries and self.ring.newest_index() != index:
             # the state at the epoch's end rides with the end marker: the next epoch's
             # (fresh) worker goes on from it (WorkerState.carried)
-            with _ActiveWorker(worker_id, epoch), _rng_scope(self.in_process):
+            with _ActiveWorker(worker_id, epoch, formula), _rng_scope(self.in_process):
                 self._snapshot(index)
         # Tell the main process this worker is done (its final snapshot, if any, rides
         # with the marker): torch may retire the worker as soon as it has sent it, and

@@ -19,6 +19,7 @@ from typing import Any
 from savable_loader._frameworks import check_not_rebuilt
 from savable_loader._seeds import worker_epoch_seed, worker_seed
 from savable_loader.errors import LoaderUsageError
+from savable_loader.rng import SEED_FORMULA
 
 __all__ = ["WorkerConfig"]
 
@@ -208,24 +209,45 @@ class _LogicalWorkers:
 
 
 class _ActiveWorker:
-    """Context manager: the current thread loads for logical ``worker_id`` in ``epoch``."""
+    """Context manager: the current thread loads for logical ``worker_id`` in ``epoch``,
+    under seed formula ``seed_formula`` (``rng.SEED_FORMULA``; None: the enclosing
+    context's, or the current formula outside any; :func:`active_seed_formula`)."""
 
-    def __init__(self, worker_id: int, epoch: int) -> None:
+    def __init__(self, worker_id: int, epoch: int, seed_formula: int | None = None) -> None:
         self.worker_id = worker_id
         self.epoch = epoch
-        self._saved: tuple[Any, Any] = (None, None)
+        self.seed_formula = seed_formula
+        self._saved: tuple[Any, Any, Any] = (None, None, None)
 
     def __enter__(self) -> _ActiveWorker:  # noqa: PYI034 - typing.Self needs Python 3.11
-        self._saved = (getattr(_active, "worker_id", None), getattr(_active, "epoch", None))
+        self._saved = (
+            getattr(_active, "worker_id", None),
+            getattr(_active, "epoch", None),
+            getattr(_active, "seed_formula", None),
+        )
         _active.worker_id = self.worker_id
         _active.epoch = self.epoch
+        if self.seed_formula is not None:
+            _active.seed_formula = self.seed_formula
         return self
 
     def __exit__(self, *exc: object) -> None:
-        worker_id, epoch = self._saved
+        worker_id, epoch, formula = self._saved
         if worker_id is None:
             del _active.worker_id
             del _active.epoch
         else:
             _active.worker_id = worker_id
             _active.epoch = epoch
+        if formula is None:
+            _active.__dict__.pop("seed_formula", None)
+        else:
+            _active.seed_formula = formula
+
+
+def active_seed_formula() -> int:
+    """The seed formula the current thread loads under (set by the loader's loading
+    contexts: a run restored from an older state keeps its own); ``rng.SEED_FORMULA``
+    outside a loader."""
+    formula: int = getattr(_active, "seed_formula", SEED_FORMULA)
+    return formula

@@ -40,7 +40,7 @@ from torch.utils.data import IterableDataset
 from savable_loader._guards import check_first_save
 from savable_loader._seeds import key_prefix, key_seed_of
 from savable_loader._values import freeze, from_plain
-from savable_loader.config import WorkerConfig, active_repetitions, request_snapshot
+from savable_loader.config import WorkerConfig, active_repetitions, active_seed_formula, request_snapshot
 from savable_loader.errors import DatasetContractError, LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.rng import capture_kind, restore_generator, seed_global
 from savable_loader.state.schema import DatasetState
@@ -275,7 +275,8 @@ class SavableDataset(IterableDataset):
         """Record ``key`` as the key of the sample about to be yielded, and re-seed.
 
         Python ``random``, NumPy's and torch's global RNGs are re-seeded from
-        ``(seed, epoch, repetition, dataset type, key)``, so whatever runs downstream of
+        ``(seed, epoch, repetition, dataset type, key)`` (under the seed formula of the
+        loading context: a run restored from an older state keeps its own), so whatever runs downstream of
         this yield (a random map, say) draws the same numbers when ``restore_sample``
         rebuilds the sample and calls ``mark_sample(key)`` at the same point. ``key``
         None records that the sample has no key and leaves the RNGs as they are: its
@@ -303,7 +304,7 @@ class SavableDataset(IterableDataset):
         prefix = _KEY_PREFIXES.get(where)
         if prefix is None:
             prefix = _key_prefix(where)
-        seed_global(key_seed_of(prefix, text))
+        seed_global(key_seed_of(prefix, text), active_seed_formula())
 
     def restore_sample(self, key: Any) -> Any:
         """The sample ``key`` names, built alone in the calling process.

@@ -70,7 +70,7 @@ from savable_loader.errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from savable_loader.rng import LEGACY_SEED_FORMULA, SEED_FORMULA
+from savable_loader.rng import SEED_FORMULAS
 from savable_loader.sources.samplers import order_sampler
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import PipelinePosition, RankState, RestoreKey
@@ -762,10 +762,10 @@ class SavableDataLoader(DataLoader[T_co]):
                     f"the state was saved by a {saved_path} loader, this loader is a {mode.path_name} loader"
                 )
             formula = state.config.seed_formula
-            if formula not in (LEGACY_SEED_FORMULA, SEED_FORMULA):
+            if formula not in SEED_FORMULAS:
                 raise StateError(
                     f"the state uses seed formula {formula}, this savable-loader knows formulas "
-                    f"{LEGACY_SEED_FORMULA} and {SEED_FORMULA}: upgrade savable-loader"
+                    f"{', '.join(map(str, SEED_FORMULAS))}: upgrade savable-loader"
                 )
             position = mode.check(state.config, position, self.num_workers, elastic=elastic)
             if not mode.seed_explicit:

@@ -141,7 +141,7 @@ def test_loader_config_records_the_configuration():
         False,
         True,
     )
-    assert (c.seed_formula, c.sampler) == (2, "")
+    assert (c.seed_formula, c.sampler) == (3, "")
     assert c.dataset_config == {"type": "tests.common.RandomMapDataset", "len": 10}
     assert c.dataset_fingerprint == m.fingerprint
     assert mode().fingerprint == mode(seed=1).fingerprint != mode(RandomMapDataset(11)).fingerprint

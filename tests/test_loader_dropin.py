@@ -239,13 +239,13 @@ def test_a_state_of_the_64_bit_seed_formula_keeps_its_stream():
     reference = epochs_of(legacy_factory(), 2)
     assert_streams(list(fresh) + list(fresh), [b for e in reference for b in e][3:], "legacy stream")
     new = make()
-    assert new.save_state_rank().config.seed_formula == 2
+    assert new.save_state_rank().config.seed_formula == 3  # a fresh loader: the current formula
 
 
 def test_a_state_of_an_unknown_seed_formula_is_refused():
     import msgspec
 
     state = make().save_state_rank()
-    future = msgspec.structs.replace(state, config=msgspec.structs.replace(state.config, seed_formula=3))
-    with pytest.raises(StateError, match="seed formula 3.*upgrade"):
+    future = msgspec.structs.replace(state, config=msgspec.structs.replace(state.config, seed_formula=4))
+    with pytest.raises(StateError, match="seed formula 4.*upgrade"):
         make().restore_state_rank(future)

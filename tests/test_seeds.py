@@ -101,3 +101,46 @@ def test_key_seed_of_a_prefix_is_the_key_formula(key_text: str) -> None:
     prefix = S.key_prefix(2**64 - 1, 9, (0, 3), "Src")
     expected = derive_seed(2**64 - 1, "key", 9, 0, 3, "Src", text)
     assert S.key_seed_of(prefix, text.encode()) == expected == S.key_seed(2**64 - 1, 9, (0, 3), "Src", text)
+
+
+#: What each seed formula gives the three global generators from one seed: NumPy's first
+#: words, torch's first words, Python's first 32 bits after ``seed_global(123456789123, f)``.
+GLOBAL_GOLDEN = {
+    1: ([1380199932, 2137898522, 76178982], [2137898522, 1743473606, 1954145021], 2955483530),
+    2: ([1380199932, 2137898522, 76178982], [2137898522, 1743473606, 1954145021], 2955483530),
+    3: ([1030625977, 680601513, 796467562], [2137898522, 1743473606, 1954145021], 2955483530),
+}
+
+
+@pytest.mark.parametrize("formula", sorted(GLOBAL_GOLDEN))
+@pytest.mark.parametrize("how", ["seed_global", "global_seeder", "global_seeder per generator"])
+def test_golden_global_draws_of_each_formula(formula: int, how: str) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    from savable_loader.rng import GLOBAL_RNG_NAMES, global_seeder, preserve_global_rng, seed_global
+
+    with preserve_global_rng():
+        if how == "seed_global":
+            seed_global(123456789123, formula)
+        elif how == "global_seeder":
+            global_seeder(GLOBAL_RNG_NAMES, formula)(123456789123)
+        else:  # the partial seeders of global_rngs=... seed each generator as seed_global does
+            global_seeder(("numpy",), formula)(123456789123)
+            global_seeder(("random", "torch"), formula)(123456789123)
+        got = (np.random.randint(0, 2**31, 3).tolist(), torch.randint(0, 2**31, (3,)).tolist(), random.getrandbits(32))
+    assert got == GLOBAL_GOLDEN[formula], (
+        f"formula {formula}'s global streams changed: its states would resume into other data"
+    )
+
+
+def test_golden_numpy_words() -> None:
+    from savable_loader.rng import SEED_FORMULA, numpy_word
+
+    assert SEED_FORMULA == 3
+    assert [numpy_word(123456789123, f) for f in (1, 2, 3)] == [3197704835, 3197704835, 4047244993]
+    assert numpy_word(2**64 - 1, 3) == 1640531526 and numpy_word(2**64 + 5, 3) == numpy_word(5, 3)
+    # formula 3 uses all 64 bits: seeds with one low word get different NumPy words
+    assert len({numpy_word(lo | hi << 32, 3) for lo in (0, 7) for hi in range(64)}) == 128

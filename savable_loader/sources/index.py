@@ -41,8 +41,8 @@ from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import (
     GLOBAL_RNG_NAMES,
     SEED_FORMULA,
+    global_seeder,
     preserve_global_rng,
-    seed_global,
 )
 from savable_loader.state.schema import IndexStage
 
@@ -265,15 +265,17 @@ class IndexedDataset(Dataset):
         for name, value in zip(self._FIELDS, cloudpickle.loads(state["payload"]), strict=True):
             setattr(self, name, value)
 
-    def build(self, key: BatchKey) -> Any:
-        """The batch (or sample, when unbatched) that ``key`` names."""
+    def build(self, key: BatchKey, formula: int | None = None) -> Any:
+        """The batch (or sample, when unbatched) that ``key`` names, under the loader's
+        seed formula (or ``formula``: a restore key's own)."""
         base = self._sample_base(key.epoch)
         dataset = self.dataset
-        formula = self.seed_formula
+        if formula is None:
+            formula = self.seed_formula
         owned = OwnedRngs.cached(self.__dict__, dataset, self.collate_fn, self._owned_seed(), key.epoch)
         many = _own_getitems(dataset) if self.batched else None
-        guard = self._guard()
-        reseed = seed_global if guard is None else guard.seed
+        guard = self._guard(formula)
+        reseed = global_seeder(GLOBAL_RNG_NAMES, formula) if guard is None else guard.seed
         if guard is not None:
             guard.begin(self.seed, key.epoch)
         if many is not None or self.reseed == "batch":
@@ -301,13 +303,15 @@ class IndexedDataset(Dataset):
             )
         return batch
 
-    def _guard(self) -> GlobalRngs | None:
-        """This process's :class:`GlobalRngs` for the setting (None: all three, the default)."""
+    def _guard(self, formula: int) -> GlobalRngs | None:
+        """This process's :class:`GlobalRngs` for the setting and seed formula (None: all
+        three, the default)."""
         if self.global_rngs == GLOBAL_RNG_NAMES:
             return None
+        where = (os.getpid(), self.global_rngs, formula)
         cached = self.__dict__.get("_global_rngs")
-        if cached is None or cached[0] != (os.getpid(), self.global_rngs):
-            cached = ((os.getpid(), self.global_rngs), GlobalRngs(self.global_rngs))
+        if cached is None or cached[0] != where:
+            cached = (where, GlobalRngs(self.global_rngs, formula))
             self.__dict__["_global_rngs"] = cached
         guard: GlobalRngs = cached[1]
         return guard
@@ -330,6 +334,12 @@ class IndexedDataset(Dataset):
             with preserve_global_rng():
                 return self.build(key)
         return self.build(key)
+
+    def rebuild(self, key: BatchKey, formula: int) -> Any:
+        """``self[key]`` in the calling process under seed formula ``formula`` (a restore
+        key's), the caller's RNG streams left as they were."""
+        with preserve_global_rng():
+            return self.build(key, formula)
 
 
 def _own_getitems(dataset: Any) -> Callable[[list[Any]], Any] | None:

@@ -60,6 +60,7 @@ from savable_loader._frameworks import fabric_iterating, rebuild_error, rebuilt_
 from savable_loader._values import freeze, from_plain, to_plain
 from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StateError, UsageTypeError
 from savable_loader.rng import (
+    SEED_FORMULA,
     capture_generator,
     capture_global,
     capture_kind,
@@ -235,7 +236,8 @@ class PrivateRng:
     of the sampler with the stream swapped in and the caller's global state put back.
 
     ``regime``: ``""`` (no swap), ``"torch"`` (torch's CPU RNG) or ``"all"`` (also Python's
-    ``random`` and NumPy's global RNG).
+    ``random`` and NumPy's global RNG, seeded as seed formula ``formula`` seeds them: the
+    loader's, so that a run restored from an older state keeps its sampler's order).
 
     Example::
 
@@ -244,7 +246,7 @@ class PrivateRng:
         first = rng.call(next, it)
     """
 
-    def __init__(self, regime: str, seed: int) -> None:
+    def __init__(self, regime: str, seed: int, formula: int = SEED_FORMULA) -> None:
         self.regime = regime
         self._state: Any = None
         if regime == "torch":
@@ -252,7 +254,7 @@ class PrivateRng:
         elif regime == "all":
             saved = capture_global()
             try:
-                seed_global(seed)
+                seed_global(seed, formula)
                 self._state = capture_global()
             finally:
                 restore_global(saved)

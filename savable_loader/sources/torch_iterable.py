@@ -59,10 +59,11 @@ from savable_loader.config import WorkerConfig, active_repetitions
 from savable_loader.dataset import SavableDataset, type_name
 from savable_loader.errors import DataError, LoaderUsageError, StateError
 from savable_loader.rng import (
+    GLOBAL_RNG_NAMES,
     SEED_FORMULA,
     counter_seed,
+    global_seeder,
     item_seed,
-    seed_global,
 )
 from savable_loader.sources._user_state import from_state_tree, to_state_tree
 from savable_loader.sources.iterable import ReplayWarning
@@ -276,7 +277,10 @@ class _Iteration:
             replace_worker_info(id=worker, dataset=target, seed=torch_worker_seed(wc, worker, epoch))
         if isinstance(target, IterDataPipe):
             _prepare_datapipe(target, wc, worker, epoch)
-        seed_global(item_seed(self.base, source.seed_formula))  # __iter__'s draws are the same on a resume
+        #: the run's seed formula (a restored state's own) and its seeder of the global RNGs
+        self.formula = formula = source.seed_formula
+        self.seed_all = global_seeder(GLOBAL_RNG_NAMES, formula)
+        self.seed_all(item_seed(self.base, formula))  # __iter__'s draws are the same on a resume
         self.iterator = iter(target)
         if restored is None and source.position:
             self._replay(source.position, source.items)
@@ -290,7 +294,7 @@ class _Iteration:
         src = self.source
         if self.ended:
             raise StopIteration
-        seed_global(item_seed(counter_seed(self.base, src.position), src.seed_formula))
+        self.seed_all(item_seed(counter_seed(self.base, src.position), self.formula))
         size = src.batch_size
         if size is None:
             try:

@@ -345,7 +345,9 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     by them). Keys made before these fields existed have them None: an ``"index"`` key
     without ``shuffle`` is refused (it cannot tell which order it names), the others are
     checked as before. ``order_algorithm``: which shuffle the positions of an ``"index"``
-    key refer to; a loader rebuilds a key with the key's own order.
+    key refer to; a loader rebuilds a key with the key's own order. ``seed_formula``:
+    which per-item seeds the key's sample drew from; a loader rebuilds a key under the
+    key's own formula.
 
     Example::
 
@@ -376,6 +378,11 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     #: ``"index"`` keys: ``LoaderConfig.global_rngs`` of the loader that made the key
     #: (the default, all three, is left out of ``str(key)``).
     global_rngs: tuple[str, ...] = ("numpy", "random", "torch")
+    #: The seed formula of the loader that made the key (``LoaderConfig.seed_formula``),
+    #: which a loader rebuilds the key under. Keys made before the field existed have None
+    #: and are rebuilt as earlier versions rebuilt them: under formula 2 (under formula 1
+    #: by a loader restored from a formula-1 state).
+    seed_formula: Positive | None = None
 
     def __str__(self) -> str:
         return msgspec.json.encode(self).decode()
