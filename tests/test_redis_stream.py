@@ -375,6 +375,9 @@ def test_trim_removes_what_every_rank_consumed_and_restore_goes_on(server: Redis
     ids = fill(server, stream, range(30))
     states, before = _save_ranks(server, stream, [6, 4], 2)
     source = make(server, stream).dataset
+    # a snapshot at every consumed entry: each worker's state holds its last consumed entry
+    lasts = [before[:6][w::2][-1] for w in range(2)] + [before[6:][w::2][-1] for w in range(2)]
+    assert sorted(ids.index(a) for a in _snapshot_afters(states)) == sorted(lasts)
     # every worker resumes after the entry its snapshot holds: the earliest of those stays
     keep = min(ids.index(a) for a in _snapshot_afters(states))
     assert source.trim(states) == keep and server.client().xlen(stream) == 30 - keep
@@ -402,7 +405,7 @@ def test_trim_follows_the_snapshots_of_a_waiting_reader(server: RedisServer, str
     producer.join()
     state = roundtrip(loader.save_state_rank())
     keep = ids.index(_snapshot_afters([state])[0])
-    assert keep >= 4  # a reader that waits for its entries snapshots each one
+    assert keep == 8  # a snapshot at every consumed entry: trim removes all the loop consumed but the last
     assert make(server, stream).dataset.trim([state]) == keep
     resumed = make(server, stream, follow=True)
     resumed.restore_state_rank(state)

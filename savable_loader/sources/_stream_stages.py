@@ -1,8 +1,9 @@
 """The arithmetic of a stream epoch's stages: which worker owns an entry, and what is left
 when the ranks' states move to another world size.
 
-A stream source deals the entries of an epoch out by their ordinal (``n``, 0-based in
-stream order): worker ``w`` of rank ``r`` (``K`` workers per rank, ``W`` ranks) owns the
+A stream source deals the entries of an epoch out by their ordinal (``n``: the entry's
+number since the stream's creation, 0-based, the same for every reader whenever it reads;
+entries removed from the stream's start keep their numbers): worker ``w`` of rank ``r`` (``K`` workers per rank, ``W`` ranks) owns the
 entries with ``n % (W * K) == r + W * w`` (its *residue*). An epoch starts as stage 0.
 When the ranks' states are restored on another world size, the stage ends: residue ``g``
 had consumed its first ``consumed[g]`` entries (a prefix of its progression). The next
@@ -27,7 +28,8 @@ from savable_loader.errors import StateError
 
 __all__ = ["ORIGIN", "Stage", "check_id", "checked_fields", "current_ordinal", "parse_id", "resplit_state", "stages_of"]
 
-#: The id before every entry: where an epoch's stage 0 starts.
+#: The id before every entry: an origin at the stream's head (its first entry then; its
+#: ordinal is recorded once the reader has read, -1 before).
 ORIGIN = "0-0"
 #: The consumed count of a worker that had ended its epoch (every entry of its share).
 _EVERYTHING = 2**62
@@ -108,6 +110,16 @@ def checked_fields(fields: dict[str, Any]) -> tuple[list[Stage], tuple[str, int]
     return stages_of(fields.get("stages")), (check_id(origin[0], "origin"), origin[1])
 
 
+def _cursor_ordinal(origin: tuple[str, int]) -> int:
+    """The ordinal of the entry a reader at ``origin`` reads after: the origin's own for an
+    entry id; one before the recorded start at the stream's head; -2 for a reader that
+    had not read (it starts wherever the head is, before any recorded position)."""
+    entry_id, ordinal = origin
+    if entry_id != ORIGIN:
+        return ordinal
+    return ordinal - 1 if ordinal >= 0 else -2
+
+
 def stages_of(plain: Any) -> list[Stage]:
     if not isinstance(plain, list):
         raise StateError(f"RedisStreamSource state stages is {plain!r}, expected a list")
@@ -140,8 +152,10 @@ def resplit_state(
     restored on ``new_world_size`` ranks.
 
     The stage that ends adds ``{'world_size', 'workers', 'consumed'}`` (per residue
-    ``r + world_size * w``, the entries that worker consumed in it); the new stage
-    starts at the earliest position any old worker stopped at. What no old worker
+    ``r + world_size * w``, the entries of its progression up to the last it consumed:
+    those before its first read had been removed from the stream); the new stage starts
+    at the earliest position any old worker stopped at (the stream's head, wherever it
+    is, if one had not read). What no old worker
     consumed, in stream order, is the new stage, numbered from 0 and split as usual
     (``n % new_world_size``, then by worker).
     """
@@ -154,22 +168,24 @@ def resplit_state(
     present = [f for per_rank in fields for f in per_rank if f is not None and not f.get(ALL_CONSUMED)]
     checked = [checked_fields(f) for f in present]
     stages = present[0]["stages"] if present else []
-    origin: tuple[str, int] = checked[0][1] if checked else (ORIGIN, -1)
-    for p, (_, o) in zip(present, checked):
-        if p["stages"] != stages or o != origin:
+    for p in present:
+        if p["stages"] != stages:
             raise StateError("the ranks' RedisStreamSource states disagree on the earlier stages of the epoch")
     chain = stages_of(stages)
     period = world_size * k
     consumed = [0] * period
-    starts: list[tuple[int, str]] = []
+    # where each worker would read on: (the ordinal of its cursor, [id, ordinal] of the origin form)
+    starts: list[tuple[int, list[Any]]] = []
+    origins = iter(checked)
     for r, per_rank in enumerate(fields):
         for w, f in enumerate(per_rank):
             g = r + world_size * w
             if f is not None and f.get(ALL_CONSUMED):  # it had ended its epoch: all of its share
                 consumed[g] = _EVERYTHING
                 continue
+            origin = next(origins)[1] if f is not None else (ORIGIN, -1)
             if f is None or not f["after"]:
-                starts.append((origin[1], origin[0]))
+                starts.append((_cursor_ordinal(origin), list(origin)))
                 continue
             n = current_ordinal(chain, f["ordinal"])
             if n is None or n % period != g:
@@ -178,15 +194,15 @@ def resplit_state(
                     f"of its entries (residue {g} of {period})"
                 )
             consumed[g] = n // period + 1
-            starts.append((f["ordinal"], f["after"]))
+            starts.append((f["ordinal"], [f["after"], f["ordinal"]]))
     if not starts:
         raise StateError("resplit needs a worker that had not ended its epoch")
-    ordinal, after = min(starts)
+    start = min(starts, key=lambda s: (s[0], s[1][0] == ORIGIN))[1]
     ends = [f["end"] for f in present if f["end"]]
     return {
         "after": "",
         "ordinal": -1,
         "end": max(ends, key=parse_id) if ends else "",
-        "origin": [after, ordinal],
+        "origin": start,
         "stages": [*stages, {"world_size": world_size, "workers": k, "consumed": consumed}],
     }

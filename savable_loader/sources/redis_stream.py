@@ -1,11 +1,19 @@
 """RedisStreamSource: the entries of a Redis stream that producers ``XADD`` to, exact across restarts.
 
-**Who reads what.** The entries of an epoch are numbered in stream order from 0 (their
-*ordinal*). Entry ``n`` goes to data-parallel rank ``n % world_size``; within a rank, the
-rank's ``j``-th entry (``j = n // world_size``) goes to logical worker ``j % K`` of the
-``K`` workers per rank. So worker ``w`` of rank ``r`` takes the entries whose ordinal is
-``r + world_size * w`` modulo ``world_size * K`` (its *residue*), in order: each worker
-reads the stream in batches and keeps its own entries (Redis has no index by ordinal).
+**Who reads what.** An entry's *ordinal* is its number since the stream's creation
+(0-based): how many entries were added before it. Every reader computes the same
+ordinal for the same entry whenever it reads: a worker that starts at the stream's head
+reads ``XINFO STREAM`` in one transaction with its first page, and the first entry's
+ordinal is ``entries-added - length`` (Redis >= 7.0; entries are removed only from the
+start: an ``XDEL`` after a reader's position is a :class:`StreamTrimmedError`, since it
+would change the numbering). Entry ``n`` goes to data-parallel rank ``n % world_size``;
+within a rank, the rank's ``j``-th entry (``j = n // world_size``) goes to logical
+worker ``j % K`` of the ``K`` workers per rank. So worker ``w`` of rank ``r`` takes the
+entries whose ordinal is ``r + world_size * w`` modulo ``world_size * K`` (its
+*residue*), in order: each worker reads the stream in batches and keeps its own entries
+(Redis has no index by ordinal). A worker starts its epoch at the stream's first entry
+when it first reads: entries removed before that are read by no one (a producer's
+``MAXLEN`` that overtakes the readers drops data), and the others exactly once.
 
 **A sample** is a dict of the entry's fields (``str`` names, ``bytes`` values) plus
 ``"__id__"``, the entry id (``str``). Its restore key is the entry id, so
@@ -18,8 +26,9 @@ worker first reads in that epoch (the id of the stream's last entry then, record
 state, so that a resume reads the same set); each epoch reads the stream from its first
 entry again.
 
-**The state** of a worker is the id and ordinal of the last entry it consumed (and the
-epoch's end id for ``follow=False``): a restore reads from that id on (``XRANGE`` from
+**The state** of a worker is the id and ordinal of the last entry it consumed, the
+ordinal of the first entry it found (``origin``, once it has read) and the epoch's end
+id for ``follow=False``, snapshotted at every entry the loop consumes: a restore reads from that id on (``XRANGE`` from
 the id), at a cost that does not depend on how far the stream is. A state never grows
 with the stream: a restore on another world size adds one *stage* (per old rank and
 logical worker, the count of entries it consumed; see :func:`resplit_state`).
@@ -78,26 +87,28 @@ __all__ = ["RedisStreamSource", "StreamTrimmedError", "mask_url", "resplit_state
 BLOCK_SLICE = 0.5
 #: The most entries one scan reads on the server (it blocks the server meanwhile).
 _MAX_SCAN = 8192
+#: The most removed entries a reader that consumed nothing looks through for one of its own.
+_MAX_GAP = 1 << 20
 #: A server that runs no Lua scripts (disabled, or refused by an ACL): read client-side.
 _NO_SCRIPTS = re.compile(r"unknown command|NOPERM|no permissions|NOSCRIPT|disabled|not allowed", re.IGNORECASE)
-#: The scan: up to ARGV[3] entries after the cursor ARGV[1] (which must still be there
-#: when ARGV[4] is 1) up to ARGV[2]; returns {1, scanned, last id scanned, entry at
-#: offset ARGV[6], then every ARGV[5]-th}, or {0} if the cursor entry is gone.
+#: The scan: up to ARGV[3] entries after the cursor ARGV[1] (which must still be there)
+#: up to ARGV[2]; returns {1, scanned, last id scanned, the stream's max-deleted-entry-id
+#: ('' before Redis 7.0), entry at offset ARGV[5], then every ARGV[4]-th}, or {0} if the
+#: cursor entry is gone.
 _SCAN = """
-local r
-local base = 1
-if ARGV[4] == '1' then
-  r = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[2], 'COUNT', tonumber(ARGV[3]) + 1)
-  if #r == 0 or r[1][1] ~= ARGV[1] then return {0} end
-  base = 2
-else
-  r = redis.call('XRANGE', KEYS[1], '-', ARGV[2], 'COUNT', tonumber(ARGV[3]))
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
+local r = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[2], 'COUNT', tonumber(ARGV[3]) + 1)
+if #r == 0 or r[1][1] ~= ARGV[1] then return {0} end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local deleted = ''
+for k = 1, #info, 2 do
+  if info[k] == 'max-deleted-entry-id' then deleted = info[k + 1] end
 end
-local scanned = #r - base + 1
-if scanned <= 0 then return {1, 0, ''} end
-local out = {1, scanned, r[#r][1]}
-local period = tonumber(ARGV[5])
-local i = base + tonumber(ARGV[6])
+local scanned = #r - 1
+if scanned <= 0 then return {1, 0, '', deleted} end
+local out = {1, scanned, r[#r][1], deleted}
+local period = tonumber(ARGV[4])
+local i = 2 + tonumber(ARGV[5])
 while i <= #r do
   out[#out + 1] = r[i]
   i = i + period
@@ -121,6 +132,12 @@ def mask_url(url: str) -> str:
     if parts.port is not None:
         host = f"{host}:{parts.port}"
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _before(entry_id: str) -> str:
+    """The greatest id below ``entry_id`` (a bound for ids compared with it)."""
+    ms, seq = parse_id(entry_id)
+    return f"{ms}-{seq - 1}" if seq else f"{max(ms - 1, 0)}-{2**64 - 1 if ms else 0}"
 
 
 def _text(value: Any) -> str:
@@ -229,8 +246,10 @@ class RedisStreamSource(SavableDataset):
         return state
 
     def config(self) -> dict[str, Any]:
-        # not the URL: the same stream served from another address is the same data
-        return {"stream": self.stream, "follow": self.follow}
+        # not the URL: the same stream served from another address is the same data.
+        # "ordinals": how the state numbers entries (2: since the stream's creation; the
+        # unreleased first numbering, from each reader's first entry, restores nowhere)
+        return {"stream": self.stream, "follow": self.follow, "ordinals": 2}
 
     @property
     def where(self) -> str:
@@ -266,30 +285,90 @@ class RedisStreamSource(SavableDataset):
         except StorageError as e:
             raise StorageError(f"{e.args[0]} (while {what})", self.where, None, e.attempts, e.cause) from e.__cause__
 
+    def _info_and_range(self, what: str, start: str, last: str, count: int) -> tuple[dict[str, Any] | None, list[Any]]:
+        """``XINFO STREAM`` and ``XRANGE start last COUNT count`` in one transaction (the
+        two see the same stream); ``(None, [])`` if the stream does not exist."""
+
+        def call(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=True)
+            pipe.xinfo_stream(self.stream)
+            pipe.xrange(self.stream, min=start, max=last, count=count)
+            got: list[Any] = pipe.execute(raise_on_error=False)
+            if isinstance(got[0], Exception) and "no such key" in str(got[0]).lower():
+                return [None, []]
+            for part in got:
+                if isinstance(part, Exception):
+                    raise part
+            return got
+
+        info, entries = self._call(what, call)
+        if info is None:
+            return None, []
+        info = {_text(k): v for k, v in info.items()}
+        if "entries-added" not in info or "max-deleted-entry-id" not in info:
+            self._too_old()
+        return info, [(_text(i), f) for i, f in entries]
+
+    def _too_old(self) -> None:
+        info = self._call("reading the server's version", lambda c: c.info("server"))
+        raise LoaderUsageError(
+            f"{self.where}: RedisStreamSource needs Redis >= 7.0 (XINFO STREAM entries-added and "
+            f"max-deleted-entry-id number the entries), the server is Redis {info.get('redis_version', '?')}"
+        )
+
+    def _check_deleted(self, deleted: Any, after: str) -> None:
+        """A :class:`StreamTrimmedError` if an entry after ``after`` was deleted (``XDEL``):
+        the entries after it would be numbered differently by different readers."""
+        deleted = _text(deleted)
+        if not deleted:
+            self._too_old()
+        if parse_id(deleted) > parse_id(after):
+            raise StreamTrimmedError(
+                f"{self.where}: the entry {deleted} was deleted (XDEL) after {after}, inside the part of the stream "
+                "still to be read; entries are dealt out to ranks and workers by their number since the stream's "
+                "creation, which a deletion in the middle breaks (readers would disagree). Remove entries only "
+                "from the stream's start (trim, XTRIM MINID/MAXLEN), or start a fresh stream",
+                self.stream,
+                deleted,
+                after,
+            )
+
+    def _head(self, last: str) -> tuple[int, list[tuple[str, dict[bytes, bytes]]]] | None:
+        """The absolute ordinal of the stream's first entry and the first page from it
+        (up to ``last``); None if the stream is empty or does not exist."""
+        info, entries = self._info_and_range("reading the stream's first entries", "-", last, self.batch)
+        if info is None or not entries or int(info["length"]) == 0:
+            return None
+        first = _text(info["first-entry"][0]) if info.get("first-entry") else ""
+        if first != entries[0][0]:  # not one view of the stream: a bug of the server or client
+            raise StorageError(
+                f"{self.where}: XINFO STREAM's first entry {first} and XRANGE's {entries[0][0]} differ within one "
+                "transaction (MULTI/EXEC): the server does not give one view of the stream",
+                self.where,
+            )
+        # removal only from the start (XTRIM, trim): the first entry's number is what was ever
+        # added minus what is there; an XDEL after the first entry would break that
+        self._check_deleted(info["max-deleted-entry-id"], _before(first))
+        return int(info["entries-added"]) - int(info["length"]), entries
+
     def _read(self, cursor: str, last: str) -> list[tuple[str, dict[bytes, bytes]]]:
         """Up to ``batch`` entries after ``cursor`` (up to ``last``; "+" for no bound);
-        a :class:`StreamTrimmedError` if ``cursor`` (once consumed) is gone."""
-        inclusive = cursor != ORIGIN
-        start = cursor if inclusive else "-"
-        got = self._call(
-            f"reading after {cursor}",
-            lambda c: c.xrange(self.stream, min=start, max=last, count=self.batch + inclusive),
-        )
-        entries = [(i.decode() if isinstance(i, bytes) else i, f) for i, f in got]
-        if inclusive:
-            if not entries or entries[0][0] != cursor:
-                self._trimmed(cursor)
-            entries = entries[1:]
-        return entries
+        a :class:`StreamTrimmedError` if ``cursor`` (a consumed entry) is gone or an entry
+        after it was deleted."""
+        info, entries = self._info_and_range(f"reading after {cursor}", cursor, last, self.batch + 1)
+        if info is None or not entries or entries[0][0] != cursor:
+            self._trimmed(cursor)
+        self._check_deleted(info["max-deleted-entry-id"] if info else "", cursor)
+        return entries[1:]
 
-    def _trimmed(self, cursor: str) -> None:
+    def _trimmed(self, cursor: str, detail: str = "") -> None:
         first = self._call("looking up the first entry", lambda c: c.xrange(self.stream, count=1))
         head = first[0][0].decode() if first else ""
         raise StreamTrimmedError(
             f"{self.where}: the entry {cursor} this reader resumes after is no longer in the stream (its first "
             f"entry is {head or 'none: the stream is empty'}), so the entries after it may have been trimmed; "
-            "reading on could skip entries. Restore from a checkpoint taken after the trim (trim only with the "
-            "states of the newest durable checkpoint), or start a fresh loader",
+            f"{detail}reading on could skip entries. Restore from a checkpoint taken after the trim (trim only "
+            "with the states of the newest durable checkpoint), or start a fresh loader",
             self.stream,
             cursor,
             head,
@@ -351,9 +430,10 @@ class RedisStreamSource(SavableDataset):
                 sample["__id__"] = entry_id
                 self.mark_sample(entry_id)
                 self.after, self.ordinal = entry_id, entry_ordinal
-                # a snapshot at every entry when it is cheap (the state is five small
-                # fields): trim and a restore then start from the entry itself
-                self.request_snapshot()
+                # a snapshot at every entry, whatever it costs (the state is five small
+                # fields): trim and a restore then start from the entry itself, never
+                # from an older one whose next entries a trim may have removed
+                self.request_snapshot(force=True)
                 yield sample
                 waited_since = time.monotonic()
             cursor, ordinal = reached
@@ -363,12 +443,23 @@ class RedisStreamSource(SavableDataset):
     ) -> tuple[list[tuple[str, list[tuple[Any, bytes]], int]], tuple[str, int] | None]:
         """This worker's entries of the next page after ``cursor`` (whose ordinal is
         ``ordinal``), as ``(id, [(field, value)], ordinal)``, and the id and ordinal of
-        the last entry scanned (None: none after ``cursor`` yet)."""
-        if not stages and self._scripting:
+        the last entry scanned (None: none after ``cursor`` yet). From :data:`ORIGIN`,
+        the page starts at the stream's first entry, whose ordinal the server gives."""
+        if cursor == ORIGIN:
+            head = self._head(last)
+            if head is None:
+                return [], None
+            start, entries = head
+            self._check_start(ordinal, start, stages, period, mine)
+            self.origin = [ORIGIN, start]
+            ordinal = start - 1
+        elif not stages and self._scripting:
             got = self._scan(cursor, ordinal, last, period, mine)
             if got is not None:
                 return got
-        entries = self._read(cursor, last)
+            entries = self._read(cursor, last)
+        else:
+            entries = self._read(cursor, last)
         if not entries:
             return [], None
         out = []
@@ -379,21 +470,40 @@ class RedisStreamSource(SavableDataset):
                 out.append((entry_id, list(fields.items()), ordinal))
         return out, (entries[-1][0], ordinal)
 
+    def _check_start(self, known: int, start: int, stages: list[Stage], period: int, mine: int) -> None:
+        """A worker that began its epoch at ordinal ``known`` (-1: it has not read yet)
+        and consumed nothing finds the stream starting at ordinal ``start``: a
+        :class:`StreamTrimmedError` if one of its entries in between was removed."""
+        if known < 0 or start == known:
+            return
+        lost = start < known or start - known > _MAX_GAP  # a recreated stream; or too far to look
+        n = known
+        while not lost and n < start:
+            k = current_ordinal(stages, n)
+            lost = k is not None and k % period == mine
+            n += 1
+        if lost:
+            self._trimmed(
+                ORIGIN,
+                f"this reader began its epoch at the entry numbered {known} since the stream's creation and had "
+                f"consumed nothing; the stream now begins at number {start}; ",
+            )
+
     def _scan(
         self, cursor: str, ordinal: int, last: str, period: int, mine: int
     ) -> tuple[list[tuple[str, list[tuple[Any, bytes]], int]], tuple[str, int] | None] | None:
-        """:meth:`_page` with the filtering done by the server (a Lua script), so that a
-        worker receives only its own entries; None if the server runs no scripts."""
+        """:meth:`_page` after an entry ``cursor`` with the filtering done by the server (a
+        Lua script), so that a worker receives only its own entries; None if the server
+        runs no scripts."""
         first = (mine - ordinal - 1) % period  # offset of this worker's first entry after the cursor
         count = min(self.batch * period, _MAX_SCAN)
-        inclusive = cursor != ORIGIN
 
         def call(client: Any) -> Any:
             script = self._script
             if script is None or script[0] is not client:
                 script = self._script = (client, client.register_script(_SCAN))
             try:
-                return script[1](keys=[self.stream], args=[cursor, last, count, int(inclusive), period, first])
+                return script[1](keys=[self.stream], args=[cursor, last, count, period, first])
             except Exception as e:
                 if type(e).__name__ in ("ResponseError", "NoPermissionError") and _NO_SCRIPTS.search(str(e)):
                     return None
@@ -405,11 +515,12 @@ class RedisStreamSource(SavableDataset):
             return None
         if not got[0]:
             self._trimmed(cursor)
+        self._check_deleted(got[3], cursor)
         scanned = int(got[1])
         if not scanned:
             return [], None
         out = []
-        for k, (entry_id, flat) in enumerate(got[3:]):
+        for k, (entry_id, flat) in enumerate(got[4:]):
             fields = list(zip(flat[::2], flat[1::2]))
             out.append((_text(entry_id), fields, ordinal + 1 + first + k * period))
         return out, (_text(got[2]), ordinal + scanned)
