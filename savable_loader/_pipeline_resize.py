@@ -104,11 +104,12 @@ def _consumed_fields(
     wc = copy.worker_config
     wc.rank, wc.world_size, wc.num_workers, wc.seed = rank, len(states), config.num_workers, config.seed
     base = pipeline_base(config.seed, rank, ws.worker_id, epoch)
-    with preserve_global_rng(), _ActiveWorker(ws.worker_id, epoch), _LogicalWorkers(workers):
+    formula = config.seed_formula
+    with preserve_global_rng(), _ActiveWorker(ws.worker_id, epoch, formula), _LogicalWorkers(workers):
         copy.restore_state(ws.dataset)
         it = iter(copy)
         for index in range(ws.snapshot_index, ws.index):
-            seed_global(pipeline_item(base, index, config.seed_formula))
+            seed_global(pipeline_item(base, index, formula), formula)
             try:
                 next(it)
             except StopIteration:
