@@ -55,7 +55,6 @@ from savable_loader._worker import End, Item, ItemError, PipelineWorkerDataset
 from savable_loader.config import WorkerConfig
 from savable_loader.sources.torch_iterable import (
     TorchIterableSource,
-    iterable_sources,
     torch_worker_seed,
     warn_replays,
 )
@@ -189,6 +188,4 @@ class IterableMode(PipelineMode):
         # the loader's own WorkerConfig (seed=None: built by the loader), shared by the
         # source and the engine's dataset, which carry it to the workers
         self.worker_config.seed = seed
-        super().adopt(seed, seed_formula)
-        for source in iterable_sources(self.source):
-            source.seed_formula = seed_formula
+        super().adopt(seed, seed_formula)  # (the sources' formula too)

@@ -41,6 +41,7 @@ from savable_loader.config import WorkerConfig, _ActiveWorker, _LogicalWorkers
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
 from savable_loader.rng import SEED_FORMULA, preserve_global_rng, seed_global
+from savable_loader.sources.torch_iterable import iterable_sources
 from savable_loader.state.codec import decode_part
 from savable_loader.state.schema import (
     DatasetState,
@@ -310,6 +311,9 @@ class PipelineMode(Mode):
     def adopt(self, seed: int, seed_formula: int) -> None:
         super().adopt(seed, seed_formula)
         self.torch_dataset.seed_formula = seed_formula
+        # a TorchIterableSource re-seeds per item itself (under a user's wrappers too)
+        for source in iterable_sources(self.torch_dataset.dataset):
+            source.seed_formula = seed_formula
 
     def concurrent(self, persistent: bool, num_workers: int) -> bool:
         """In-process iterations share the pipeline object and its runtime: one at a time."""

@@ -39,7 +39,7 @@ from savable_loader._worker import walk
 from savable_loader.config import _ActiveWorker, _LogicalWorkers
 from savable_loader.dataset import SavableDataset, type_name
 from savable_loader.errors import DataError, StateError
-from savable_loader.rng import preserve_global_rng, seed_global
+from savable_loader.rng import SEED_FORMULAS, preserve_global_rng, seed_global
 from savable_loader.state.schema import PipelinePosition, RankState, WorkerState
 
 __all__ = ["FOLLOWING", "ALL_CONSUMED", "resize_blocker", "resized_state"]
@@ -150,6 +150,19 @@ def resized_state(
     epoch = min(p.epoch for p in positions)
     if max(p.epoch for p in positions) > epoch + 1:
         raise StateError(f"the ranks' states are in epochs {sorted({p.epoch for p in positions})}, more than one apart")
+    for r, p in enumerate(positions):
+        ahead = [ws.worker_id for ws in p.workers if ws.index > 0 or ws.dataset is not None or ws.carried is not None]
+        if p.epoch > epoch and ahead:
+            # what it consumed of the next epoch would be dealt out again in that epoch
+            raise StateError(
+                f"rank {r}'s state is in epoch {p.epoch} and its logical workers {ahead} had consumed items of it, "
+                f"while another rank was still in epoch {epoch}: a state on another world size can carry one epoch "
+                "only; restore on the same world size, or save when the ranks are in the same epoch"
+            )
+    formulas = {s.config.seed_formula for s in states}
+    unknown = sorted(formulas - set(SEED_FORMULAS))
+    if unknown:
+        raise StateError(f"config.seed_formula: the states record formulas {unknown}, expected one of {SEED_FORMULAS}")
     fields: list[list[dict[str, Any] | None]] = []
     ended = []
     for r, p in enumerate(positions):

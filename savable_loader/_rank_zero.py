@@ -174,7 +174,7 @@ def _sampler_position(
     if record is None or record.at_start or not position.consumed:
         return position
     apply(sampler, record)
-    rng = PrivateRng(record.private_rng, sampler_seed(seed, rank, position.epoch))
+    rng = PrivateRng(record.private_rng, sampler_seed(seed, rank, position.epoch), mode.seed_formula)
     items = rng.call(iter, sampler)
     digest = new_digest()
     batched = mode.auto_collation

@@ -190,6 +190,11 @@ def _encode(value: Any, path: str) -> list[Any]:
     if not is_collection(value):
         return ["leaf", value]  # the state's own checks apply to it
     td = sys.modules["tensordict"]
+    if value.device is not None and str(value.device) != "cpu":  # a restore could not put it back there
+        raise StateError(
+            f"state field {path} holds a {cls.__qualname__} on device {value.device}; a state holds CPU "
+            "collections only (expected device None or cpu): micro-batch on the CPU and move batches after the loader"
+        )
     if cls is td.TensorDict:
         device = None if value.device is None else str(value.device)
         keys = list(value.keys())

@@ -29,6 +29,7 @@ import random
 import re
 import struct
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -180,6 +181,8 @@ def worker_done_event() -> Any:
     pid = os.getpid()
     if _DONE_EVENT is not None and _DONE_EVENT[0] == pid:
         return _DONE_EVENT[1]
+    if threading.current_thread() is not threading.main_thread():
+        return None  # (a thread of the user's inside the worker: torch's loop is not on its stack)
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_worker_loop" and frame.f_globals.get("__name__") == _torch_worker.__name__:

@@ -287,7 +287,7 @@ def hostile(kind: str) -> Any:
         if kind == "string":
             return "END"
         if kind == "bytes":
-            return b"end"
+            return b"END"
         if kind == "stop":
             raise StopIteration
         raise KeyError(f"no item {index} in the store")
@@ -304,7 +304,7 @@ def hostile(kind: str) -> Any:
             LoaderUsageError,
             r"returned 'END' for index 2 of rank 0's stream: return savable_loader.sources.END",
         ),
-        ("bytes", LoaderUsageError, r"returned b'end' for index 2"),
+        ("bytes", LoaderUsageError, r"returned b'END' for index 2"),
         (
             "stop",
             LoaderUsageError,
@@ -320,6 +320,17 @@ def test_hostile_fetch_is_a_clear_error_in_the_main_process(kind, error, message
         for x in loader:
             got.append(x)  # noqa: PERF402 - the items before the error
     assert sorted(got) == [0, 1]
+
+
+def test_a_text_item_spelling_end_otherwise_is_data():
+    """Only an item that is exactly the text END is refused (a likely mistake for the
+    END marker); a stream of words may hold "End", "end" or " END "."""
+    words = ["The", "End", "end", " END ", b"end"]
+
+    def fetch(info: StreamInfo, index: int) -> Any:
+        return words[index] if index < len(words) else END
+
+    assert list(loader_of(PollingSource(fetch, wconf()))) == words
 
 
 # -- resume at every step while a producer thread writes -----------------------------------------

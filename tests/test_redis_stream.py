@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 import savable_loader as sl
@@ -299,6 +300,35 @@ def test_another_world_size_after_a_rank_ended_its_epoch(server: RedisServer, st
     loader = make(server, stream, rank=0, world=1, workers=0)
     loader.restore_state_global(states)
     assert sorted(got + [v(s) for s in loader]) == list(range(9))
+
+
+def test_another_world_size_refuses_a_rank_that_read_into_the_next_epoch(server: RedisServer, stream: str) -> None:
+    """Rank 0 finished epoch 0 and consumed 2 entries of epoch 1 while rank 1 was still in
+    epoch 0: what rank 0 took of epoch 1 would be dealt out again there (doubled), so the
+    resize is refused by name; a rank one epoch ahead that consumed nothing of it is fine
+    (the test above)."""
+    fill(server, stream, range(9))
+    a = make(server, stream, rank=0, world=2, workers=0)
+    b = make(server, stream, rank=1, world=2, workers=0)
+    assert sorted(v(s) for s in a) == [0, 2, 4, 6, 8]
+    assert take(a, 2) == [0, 2]  # epoch 1
+    assert take(b, 1) == [1]
+    states = [roundtrip(a.save_state_rank()), roundtrip(b.save_state_rank())]
+    assert [s.position.epoch for s in states] == [1, 0]
+    loader = make(server, stream, rank=0, world=1, workers=0)
+    with pytest.raises(StateError, match=r"rank 0's state is in epoch 1 and its logical workers \[0\] had consumed"):
+        loader.restore_state_global(states)
+
+
+def test_another_world_size_with_an_unknown_seed_formula_is_a_state_error(server: RedisServer, stream: str) -> None:
+    fill(server, stream, range(9))
+    loaders = [make(server, stream, rank=r, world=2, workers=0) for r in (0, 1)]
+    for loader in loaders:
+        take(loader, 2)
+    states = [roundtrip(loader.save_state_rank()) for loader in loaders]
+    states = [msgspec.structs.replace(s, config=msgspec.structs.replace(s.config, seed_formula=4)) for s in states]
+    with pytest.raises(StateError, match=r"config.seed_formula: the states record formulas \[4\]"):
+        make(server, stream, rank=0, world=1, workers=0).restore_state_global(states)
 
 
 # -- saves while waiting, timeouts, shutdown -----------------------------------------------

@@ -256,3 +256,26 @@ def test_owned_generators_are_not_correlated():
 def test_seed_global_refuses_an_unknown_formula():
     with pytest.raises(ValueError, match="seed formula 4"):
         seed_global(1, 4)
+
+
+def _user_pipeline() -> sl.SavableDataLoader:
+    """A user's pipeline around a plain IterableDataset (``TorchIterableSource`` under a
+    ``MapDataset``): the source re-seeds per item itself."""
+    from savable_loader.sources import TorchIterableSource
+    from savable_loader.wrappers import MapDataset
+    from tests.seed_streams import TwoStreamsIterable
+
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=5)
+    pipeline = MapDataset(TorchIterableSource(TwoStreamsIterable(), wc), lambda x: x)
+    return sl.SavableDataLoader(pipeline, batch_size=None, collate_fn=lambda x: x, worker_config=wc)
+
+
+@pytest.mark.parametrize("formula", [2, 3])
+def test_a_torch_iterable_source_in_a_users_pipeline_follows_the_restored_formula(formula: int) -> None:
+    """Formula 2 seeds NumPy from torch's 32 bits (NumPy's second word is torch's first);
+    a state of formula 2 restored into a pipeline built around a TorchIterableSource must
+    keep that stream (the source re-seeds per item with the loader's formula)."""
+    items = list(at_formula(_user_pipeline(), formula))
+    assert len(items) == 12
+    shifted = [item[2] == item[4] for item in items]  # np[1] == torch[0]
+    assert all(shifted) if formula == 2 else not any(shifted)

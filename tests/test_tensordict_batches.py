@@ -411,3 +411,11 @@ def test_assert_same_tells_tensordicts_apart():
     stacked = default_collate([ragged_sample(torch.tensor([i, 0, 0, 0])) for i in range(3)])
     with pytest.raises(ResumeMismatchError, match=r"batch_size torch.Size\(\[3\]\) vs torch.Size\(\[2\]\)"):
         assert_same(stacked, stacked[:2])
+
+
+def test_a_rest_on_another_device_is_refused_when_the_state_is_taken():
+    """A state holds CPU collections only (a restore could not put one back on its
+    device): refused by name when saved, not when restored."""
+    batch = TensorDict({"a": torch.zeros(4, 2, device="meta")}, batch_size=[4], device="meta")
+    with pytest.raises(StateError, match=r"state field rest holds a TensorDict on device meta"):
+        encode_rest(batch, "rest")

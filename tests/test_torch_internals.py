@@ -186,3 +186,24 @@ def test_numpy_fingerprint_sees_another_bit_generator(monkeypatch, fast):
     finally:
         np.random.set_bit_generator(old)
     assert look() == before
+
+
+class _DoneInThread(Dataset):
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> list:
+        import threading
+
+        seen: list = []
+        thread = threading.Thread(target=lambda: seen.append(worker_done_event()))
+        thread.start()
+        thread.join()
+        return [seen[0] is None, worker_done_event() is not None]
+
+
+def test_worker_done_event_is_none_in_a_users_thread_inside_a_worker():
+    """A thread of the user's inside a worker (a prefetch wrapper) has no torch loop on its
+    stack: no shutdown signal there (None), not an AttributeError."""
+    loader = DataLoader(_DoneInThread(), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    assert list(loader) == [[True, True]]

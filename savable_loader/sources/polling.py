@@ -198,11 +198,11 @@ class PollingSource(SavableDataset):
                     f"{info.rank}'s stream: return savable_loader.sources.END to end the stream"
                 ) from None
             if item is not None:
-                if isinstance(item, (str, bytes)) and item.strip().upper() in ("END", b"END"):
+                if isinstance(item, (str, bytes)) and item in ("END", b"END"):  # not a token "End" of a text
                     raise LoaderUsageError(
                         f"PollingSource fetch {_name(self.fetch)} returned {item!r} for index {index} of "
                         f"rank {info.rank}'s stream: return savable_loader.sources.END (compared by identity) to end "
-                        "the stream; an item spelling END is refused as ambiguous"
+                        "the stream; an item that is exactly the text END is refused as ambiguous"
                     )
                 return item
             waited = time.monotonic() - started
