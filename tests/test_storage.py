@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import pickle
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -354,20 +355,30 @@ def test_prefetch_downloads_ahead_and_holds(backends: Backends, backend: str, tm
     assert storage.cache.usage() == {"bytes": 1000 + 100_000 + 300_000, "files": 3, "in_use": 0}
 
 
-def test_prefetch_never_queues_a_file_it_is_downloading(backends: Backends, tmp_path: Path) -> None:
+def test_prefetch_never_queues_a_file_it_is_downloading(
+    backends: Backends, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Naming the same files again while the first is downloading (a worker that moved
     to the next shard calls ``prefetch`` again) downloads each file once, and the
     second parallel slot goes to the next file, not to a wait for the first."""
-    server = backends.http
-    server.faults.delay = 0.5  # every request takes half a second: the first download is in flight
     storage = backends.storage("http", tmp_path / "cache", prefetch=2, parallel_requests=2)
     names = ["big.bin", "small.bin"]
+    release = threading.Event()
+    fetch = storage._fetch
+
+    def held_back(file: Any) -> Any:  # the first download stays in flight until released
+        if file.path == names[0]:
+            release.wait(30)
+        return fetch(file)
+
+    monkeypatch.setattr(storage, "_fetch", held_back)
     storage.prefetch([ref(names[0])])
     prefetcher = storage._rt().prefetcher
     wait_for(lambda: prefetcher.fetching == {storage.key(ref(names[0]))})
     storage.prefetch([ref(n) for n in names])
     assert [key for key, _ in prefetcher.wanted] in ([storage.key(ref(names[1]))], [])
-    server.faults.delay = 0.0
+    wait_for(lambda: storage.key(ref(names[1])) in prefetcher.held)  # the second slot took it
+    release.set()
     wait_for(lambda: prefetcher.held.keys() == {storage.key(ref(n)) for n in names})
     assert storage.downloads == 2
     storage.close()

@@ -510,7 +510,7 @@ class _Prefetcher:
             # a file held or being downloaded is not queued again (a second thread would
             # only wait on the cache's lock for it and keep a parallel slot busy)
             self.wanted = [(key, ref) for key, ref in files if key not in self.held and key not in self.fetching]
-            while self.threads < min(self.parallel, len(self.wanted)):
+            while self.threads < min(self.parallel, len(self.wanted) + len(self.fetching)):  # (busy ones count)
                 self.threads += 1
                 threading.Thread(target=self._run, name="savable_loader-prefetch", daemon=True).start()
             self.cond.notify_all()
