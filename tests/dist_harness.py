@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import pickle
+import random
 import socket
 import tempfile
 import time
@@ -23,7 +24,32 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for ports bound to 0 and outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A port free on 127.0.0.1 now, for ranks that bind it seconds later.
+
+    Taken below the kernel's ephemeral range when that leaves room: a port from the range
+    (what binding port 0 hands out) can meanwhile become the local end of any outgoing
+    connection on the machine, and rank 0 then fails with EADDRINUSE. Chosen by the
+    system's random source: tests seed ``random``, and two xdist workers must not agree."""
+    low = _ephemeral_low()
+    if low > 11024:
+        choose = random.SystemRandom()
+        for _ in range(50):
+            port = choose.randrange(low - 10000, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

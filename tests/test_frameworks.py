@@ -1,12 +1,14 @@
 """Exact resume where users train: the loader put where the DataLoader goes, under the
 real frameworks (CPU, gloo on 127.0.0.1), on 1 and 2 processes.
 
-Each scenario runs a script of ``tests/frameworks/``: an uninterrupted reference run that
+Each test runs a script of ``tests/frameworks/``: an uninterrupted reference run that
 checkpoints after step 6 (the last batch of epoch 0) and step 9 (mid epoch 1), then, in
 fresh processes, one resume from each checkpoint. Every step after the checkpoint —
 epoch as the framework counts it, sample indices, a digest of the batch's tensors
 (augmentations drawn in loader workers included) and the loss, bit for bit — must equal
-the reference's, on every rank.
+the reference's, on every rank. Scenarios of one framework run one after the other in
+the same processes (each into its own folder): a process costs seconds of imports and
+a process group, a scenario a fraction of a second.
 
 Scenarios that cannot be exact say so with a clear error, which is what they check.
 """
@@ -14,13 +16,16 @@ Scenarios that cannot be exact say so with a clear error, which is what they che
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.dist_harness import free_port
@@ -29,6 +34,10 @@ from tests.frameworks._common import SAVE_STEPS, TOTAL_STEPS
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "frameworks"
 RUN_TIMEOUT = 300
+#: How long the processes a run started may outlive its main process that exited normally.
+EXIT_GRACE = 60
+PORT = "{port}"  # in a command: a free port, chosen when the command starts
+PORT_TAKEN = "EADDRINUSE"  # rank 0 could not listen on its port: another process took it first
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -38,11 +47,11 @@ def _requires(*modules: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed")
 
 
-def _env() -> dict[str, str]:
+def _env(port: int) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
+        MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
         PYTHONWARNINGS="ignore",
@@ -64,40 +73,134 @@ def _command(script: str, out: Path, run: str, procs: int, torchrun: bool, *args
             "--master-addr",
             "127.0.0.1",
             "--master-port",
-            str(free_port()),
+            PORT,
             *cmd,
         ]
     return [sys.executable, *cmd]
 
 
-def _run(cmds: list[list[str]], cwd: Path) -> list[subprocess.CompletedProcess[str]]:
-    """Run the commands side by side; their results in order."""
-    procs = [
-        subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-        )
-        for cmd in cmds
-    ]
-    done = []
-    for cmd, p in zip(cmds, procs):
+_names = itertools.count()
+
+
+class _Job:
+    """One command in a session of its own, its output in files (a pipe would stay open
+    while any process it started lives), the processes it started tracked."""
+
+    def __init__(self, cmd: list[str], cwd: Path) -> None:
+        port = free_port()
+        self.cmd = [str(port) if a == PORT else a for a in cmd]
+        name = cwd / f"job{next(_names)}"
+        self.stdout_path, self.stderr_path = name.with_suffix(".stdout"), name.with_suffix(".stderr")
+        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(
+                self.cmd,
+                cwd=cwd,
+                env=_env(port),
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.started: dict[int, psutil.Process] = {}
+
+    def survey(self) -> None:
+        """Remember the processes the command started so far (torchrun's ranks have
+        sessions of their own)."""
         try:
-            stdout, stderr = p.communicate(timeout=RUN_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"{cmd} did not finish within {RUN_TIMEOUT} s") from None
-        done.append(subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr))
-    return done
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                self.started.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            pass
+
+    def leftovers(self) -> list[psutil.Process]:
+        alive = []
+        for p in self.started.values():
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def kill(self) -> None:
+        for p in [*self.leftovers()]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            os.killpg(self.proc.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.kill()
+        self.proc.wait()
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(
+            self.cmd, self.proc.returncode, self.stdout_path.read_text(), self.stderr_path.read_text()
+        )
+
+    def describe(self) -> str:
+        return f"{' '.join(self.cmd[-5:])}\n--- stderr (end) ---\n{self.stderr_path.read_text()[-4000:]}"
+
+
+def _wait(jobs: list[_Job], timeout: float, grace: float) -> None:
+    """Wait for every job; a job whose main process exited with an error has what it
+    started killed at once (a rank waiting for a peer that died would wait for its process
+    group's timeout, 30 minutes); one that exited normally gives them ``grace`` seconds."""
+    deadline = time.monotonic() + timeout
+    ended: dict[int, float] = {}
+    try:
+        while True:
+            now = time.monotonic()
+            for i, job in enumerate(jobs):
+                job.survey()
+                if i in ended or job.proc.poll() is None:
+                    continue
+                ended[i] = now
+                if job.proc.returncode != 0:
+                    job.kill()
+            if len(ended) == len(jobs):
+                late = [i for i, job in enumerate(jobs) if job.leftovers()]
+                if not late:
+                    return
+                i = late[0]
+                if now - ended[i] > grace:
+                    raise AssertionError(
+                        f"{jobs[i].describe()}\nexited with code {jobs[i].proc.returncode}, but processes it started "
+                        f"({', '.join(p.name() for p in jobs[i].leftovers())}) were still running {grace} s later"
+                    )
+            elif now > deadline:
+                hung = next(job for i, job in enumerate(jobs) if i not in ended)
+                raise AssertionError(f"{hung.describe()}\ndid not finish within {timeout} s")
+            time.sleep(0.2)
+    finally:
+        for job in jobs:
+            if job.proc.poll() is None or job.leftovers():
+                job.kill()
+
+
+def _run(
+    cmds: list[list[str]], cwd: Path, timeout: float = RUN_TIMEOUT, grace: float = EXIT_GRACE
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run the commands side by side; their results in order. A command whose rank 0
+    could not listen on its port (taken between ``free_port()`` and the bind, before
+    any step) runs again on another port, twice at most."""
+    results: list[subprocess.CompletedProcess[str] | None] = [None] * len(cmds)
+    pending = list(range(len(cmds)))
+    for attempt in range(3):
+        jobs = [_Job(cmds[i], cwd) for i in pending]
+        _wait(jobs, timeout, grace)
+        for i, job in zip(pending, jobs):
+            results[i] = job.result()
+        pending = [i for i, job in zip(pending, jobs) if job.proc.returncode != 0 and PORT_TAKEN in results[i].stderr]
+        if not pending:
+            break
+    return [r for r in results if r is not None]
 
 
 def _ok(done: subprocess.CompletedProcess[str]) -> None:
-    assert done.returncode == 0, f"{' '.join(done.args[-4:])} failed:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, f"{' '.join(done.args[-5:])} failed:\n{done.stderr[-4000:]}"
 
 
 def _steps(out: Path, run: str, rank: int) -> list[dict]:
@@ -111,21 +214,50 @@ def _assert_continues(got: list[dict], want: list[dict], what: str) -> None:
     assert len(got) == len(want), f"{what}: {len(got)} steps after the resume, expected {len(want)}"
 
 
-def check_scenario(
-    tmp_path: Path, script: str, procs: int, torchrun: bool, *args: str, resume_from: tuple[int, ...] = SAVE_STEPS
+def assert_resumes(out: Path, procs: int, what: str, resume_from: tuple[int, ...] = SAVE_STEPS) -> None:
+    """The runs in ``out``: a whole reference on every rank, each resume its continuation."""
+    for rank in range(procs):
+        reference = _steps(out, "ref", rank)
+        assert [s["step"] for s in reference] == list(range(1, TOTAL_STEPS + 1)), f"{what}, rank {rank}: reference run"
+        for step in resume_from:
+            _assert_continues(
+                _steps(out, f"resume-{step}", rank), reference[step:], f"{what}, rank {rank}, resumed from step {step}"
+            )
+    if procs > 1:
+        assert _steps(out, "ref", 0)[0]["index"] != _steps(out, "ref", 1)[0]["index"], f"{what}: ranks share data"
+
+
+def check_scenarios(
+    tmp_path: Path, script: str, procs: int, torchrun: bool, *args: str, scenarios: tuple[str, ...]
 ) -> None:
-    """Reference run, then a resume from each checkpoint side by side; compare every rank."""
+    """Reference run, then a resume from each checkpoint side by side; compare every
+    scenario (``tmp_path/<scenario>``; ``""``: ``tmp_path`` itself) on every rank."""
     _ok(_run([_command(script, tmp_path, "ref", procs, torchrun, *args)], tmp_path)[0])
-    runs = [f"resume-{s}" for s in resume_from]
+    runs = [f"resume-{s}" for s in SAVE_STEPS]
     for done in _run([_command(script, tmp_path, run, procs, torchrun, *args) for run in runs], tmp_path):
         _ok(done)
-    for rank in range(procs):
-        reference = _steps(tmp_path, "ref", rank)
-        assert [s["step"] for s in reference] == list(range(1, TOTAL_STEPS + 1)), f"rank {rank}: reference run"
-        for step, run in zip(resume_from, runs):
-            _assert_continues(_steps(tmp_path, run, rank), reference[step:], f"rank {rank}, resumed from step {step}")
-    if procs > 1:
-        assert _steps(tmp_path, "ref", 0)[0]["index"] != _steps(tmp_path, "ref", 1)[0]["index"], "ranks share data"
+    for scenario in scenarios:
+        assert_resumes(tmp_path / scenario, procs, scenario or script)
+
+
+# -- the harness ---------------------------------------------------------------------
+
+
+def test_a_run_whose_rank_0_fails_ends_at_once_with_its_output(tmp_path):
+    """What hung for 300 s once: Lightning's rank 0 failed at start-up (its port taken,
+    EADDRINUSE) and the rank 1 it had started waited for it for 30 minutes, holding the
+    output pipes open. Now what a failed run started is killed, and its stderr shown."""
+    orphan = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])"
+    fail = f"{orphan}; time.sleep(0.5); sys.exit('rank 0 gave up')"
+    start = time.monotonic()
+    done = _run([[sys.executable, "-c", fail]], tmp_path)[0]
+    assert time.monotonic() - start < 30
+    assert done.returncode == 1 and "rank 0 gave up" in done.stderr
+    survive = f"{orphan}; time.sleep(0.5)"
+    with pytest.raises(AssertionError, match=r"exited with code 0, but processes it started \(python.*\) were still"):
+        _run([[sys.executable, "-c", survive]], tmp_path, grace=1)
+    with pytest.raises(AssertionError, match=r"did not finish within 1 s"):
+        _run([[sys.executable, "-c", "import time; time.sleep(60)"]], tmp_path, timeout=1)
 
 
 # -- Lightning -----------------------------------------------------------------------
@@ -133,35 +265,23 @@ def check_scenario(
 
 @_requires("lightning")
 @pytest.mark.parametrize("procs", [1, 2])
-def test_lightning_trainer(tmp_path, procs):
-    """The loader from ``train_dataloader()``; on 2 devices it is already split (its
-    sampler is a DistributedSampler) and Lightning keeps it; rank 1 resumes from rank 0's
-    checkpoint entry."""
-    check_scenario(tmp_path, "lightning_trainer.py", procs, False, str(procs))
+def test_lightning_trainer_and_fabric(tmp_path, procs):
+    """The Trainer and Fabric, one scenario after the other in the same processes:
 
-
-@_requires("lightning")
-def test_lightning_trainer_loader_built_before_fit(tmp_path):
-    """``trainer.fit(model, loader)`` with the loader built before the process group
-    exists: Lightning rebuilds it with a DistributedSampler and the user's arguments;
-    rank 1 derives its DistributedSampler position from rank 0's entry."""
-    check_scenario(tmp_path, "lightning_trainer.py", 2, False, "2", "--before-fit")
-
-
-@_requires("lightning")
-@pytest.mark.parametrize("procs", [1, 2])
-def test_lightning_trainer_pipeline(tmp_path, procs):
-    """A savable pipeline (no ``len()``): Lightning fetches a batch ahead, the state leaves
-    it out; on 2 devices every rank's state is gathered into rank 0's checkpoint."""
-    check_scenario(tmp_path, "lightning_trainer.py", procs, False, str(procs), "--pipeline")
-
-
-@_requires("lightning")
-@pytest.mark.parametrize("procs", [1, 2])
-def test_fabric(tmp_path, procs):
-    """Fabric's ``setup_dataloaders`` keeps the loader; its per-process ``set_epoch`` count
-    (0 again after a resume) does not move the loader's epochs."""
-    check_scenario(tmp_path, "fabric_loop.py", procs, False, str(procs))
+    * ``before-fit`` (2 devices): ``trainer.fit(model, loader)`` with the loader built
+      before the process group exists: Lightning rebuilds it with a DistributedSampler
+      and the user's arguments; rank 1 derives its DistributedSampler position from rank
+      0's entry;
+    * ``module``: the loader from ``train_dataloader()``; on 2 devices it is already split
+      (its sampler is a DistributedSampler) and Lightning keeps it; rank 1 resumes from
+      rank 0's checkpoint entry;
+    * ``pipeline``: a savable pipeline (no ``len()``): Lightning fetches a batch ahead, the
+      state leaves it out; on 2 devices every rank's state is gathered into rank 0's
+      checkpoint;
+    * ``fabric``: Fabric's ``setup_dataloaders`` keeps the loader; its per-process
+      ``set_epoch`` count (0 again after a resume) does not move the loader's epochs."""
+    scenarios = ("before-fit", "module", "pipeline", "fabric") if procs > 1 else ("module", "pipeline", "fabric")
+    check_scenarios(tmp_path, "lightning_scenarios.py", procs, False, str(procs), *scenarios, scenarios=scenarios)
 
 
 # -- Accelerate ----------------------------------------------------------------------
@@ -169,19 +289,20 @@ def test_fabric(tmp_path, procs):
 
 @_requires("accelerate")
 @pytest.mark.parametrize("procs", [1, 2])
-def test_accelerate_register_for_checkpointing(tmp_path, procs):
-    check_scenario(tmp_path, "accelerate_loop.py", procs, procs > 1, "register")
-
-
-@_requires("accelerate")
-@pytest.mark.parametrize("procs", [1, 2])
-def test_accelerate_prepare_is_a_clear_error(tmp_path, procs):
-    """``accelerator.prepare(loader)`` rebuilds a plain DataLoader from the loader's
-    attributes: the first batch says so, and what to do."""
-    done = _run([_command("accelerate_loop.py", tmp_path, "ref", procs, procs > 1, "prepare")], tmp_path)[0]
+def test_accelerate(tmp_path, procs):
+    """``register_for_checkpointing(loader)`` resumes exactly; ``accelerator.prepare(loader)``
+    (run last in the reference's processes) rebuilds a plain DataLoader from the loader's
+    attributes: its first batch says so, and what to do."""
+    done = _run([_command("accelerate_loop.py", tmp_path, "ref", procs, procs > 1, "register", "prepare")], tmp_path)[0]
     assert done.returncode != 0
     assert "LoaderUsageError" in done.stderr and "register_for_checkpointing" in done.stderr, done.stderr[-3000:]
-    assert not (tmp_path / "ref.rank0.jsonl").exists()
+    assert not (tmp_path / "prepare" / "ref.rank0.jsonl").exists()
+    runs = [f"resume-{s}" for s in SAVE_STEPS]
+    for resumed in _run(
+        [_command("accelerate_loop.py", tmp_path, run, procs, procs > 1, "register") for run in runs], tmp_path
+    ):
+        _ok(resumed)
+    assert_resumes(tmp_path / "register", procs, "register")
 
 
 # -- Hugging Face Trainer ------------------------------------------------------------
@@ -190,17 +311,32 @@ def test_accelerate_prepare_is_a_clear_error(tmp_path, procs):
 @_requires("transformers", "datasets")
 @pytest.mark.parametrize("procs", [1, 2])
 def test_savable_trainer(tmp_path, procs):
-    check_scenario(tmp_path, "hf_trainer.py", procs, procs > 1, "savable")
-
-
-@_requires("transformers", "datasets")
-def test_trainer_with_the_loader_says_use_savable_trainer(tmp_path):
-    """A plain Trainer skips batches with ``skip_first_batches``, which rebuilds a plain
-    DataLoader: a clear error naming SavableTrainer, not a TypeError."""
-    _ok(_run([_command("hf_trainer.py", tmp_path, "ref", 1, False, "override")], tmp_path)[0])
-    done = _run([_command("hf_trainer.py", tmp_path, f"resume-{SAVE_STEPS[1]}", 1, False, "override")], tmp_path)[0]
-    assert done.returncode != 0
-    assert "LoaderUsageError" in done.stderr and "SavableTrainer" in done.stderr, done.stderr[-3000:]
+    """SavableTrainer resumes exactly. On one process the same processes also run a plain
+    Trainer whose ``get_train_dataloader`` returns the loader: it trains, and its resume
+    mid-epoch (from step 9, run last) is a clear error naming SavableTrainer, not a
+    TypeError (the Trainer skips batches with ``skip_first_batches``, which rebuilds a
+    plain DataLoader)."""
+    torchrun = procs > 1
+    plain = ("override",) if procs == 1 else ()
+    _ok(_run([_command("hf_trainer.py", tmp_path, "ref", procs, torchrun, "savable", *plain)], tmp_path)[0])
+    first, second = (f"resume-{s}" for s in SAVE_STEPS)
+    resumed = _run(
+        [
+            _command("hf_trainer.py", tmp_path, first, procs, torchrun, "savable"),
+            _command("hf_trainer.py", tmp_path, second, procs, torchrun, "savable", *plain),
+        ],
+        tmp_path,
+    )
+    _ok(resumed[0])
+    if plain:
+        assert resumed[1].returncode != 0
+        assert "LoaderUsageError" in resumed[1].stderr and "SavableTrainer" in resumed[1].stderr, resumed[1].stderr[
+            -3000:
+        ]
+        assert len(_steps(tmp_path / "override", "ref", 0)) == TOTAL_STEPS
+    else:
+        _ok(resumed[1])
+    assert_resumes(tmp_path / "savable", procs, "SavableTrainer")
 
 
 # -- torch.distributed.checkpoint ----------------------------------------------------
@@ -208,7 +344,7 @@ def test_trainer_with_the_loader_says_use_savable_trainer(tmp_path):
 
 @pytest.mark.parametrize("procs", [1, 2])
 def test_dcp_under_torchrun(tmp_path, procs):
-    check_scenario(tmp_path, "dcp_loop.py", procs, True)
+    check_scenarios(tmp_path, "dcp_loop.py", procs, True, scenarios=("",))
 
 
 def test_docs_dcp_block_under_torchrun(tmp_path):
@@ -226,7 +362,7 @@ def test_docs_dcp_block_under_torchrun(tmp_path):
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(free_port()),
+        PORT,
         str(script),
     ]
     done = _run([cmd], tmp_path)[0]

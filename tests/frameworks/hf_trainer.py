@@ -1,14 +1,16 @@
 """The Hugging Face Trainer (CPU); python for one process, ``torchrun --nproc-per-node 2``
 for two.
 
-    python hf_trainer.py OUT RUN savable|override
+    python hf_trainer.py OUT RUN HOW [HOW ...]
 
 ``savable``: ``SavableTrainer`` in place of ``Trainer``, nothing else changed.
 ``override``: a ``Trainer`` whose ``get_train_dataloader`` returns a SavableDataLoader.
 The data is a ``datasets.Dataset`` with a column the model does not take (the Trainer
 removes it) and an augmentation transform drawing from torch's, Python's and NumPy's
 RNGs in 2 loader workers. RUN is ``ref`` (``save_steps=3``) or ``resume-<S>``
-(``train(resume_from_checkpoint=<ref's checkpoint-S>)``).
+(``train(resume_from_checkpoint=<ref's checkpoint-S>)``). The HOWs run one after the
+other in this process (they share its start-up: Python, transformers, datasets), each
+writing to ``OUT/<how>/``; an exception ends the process.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from torch import nn
 
 import savable_loader as sl
 
-OUT, RUN, HOW = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 datasets.disable_progress_bars()
 transformers.logging.set_verbosity_error()
 
@@ -59,13 +60,13 @@ class EpochCounter(transformers.TrainerCallback):
         EpochCounter.epoch = int(state.epoch)
 
 
-def logged(base):
+def logged(base, out: Path, run: str):
     class Logged(base):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             c.log_step(
-                OUT,
-                RUN,
+                out,
+                run,
                 self.args.process_index,
                 self.state.global_step + 1,
                 EpochCounter.epoch,
@@ -89,35 +90,46 @@ class OverrideTrainer(transformers.Trainer):
         )
 
 
-args = transformers.TrainingArguments(
-    output_dir=str(OUT / f"hf_{RUN}"),
-    per_device_train_batch_size=c.BATCH,
-    max_steps=c.TOTAL_STEPS,
-    save_strategy="steps",
-    save_steps=3,
-    logging_strategy="no",
-    report_to=[],
-    use_cpu=True,
-    dataloader_num_workers=c.WORKERS,
-    seed=0,
-    learning_rate=0.05,
-    disable_tqdm=True,
-)
-base = c.Augmented(c.dataset_len(args.world_size))
-train = datasets.Dataset.from_dict(
-    {
-        "x": base.x.tolist(),
-        "labels": base.y.tolist(),
-        "idx": list(range(len(base))),
-        "note": [f"sample {i}" for i in range(len(base))],
-    }
-).with_transform(augment)
-if HOW == "savable":
-    from savable_loader.integrations.transformers import SavableTrainer
+def main(out: Path, run: str, how: str) -> None:
+    EpochCounter.epoch = 0
+    args = transformers.TrainingArguments(
+        output_dir=str(out / f"hf_{run}"),
+        per_device_train_batch_size=c.BATCH,
+        max_steps=c.TOTAL_STEPS,
+        save_strategy="steps",
+        save_steps=3,
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=c.WORKERS,
+        seed=0,
+        learning_rate=0.05,
+        disable_tqdm=True,
+    )
+    base = c.Augmented(c.dataset_len(args.world_size))
+    train = datasets.Dataset.from_dict(
+        {
+            "x": base.x.tolist(),
+            "labels": base.y.tolist(),
+            "idx": list(range(len(base))),
+            "note": [f"sample {i}" for i in range(len(base))],
+        }
+    ).with_transform(augment)
+    if how == "savable":
+        from savable_loader.integrations.transformers import SavableTrainer
 
-    cls = logged(SavableTrainer)
-else:
-    cls = logged(OverrideTrainer)
-trainer = cls(model=Regression(), args=args, train_dataset=train, callbacks=[EpochCounter()])
-resume = str(OUT / "hf_ref" / f"checkpoint-{RUN.split('-')[1]}") if RUN.startswith("resume-") else None
-trainer.train(resume_from_checkpoint=resume)
+        cls = logged(SavableTrainer, out, run)
+    elif how == "override":
+        cls = logged(OverrideTrainer, out, run)
+    else:
+        raise ValueError(f"HOW must be 'savable' or 'override', got {how!r}")
+    trainer = cls(model=Regression(), args=args, train_dataset=train, callbacks=[EpochCounter()])
+    resume = str(out / "hf_ref" / f"checkpoint-{run.split('-')[1]}") if run.startswith("resume-") else None
+    trainer.train(resume_from_checkpoint=resume)
+
+
+if __name__ == "__main__":
+    OUT, RUN = Path(sys.argv[1]), sys.argv[2]
+    for how in sys.argv[3:]:
+        (OUT / how).mkdir(exist_ok=True)
+        main(OUT / how, RUN, how)
