@@ -95,14 +95,14 @@ def _collate(batch: list[Any]) -> list[Any]:
     return batch
 
 
-def through_source(server: RedisServer, stream: str, entries: int) -> float:
-    """Entries per second of one epoch through a 2-worker SavableDataLoader, from its
-    first batch on: the workers' start-up (a process start and the first page, which the
-    plain client in this process does not pay) is left out, and so are the first batch's
-    entries."""
+def through_source(server: RedisServer, stream: str, entries: int, global_rngs: tuple[str, ...] | None = None) -> float:
+    """Entries per second of one epoch through a 2-worker SavableDataLoader (built with
+    ``global_rngs``), from its first batch on: the workers' start-up (a process start and
+    the first page, which the plain client in this process does not pay) is left out, and
+    so are the first batch's entries."""
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=WORKERS, seed=0)
     ds = BatchDataset(RedisStreamSource(server.url, stream, wc, follow=False, batch=PAGE), BATCH, collate_fn=_collate)
-    loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, collate_fn=_collate)
+    loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, collate_fn=_collate, global_rngs=global_rngs)
     it = iter(loader)
     first = len(next(it))
     t0 = time.perf_counter()
@@ -151,12 +151,14 @@ def run(repeats: int, entries: int, size: int, saves: int) -> dict[str, Any]:
             {
                 "plain": lambda r: plain(server, stream, entries),
                 "source": lambda r: through_source(server, stream, entries),
+                "source, global_rngs=()": lambda r: through_source(server, stream, entries, ()),
             },
             repeats,
         )
         M.log(f"streams: {saves} saves while {WORKERS} workers wait on an empty stream")
         latencies = save_latencies(server, saves)
     ratio = M.paired(rates["source"], rates["plain"])
+    lean = M.paired(rates["source, global_rngs=()"], rates["plain"])
     save_ms = M.percentiles_ms(latencies)
     return {
         "entries": entries,
@@ -166,6 +168,8 @@ def run(repeats: int, entries: int, size: int, saves: int) -> dict[str, Any]:
         "plain_per_s": M.spread(rates["plain"]),
         "source_per_s": M.spread(rates["source"]),
         "ratio": ratio,
+        "lean_per_s": M.spread(rates["source, global_rngs=()"]),
+        "lean_ratio": lean,
         "save_ms": save_ms,
         "targets": [
             {
@@ -190,6 +194,8 @@ def render(out: dict[str, Any]) -> str:
         ["plain redis (1 process)", M.fmt_spread(out["plain_per_s"])],
         [f"RedisStreamSource ({out['workers']} workers)", M.fmt_spread(out["source_per_s"])],
         ["ratio", M.fmt_spread(out["ratio"])],
+        [f"RedisStreamSource ({out['workers']} workers), global_rngs=()", M.fmt_spread(out["lean_per_s"])],
+        ["ratio", M.fmt_spread(out["lean_ratio"])],
     ]
     s = out["save_ms"]
     saves = M.table(

@@ -1,30 +1,36 @@
-"""Which global random generators the drop-in path re-seeds: all three, or those declared.
+"""Which global random generators a loader re-seeds per sample: all three, or those declared.
 
-By default the drop-in path re-seeds Python's ``random``, NumPy's global RNG and torch's
-CPU RNG before every sample (and before the collate function), about 5.5 µs a sample in
-all: Python's ``random.seed`` alone is about 3 µs, NumPy's about 1.3 µs, torch's about
-1 µs. A dataset that draws from fewer of them can say so:
-``SavableDataLoader(..., global_rngs=("torch",))``. Then:
+By default the loader re-seeds Python's ``random``, NumPy's global RNG and torch's CPU
+RNG before every sample (drop-in path: and before the collate function; pipelines: in
+``mark_sample`` and before every item), about 5.5 µs a sample in all: Python's
+``random.seed`` alone is about 3 µs, NumPy's about 1.3 µs, torch's about 1 µs. A dataset
+that draws from fewer of them can say so: ``SavableDataLoader(..., global_rngs=("torch",))``,
+or ``global_rngs=()`` for one that draws from none (a reader, a tokenizer). Then:
 
 * the generators listed are re-seeded exactly as by default, with the same seeds: a
   dataset that draws only from them yields the same data with or without the setting;
-* torch's is re-seeded whatever the setting (it is the cheapest, and most transforms
-  draw from it): the setting always includes ``"torch"``;
-* the generators left out are not re-seeded per sample. They are put in a fixed state
-  (seeded from ``(seed, epoch)``, see ``_seeds.undeclared_rngs_seed``) before a batch
-  when anything changed them, and after the batch (samples and collate function) the
-  loader checks that nothing did: a draw raises :class:`UndeclaredRngError` for that
-  batch, naming the generator and the setting that fixes it. The check reads each
-  generator's whole Mersenne Twister state (and Python's cached ``gauss_next``; NumPy's
-  cached Gaussian is empty in the fixed state, so a Gaussian draw must move the words):
-  about 1 µs a batch per generator left out (``_torch_internals`` reads the states).
+* a non-empty setting always includes ``"torch"`` (the cheapest to re-seed, and most
+  transforms draw from it); ``()`` re-seeds none;
+* the generators left out are not re-seeded per sample, and the loader checks that
+  nothing drew from them: a draw raises :class:`UndeclaredRngError` for that batch (the
+  drop-in path) or item (pipelines), naming the generator and the setting that fixes
+  it. The drop-in path puts them in a fixed state (seeded from ``(seed, epoch)``, see
+  ``_seeds.undeclared_rngs_seed``) before a batch when anything changed them
+  (:meth:`GlobalRngs.begin`); pipelines leave them as they are (:meth:`GlobalRngs.watch`:
+  in the main process they are the caller's). The check reads each generator's whole
+  state: the Mersenne Twister words of Python's and NumPy's (about 0.2 µs each,
+  ``_torch_internals``) with Python's cached ``gauss_next`` and NumPy's cached Gaussian
+  (empty in the fixed state; else read through ``get_state``, about 25 µs, only while
+  one is cached), and torch's ``get_state()`` (about 1.3 µs).
 
 Never silently inexact: a batch either drew only from re-seeded generators (exact, as
-by default) or raised. Draws outside batches (a ``worker_init_fn``, the main process
-between batches) are not the data's and are not checked; ``worker_init_fn`` re-seeding
-NumPy (the classic recipe) is harmless. The setting is recorded in states and restore
-keys (``LoaderConfig.global_rngs``, ``RestoreKey.global_rngs``); a restore under another
-setting is a ``ConfigMismatchError``.
+by default) or raised. Draws outside batches and items (a ``worker_init_fn``, the main
+process between batches) are not the data's and are not checked; ``worker_init_fn``
+re-seeding NumPy (the classic recipe) is harmless. The setting is recorded in states and
+restore keys (``LoaderConfig.global_rngs``, ``RestoreKey.global_rngs``). Since it never
+changes the data (the same data as by default, or an error), a state or key made under
+one setting restores exactly under any other: a run can turn it on or off across a
+restore; a malformed recorded setting is refused (``_index_mode.check_global_rngs``).
 
 Example::
 
@@ -32,12 +38,18 @@ Example::
     guard.begin(seed=0, epoch=3)      # numpy and random in their fixed state
     guard.seed(s)                     # before each sample: torch only
     guard.check("the batch at positions 0..63 of epoch 3")   # UndeclaredRngError if drawn
+
+    guard = GlobalRngs(())
+    guard.watch()                     # nothing re-seeded; the states as they are now
+    guard.check("item 7 of worker 0 in epoch 0")
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from savable_loader._seeds import undeclared_rngs_seed
 from savable_loader._torch_internals import (
@@ -57,12 +69,15 @@ _SHOWN = {"numpy": "NumPy's global RNG (np.random)", "random": "Python's random 
 
 def global_rngs_setting(value: Any) -> tuple[str, ...]:
     """``SavableDataLoader(global_rngs=...)`` as recorded: the sorted names, ``"torch"``
-    always included; None means all three. ``LoaderUsageError`` for anything else.
+    included in any non-empty setting; None means all three, an empty collection none.
+    ``LoaderUsageError`` for anything else.
 
     >>> global_rngs_setting(["random"])
     ('random', 'torch')
     >>> global_rngs_setting(None)
     ('numpy', 'random', 'torch')
+    >>> global_rngs_setting(())
+    ()
     """
     if value is None:
         return GLOBAL_RNG_NAMES
@@ -78,14 +93,14 @@ def global_rngs_setting(value: Any) -> tuple[str, ...]:
             f"global_rngs names {unknown}, expected names from {GLOBAL_RNG_NAMES} ('random' is Python's "
             "random module, 'numpy' NumPy's global RNG, 'torch' torch's CPU RNG)"
         )
-    return tuple(sorted({*names, "torch"}))
+    return tuple(sorted({*names, "torch"})) if names else ()
 
 
 class GlobalRngs:
-    """Re-seeds the declared global generators per sample and guards the others per batch
-    (see the module docstring), as seed formula ``formula`` seeds them (the run's: NumPy's
-    word differs from formula 3 on, ``rng.numpy_word``). Process-local: made in the
-    process that loads.
+    """Re-seeds the declared global generators per sample and guards the others (see the
+    module docstring), as seed formula ``formula`` seeds them (the run's: NumPy's word
+    differs from formula 3 on, ``rng.numpy_word``). Process-local: made in the process
+    that loads.
     """
 
     def __init__(self, names: tuple[str, ...], formula: int = SEED_FORMULA) -> None:
@@ -98,10 +113,15 @@ class GlobalRngs:
         looks = {
             "numpy": lambda: numpy_mt_fingerprint(numpy_global_randomstate()),
             "random": lambda: python_random_fingerprint(PY_RANDOM),
+            "torch": lambda: _torch_state,
         }
         #: a fingerprint function per generator left out, in ``self.undeclared``'s order
         self._looks: list[Callable[[], Any]] = [looks[name]() for name in self.undeclared]
-        self._fixed: tuple[tuple[int, int], list[Any]] | None = None
+        #: where NumPy's is in ``self.undeclared`` (None: declared)
+        self._numpy = self.undeclared.index("numpy") if "numpy" in self.undeclared else None
+        self._fixed: tuple[tuple[int, int] | None, list[Any]] | None = None
+        #: NumPy's fingerprint when its cached Gaussian was last read, and whether one was
+        self._gauss_seen: tuple[Any, bool] | None = None
 
     def begin(self, seed: int, epoch: int) -> None:
         """Before a batch: the generators left out in the fixed state of ``(seed, epoch)``
@@ -112,21 +132,54 @@ class GlobalRngs:
         if fixed is not None and fixed[0] == (seed, epoch) and self._same(fixed[1]):
             return
         self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
-        self._fixed = ((seed, epoch), [look() for look in self._looks])
+        prints = [look() for look in self._looks]
+        self._fixed = ((seed, epoch), prints)
+        if self._numpy is not None:
+            self._gauss_seen = (prints[self._numpy], False)  # seeding empties the cache
 
-    def check(self, batch: str) -> None:
-        """After a batch: ``UndeclaredRngError`` if it drew from a generator left out."""
+    def watch(self) -> None:
+        """Before an item: remember the states of the generators left out, as they are
+        (nothing re-seeded: in the main process they are the caller's streams)."""
+        if not self.undeclared:
+            return
+        prints = [look() for look in self._looks]
+        self._fixed = (None, prints)
+        if self._numpy is not None:
+            seen = self._gauss_seen
+            if seen is None or seen[0] != prints[self._numpy]:
+                self._gauss_seen = (prints[self._numpy], _numpy_gauss_cached())
+
+    def check(self, batch: str, where: str = "in the dataset or the collate function") -> None:
+        """After a batch or item: ``UndeclaredRngError`` if it drew from a generator left
+        out (``batch`` and ``where`` say what drew, for the message)."""
         fixed = self._fixed
-        if fixed is None or self._same(fixed[1]):
+        if fixed is None:
             return
         drawn = [name for name, look, was in zip(self.undeclared, self._looks, fixed[1]) if look() != was]
-        fix = tuple(sorted({*self.names, *drawn}))
+        seen = self._gauss_seen
+        if seen is not None and seen[1] and "numpy" not in drawn and not _numpy_gauss_cached():
+            drawn.append("numpy")  # a Gaussian taken from the cache moves no words
+            self._gauss_seen = (seen[0], False)
+        if not drawn:
+            return
+        self._fixed = None
+        fix = tuple(sorted({*self.names, *drawn, "torch"}))
         raise UndeclaredRngError(
-            f"{batch} drew from {' and '.join(_SHOWN[n] for n in drawn)} (in the dataset or the collate "
-            f"function), but the loader's global_rngs={self.names!r} does not list {', '.join(map(repr, drawn))}: "
+            f"{batch} drew from {' and '.join(_SHOWN[n] for n in drawn)} ({where}), but the loader's global_rngs={self.names!r} does not list {', '.join(map(repr, drawn))}: "
             f"the loader did not re-seed it, so these draws would not resume exactly. Pass global_rngs={fix!r} "
             "(or leave global_rngs out: all three are re-seeded before every sample)"
         )
 
     def _same(self, fingerprints: list[Any]) -> bool:
         return all(look() == was for look, was in zip(self._looks, fingerprints))
+
+
+def _torch_state() -> bytes:
+    """torch's CPU generator's whole state (its words, position and cached normals)."""
+    return bytes(torch.default_generator.get_state().numpy())
+
+
+def _numpy_gauss_cached() -> bool:
+    """Whether NumPy's global RNG holds a cached Gaussian (the next ``np.random.normal``
+    takes it without moving the Mersenne Twister words)."""
+    return bool(numpy_global_randomstate().get_state(legacy=False)["has_gauss"])

@@ -22,10 +22,11 @@ from typing import Any
 
 import msgspec
 
+from savable_loader._global_rngs import global_rngs_setting
 from savable_loader._mode import Iteration, Mode
 from savable_loader._permutation import ORDER_ALGORITHMS, ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.dataset import config_fingerprint, current_names, plain_config, type_name
-from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
+from savable_loader.errors import ConfigMismatchError, InternalError, LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA, SEED_FORMULAS
 from savable_loader.sources.index import (
     BatchKey,
@@ -251,14 +252,7 @@ class IndexMode(Mode):
             raise ConfigMismatchError(
                 "reseed", saved.reseed, current.reseed, "re-seeding per sample or per batch draws other values"
             )
-        if tuple(saved.global_rngs) != tuple(current.global_rngs):
-            raise ConfigMismatchError(
-                "global_rngs",
-                tuple(saved.global_rngs),
-                tuple(current.global_rngs),
-                "the state was saved by a loader that re-seeds other global RNGs: build the loader with "
-                f"global_rngs={tuple(saved.global_rngs)!r}",
-            )
+        check_global_rngs(saved)
         if current.reseed == "batch" and saved.batch_size != current.batch_size:
             raise ConfigMismatchError(
                 "batch_size",
@@ -304,14 +298,8 @@ class IndexMode(Mode):
         return made if reseed == "sample" else msgspec.structs.replace(made, reseed=reseed)
 
     def check_key_global_rngs(self, key: RestoreKey) -> None:
-        """RestoreKeyError if ``key`` was made by a loader re-seeding other global RNGs."""
-        in_key = key.global_rngs
-        check_key_setting(
-            "global_rngs",
-            tuple(in_key) if isinstance(in_key, (list, tuple)) else in_key,
-            self.global_rngs,
-            "it re-seeds other global RNGs before each sample",
-        )
+        """RestoreKeyError for a malformed ``key.global_rngs``."""
+        check_key_global_rngs(key)
 
     def key_sample(self, key: BatchKey) -> Any:
         """What a restore key carries besides positions (the loader's own order: nothing)."""
@@ -528,6 +516,40 @@ def check_key_setting(name: str, in_key: Any, current: Any, hint: str = "") -> N
         raise RestoreKeyError(
             f"key.{name} is {in_key!r}, this loader's {name} is {current!r}: the key names data of a loader "
             f"built with another {name}{f' ({hint})' if hint else ''}"
+        )
+
+
+def _recorded_global_rngs(value: Any) -> bool:
+    """Whether ``value`` is a ``global_rngs`` setting as a loader records it."""
+    if not isinstance(value, (list, tuple)):
+        return False
+    try:
+        return tuple(value) == global_rngs_setting(tuple(value))
+    except LoaderUsageError:
+        return False
+
+
+def check_global_rngs(saved: LoaderConfig) -> None:
+    """StateError if the state's ``config.global_rngs`` is not a setting a loader records.
+
+    Any well-formed setting restores under any other: the setting never changes the data
+    (the generators it lists are re-seeded as by default, a draw from another raises
+    ``UndeclaredRngError``), so a run may turn ``global_rngs=`` on or off across a restore.
+    """
+    if not _recorded_global_rngs(saved.global_rngs):
+        raise StateError(
+            f"config.global_rngs is {saved.global_rngs!r}, expected sorted names from {list(GLOBAL_RNG_NAMES)} "
+            "with 'torch' among them, or none"
+        )
+
+
+def check_key_global_rngs(key: RestoreKey) -> None:
+    """RestoreKeyError if ``key.global_rngs`` is not a setting a loader records (any
+    well-formed one is rebuilt under the loader's own: see :func:`check_global_rngs`)."""
+    if not _recorded_global_rngs(key.global_rngs):
+        raise RestoreKeyError(
+            f"key.global_rngs is {key.global_rngs!r}, expected sorted names from {list(GLOBAL_RNG_NAMES)} "
+            "with 'torch' among them, or none"
         )
 
 

@@ -105,6 +105,7 @@ def _consumed_fields(
     wc.rank, wc.world_size, wc.num_workers, wc.seed = rank, len(states), config.num_workers, config.seed
     base = pipeline_base(config.seed, rank, ws.worker_id, epoch)
     formula = config.seed_formula
+    # all three re-seeded, whatever the run's global_rngs=: it drew from no other (or raised)
     with preserve_global_rng(), _ActiveWorker(ws.worker_id, epoch, formula), _LogicalWorkers(workers):
         copy.restore_state(ws.dataset)
         it = iter(copy)

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, NoReturn, cast
 import cloudpickle
 from torch.utils.data import IterableDataset, get_worker_info
 
+from savable_loader._global_rngs import GlobalRngs
 from savable_loader._guards import exclusive
 from savable_loader._hosting import hosted_by, in_view, interleave
 from savable_loader._seeds import pipeline_base, pipeline_item
@@ -250,9 +251,12 @@ class WorkerRuntime:
         *,
         in_process: bool,
         seed_formula: int = SEED_FORMULA,
+        global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
     ) -> None:
         self.dataset = dataset
         self.seed_formula = seed_formula
+        #: The global RNGs re-seeded per sample and item (the loader's ``global_rngs=``).
+        self.global_rngs = global_rngs
         self.worker_config = worker_config
         self.max_in_flight = max_in_flight
         self.in_process = in_process
@@ -292,13 +296,17 @@ class WorkerRuntime:
         wc = self.worker_config
         base_seed = pipeline_base(wc.seed, wc.rank, worker_id, epoch)
         formula = self.seed_formula  # the run's (a restored state's own): items and mark_sample
-        seed_all = global_seeder(GLOBAL_RNG_NAMES, formula)
+        names = self.global_rngs
+        # global_rngs=: only those re-seeded (mark_sample too), the others checked per item
+        guard = None if names == GLOBAL_RNG_NAMES else GlobalRngs(names, formula)
+        seed_all = global_seeder(names, formula)
+        scope_names = names if self.in_process else ()  # the caller's streams we re-seed
         self.carried = None if start is None or start.dataset is not None else start.carried
         # reset/restore run user code too (reset_state_own): keep the caller's RNG out of it
         if self.carried is not None:  # go on from the previous epoch's end (EpochizeDataset)
-            with _ActiveWorker(worker_id, epoch - 1, formula), _rng_scope(self.in_process):
+            with _ActiveWorker(worker_id, epoch - 1, formula, names), _rng_scope(self.in_process):
                 self.dataset.restore_state(self.carried)
-        with _ActiveWorker(worker_id, epoch, formula), _rng_scope(self.in_process):
+        with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(self.in_process):
             if start is None:
                 self.dataset.reset_state_deep()
                 index, skip, snapshot = 0, 0, None
@@ -321,7 +329,9 @@ class WorkerRuntime:
         costs: list[float] = []
         iterator: Iterator[Any] | None = None
         while True:
-            with _ActiveWorker(worker_id, epoch, formula), _rng_scope(self.in_process):
+            with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(scope_names):
+                if guard is not None:
+                    guard.watch()
                 seed_all(pipeline_item(base_seed, index, formula))
                 t0 = time.perf_counter()
                 if iterator is None:
@@ -339,6 +349,8 @@ class WorkerRuntime:
                     if not self.errors_go_on:
                         raise
                     sample = ItemError.capture(e, self.in_process, worker_id)  # counts as an item
+                if guard is not None:  # a draw the loader did not seed: an error, never the item
+                    guard.check(f"item {index} of worker {worker_id} in epoch {epoch}", "in the pipeline")
                 work += time.perf_counter() - t0
                 index += 1
                 if not self.cold_seconds:  # what a restore is measured against (first run)
@@ -365,7 +377,7 @@ class WorkerRuntime:
         if self.carries and self.ring.newest_index() != index:
             # the state at the epoch's end rides with the end marker: the next epoch's
             # (fresh) worker goes on from it (WorkerState.carried)
-            with _ActiveWorker(worker_id, epoch, formula), _rng_scope(self.in_process):
+            with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(self.in_process):
                 self._snapshot(index)
         # Tell the main process this worker is done (its final snapshot, if any, rides
         # with the marker): torch may retire the worker as soon as it has sent it, and
@@ -429,8 +441,11 @@ class _NoScope:
         return None
 
 
-def _rng_scope(in_process: bool) -> Any:
-    # In the main process the loader must leave the caller's RNG streams untouched.
+def _rng_scope(in_process: bool | tuple[str, ...]) -> Any:
+    # In the main process the loader must leave the caller's RNG streams untouched: a
+    # bool (all three in the main process), or the names of those the block re-seeds.
+    if isinstance(in_process, tuple):
+        return preserve_global_rng(in_process) if in_process else _NoScope()
     return preserve_global_rng() if in_process else _NoScope()
 
 
@@ -454,6 +469,8 @@ class PipelineWorkerDataset(IterableDataset):
         self.planned_at: float | None = None
         #: The per-item seed formula (``savable_loader.rng.item_seed``).
         self.seed_formula = SEED_FORMULA
+        #: The global RNGs re-seeded per sample (the loader's ``global_rngs=``).
+        self.global_rngs = GLOBAL_RNG_NAMES
         #: ``WorkerRuntime.errors_go_on``.
         self.errors_go_on = False
         self._iterations = 0
@@ -493,6 +510,7 @@ class PipelineWorkerDataset(IterableDataset):
             self._runtimes.append(WorkerRuntime(dataset, self.worker_config, self.max_in_flight, in_process=in_process))
         runtime = self._runtimes[j]
         runtime.seed_formula = self.seed_formula
+        runtime.global_rngs = self.global_rngs
         runtime.errors_go_on = self.errors_go_on
         return runtime
 

@@ -294,25 +294,40 @@ class GlobalRngState:
 
     python: Any
     numpy: Any
-    torch: torch.Tensor
+    torch: torch.Tensor | None
 
 
-def capture_global() -> GlobalRngState:
-    """Capture the three global RNG states of the calling process."""
-    return GlobalRngState(random.getstate(), np.random.get_state(), torch.get_rng_state())
+def capture_global(names: Collection[str] = GLOBAL_RNG_NAMES) -> GlobalRngState:
+    """Capture the global RNG states of the calling process: those in ``names`` (of
+    :data:`GLOBAL_RNG_NAMES`; None in the fields of the others)."""
+    return GlobalRngState(
+        random.getstate() if "random" in names else None,
+        np.random.get_state() if "numpy" in names else None,
+        torch.get_rng_state() if "torch" in names else None,
+    )
 
 
 def restore_global(state: GlobalRngState) -> None:
     """Put back states taken by :func:`capture_global`."""
-    random.setstate(state.python)
-    np.random.set_state(state.numpy)
-    torch.set_rng_state(state.torch)
+    if state.python is not None:
+        random.setstate(state.python)
+    if state.numpy is not None:
+        np.random.set_state(state.numpy)
+    if state.torch is not None:
+        torch.set_rng_state(state.torch)
 
 
 @contextmanager
-def preserve_global_rng() -> Iterator[None]:
-    """Run a block without changing the caller's global RNG streams."""
-    state = capture_global()
+def preserve_global_rng(names: Collection[str] = GLOBAL_RNG_NAMES) -> Iterator[None]:
+    """Run a block without changing the caller's global RNG streams (those in ``names``:
+    a block that re-seeds only these).
+
+    Example::
+
+        with preserve_global_rng(("torch",)):
+            torch.manual_seed(0)      # the caller's torch stream goes on afterwards
+    """
+    state = capture_global(names)
     try:
         yield
     finally:
