@@ -470,7 +470,7 @@ class PipelineWorkerDataset(IterableDataset):
         #: The per-item seed formula (``savable_loader.rng.item_seed``).
         self.seed_formula = SEED_FORMULA
         #: The global RNGs re-seeded per sample (the loader's ``global_rngs=``).
-        self.global_rngs = GLOBAL_RNG_NAMES
+        self.global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES
         #: ``WorkerRuntime.errors_go_on``.
         self.errors_go_on = False
         self._iterations = 0
