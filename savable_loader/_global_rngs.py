@@ -18,10 +18,10 @@ or ``global_rngs=()`` for one that draws from none (a reader, a tokenizer). Then
   ``_seeds.undeclared_rngs_seed``) before a batch when anything changed them
   (:meth:`GlobalRngs.begin`); pipelines leave them as they are (:meth:`GlobalRngs.watch`:
   in the main process they are the caller's). The check reads each generator's whole
-  state: the Mersenne Twister words of Python's and NumPy's (about 0.2 µs each,
-  ``_torch_internals``) with Python's cached ``gauss_next`` and NumPy's cached Gaussian
-  (empty in the fixed state; else read through ``get_state``, about 25 µs, only while
-  one is cached), and torch's ``get_state()`` (about 1.3 µs).
+  state: the Mersenne Twister words of Python's and NumPy's with Python's cached
+  ``gauss_next`` and NumPy's cached Gaussian (read in the objects, about 0.2 µs each
+  where ``_torch_internals`` finds the layout, else through ``getstate``/``get_state``),
+  and torch's ``get_state()`` (about 1.3 µs).
 
 Never silently inexact: a batch either drew only from re-seeded generators (exact, as
 by default) or raised. Draws outside batches and items (a ``worker_init_fn``, the main
@@ -54,6 +54,7 @@ import torch
 from savable_loader._seeds import undeclared_rngs_seed
 from savable_loader._torch_internals import (
     PY_RANDOM,
+    numpy_gauss_fingerprint,
     numpy_global_randomstate,
     numpy_mt_fingerprint,
     python_random_fingerprint,
@@ -111,17 +112,13 @@ class GlobalRngs:
         self.seed: Callable[[int], None] = global_seeder(names, formula)
         self._seed_undeclared = global_seeder(self.undeclared, formula)
         looks = {
-            "numpy": lambda: numpy_mt_fingerprint(numpy_global_randomstate()),
+            "numpy": lambda: _numpy_look(numpy_global_randomstate()),
             "random": lambda: python_random_fingerprint(PY_RANDOM),
             "torch": lambda: _torch_state,
         }
         #: a fingerprint function per generator left out, in ``self.undeclared``'s order
         self._looks: list[Callable[[], Any]] = [looks[name]() for name in self.undeclared]
-        #: where NumPy's is in ``self.undeclared`` (None: declared)
-        self._numpy = self.undeclared.index("numpy") if "numpy" in self.undeclared else None
         self._fixed: tuple[tuple[int, int] | None, list[Any]] | None = None
-        #: NumPy's fingerprint when its cached Gaussian was last read, and whether one was
-        self._gauss_seen: tuple[Any, bool] | None = None
 
     def begin(self, seed: int, epoch: int) -> None:
         """Before a batch: the generators left out in the fixed state of ``(seed, epoch)``
@@ -132,22 +129,13 @@ class GlobalRngs:
         if fixed is not None and fixed[0] == (seed, epoch) and self._same(fixed[1]):
             return
         self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
-        prints = [look() for look in self._looks]
-        self._fixed = ((seed, epoch), prints)
-        if self._numpy is not None:
-            self._gauss_seen = (prints[self._numpy], False)  # seeding empties the cache
+        self._fixed = ((seed, epoch), [look() for look in self._looks])
 
     def watch(self) -> None:
         """Before an item: remember the states of the generators left out, as they are
         (nothing re-seeded: in the main process they are the caller's streams)."""
-        if not self.undeclared:
-            return
-        prints = [look() for look in self._looks]
-        self._fixed = (None, prints)
-        if self._numpy is not None:
-            seen = self._gauss_seen
-            if seen is None or seen[0] != prints[self._numpy]:
-                self._gauss_seen = (prints[self._numpy], _numpy_gauss_cached())
+        if self.undeclared:
+            self._fixed = (None, [look() for look in self._looks])
 
     def check(self, batch: str, where: str = "in the dataset or the collate function") -> None:
         """After a batch or item: ``UndeclaredRngError`` if it drew from a generator left
@@ -156,10 +144,6 @@ class GlobalRngs:
         if fixed is None:
             return
         drawn = [name for name, look, was in zip(self.undeclared, self._looks, fixed[1]) if look() != was]
-        seen = self._gauss_seen
-        if seen is not None and seen[1] and "numpy" not in drawn and not _numpy_gauss_cached():
-            drawn.append("numpy")  # a Gaussian taken from the cache moves no words
-            self._gauss_seen = (seen[0], False)
         if not drawn:
             return
         self._fixed = None
@@ -179,7 +163,8 @@ def _torch_state() -> bytes:
     return bytes(torch.default_generator.get_state().numpy())
 
 
-def _numpy_gauss_cached() -> bool:
-    """Whether NumPy's global RNG holds a cached Gaussian (the next ``np.random.normal``
-    takes it without moving the Mersenne Twister words)."""
-    return bool(numpy_global_randomstate().get_state(legacy=False)["has_gauss"])
+def _numpy_look(state: Any) -> Callable[[], Any]:
+    """A fingerprint of NumPy's global RNG: its words and position, and its cached
+    Gaussian (which a ``np.random.normal()`` takes without moving the words)."""
+    words, gauss = numpy_mt_fingerprint(state), numpy_gauss_fingerprint(state)
+    return lambda: (words(), gauss())
