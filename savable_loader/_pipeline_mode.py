@@ -102,6 +102,11 @@ class _TaggedCollate:
         return item._replace(payload=self.collate(item.payload))
 
 
+def _as_made(item: Item | End) -> Item | End:
+    """The engine's collate function: items arrive collated (``WorkerRuntime.collate``)."""
+    return item
+
+
 class PipelineIteration(Iteration):
     """One iteration of a savable pipeline: per logical worker, the items yielded and
     the newest snapshot attached to them; which worker yields next."""
@@ -281,6 +286,8 @@ class PipelineMode(Mode):
         self.torch_dataset = self.worker_dataset_type(dataset, in_flight)
         self.torch_dataset.global_rngs = global_rngs
         self.collate = self.collate_type(collate_fn)
+        # applied where each item is made, under the item's RNG seeding (_worker.py)
+        self.torch_dataset.collate = self.collate
         self.dataset_config = dataset.config_tree()
         self.fingerprint = config_fingerprint(self.dataset_config)
         # (epoch, logical worker, index, key, logical workers) of the item yielded last
@@ -318,7 +325,7 @@ class PipelineMode(Mode):
         return carry[1] if carry is not None and carry[0] == epoch else [None] * self.workers
 
     def engine_kwargs(self) -> dict[str, Any]:
-        return {"dataset": self.torch_dataset, "batch_size": None, "collate_fn": self.collate}
+        return {"dataset": self.torch_dataset, "batch_size": None, "collate_fn": _as_made}
 
     def adopt(self, seed: int, seed_formula: int) -> None:
         super().adopt(seed, seed_formula)
@@ -523,6 +530,6 @@ class PipelineMode(Mode):
             base = pipeline_base(wc.seed, key.rank, key.worker, key.epoch)
             guard.watch()
             guard.seed(pipeline_item(base, key.index, formula))
-            item = dataset.restore_sample(key.sample)
-            guard.check(f"the item of restore key {key}", "in the pipeline's restore_sample")
-            return self.collate.collate(item)
+            item = self.collate.collate(dataset.restore_sample(key.sample))
+            guard.check(f"the item of restore key {key}", "in the pipeline's restore_sample or collate_fn")
+            return item

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn, cast
 
 import cloudpickle
@@ -257,6 +257,9 @@ class WorkerRuntime:
         self.seed_formula = seed_formula
         #: The global RNGs re-seeded per sample and item (the loader's ``global_rngs=``).
         self.global_rngs = global_rngs
+        #: The loader's per-item collate function (``Item`` to ``Item``), applied to each
+        #: item where it is made (None: items leave as they are).
+        self.collate: Callable[[Item | End], Item | End] | None = None
         self.worker_config = worker_config
         self.max_in_flight = max_in_flight
         self.in_process = in_process
@@ -297,6 +300,7 @@ class WorkerRuntime:
         base_seed = pipeline_base(wc.seed, wc.rank, worker_id, epoch)
         formula = self.seed_formula  # the run's (a restored state's own): items and mark_sample
         names = self.global_rngs
+        collate = self.collate
         # global_rngs=: only those re-seeded (mark_sample too), the others checked per item
         guard = None if names == GLOBAL_RNG_NAMES else GlobalRngs(names, formula)
         seed_all = global_seeder(names, formula)
@@ -349,6 +353,12 @@ class WorkerRuntime:
                     if not self.errors_go_on:
                         raise
                     sample = ItemError.capture(e, self.in_process, worker_id)  # counts as an item
+                item: Item | End = Item(worker_id, index, self.dataset.sample_key, sample)
+                if collate is not None and not skip:
+                    # the loader's collate_fn draws right after the item, from the RNG
+                    # state the item's seeding left (in the main process too, where the
+                    # caller's own streams are put back after this block)
+                    item = collate(item)
                 if guard is not None:  # a draw the loader did not seed: an error, never the item
                     guard.check(f"item {index} of worker {worker_id} in epoch {epoch}", "in the pipeline")
                 work += time.perf_counter() - t0
@@ -373,7 +383,7 @@ class WorkerRuntime:
             if skip:
                 skip -= 1
                 continue
-            yield Item(worker_id, index - 1, self.dataset.sample_key, sample)
+            yield item
         if self.carries and self.ring.newest_index() != index:
             # the state at the epoch's end rides with the end marker: the next epoch's
             # (fresh) worker goes on from it (WorkerState.carried)
@@ -471,6 +481,8 @@ class PipelineWorkerDataset(IterableDataset):
         self.seed_formula = SEED_FORMULA
         #: The global RNGs re-seeded per sample (the loader's ``global_rngs=``).
         self.global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES
+        #: ``WorkerRuntime.collate`` (the loader's collate function, per item).
+        self.collate: Callable[[Item | End], Item | End] | None = None
         #: ``WorkerRuntime.errors_go_on``.
         self.errors_go_on = False
         self._iterations = 0
@@ -511,12 +523,14 @@ class PipelineWorkerDataset(IterableDataset):
         runtime = self._runtimes[j]
         runtime.seed_formula = self.seed_formula
         runtime.global_rngs = self.global_rngs
+        runtime.collate = self.collate
         runtime.errors_go_on = self.errors_go_on
         return runtime
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["dataset"] = cloudpickle.dumps(self.dataset)
+        state["collate"] = cloudpickle.dumps(self.collate)  # a lambda crosses spawn too
         state["worker_config"] = None
         state["_runtimes"] = []
         state["_hosted"] = {}
@@ -525,6 +539,7 @@ class PipelineWorkerDataset(IterableDataset):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.dataset = cloudpickle.loads(state["dataset"])
+        self.collate = cloudpickle.loads(state["collate"])
         self.worker_config = self.dataset.worker_config
 
     def __iter__(self) -> Iterator[Item | End]:
