@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 import savable_loader as sl
 from savable_loader.rng import GLOBAL_RNG_NAMES, capture_global
 from savable_loader.wrappers import BatchDataset, MapDataset
-from tests.common import assert_same, assert_streams, check_resume_everywhere, epochs_of
+from tests.common import RangeSource, assert_same, assert_streams, check_resume_everywhere, epochs_of
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::savable_loader.sources.ReplayWarning")]
 
@@ -37,34 +37,13 @@ SEED = 3
 NUMPY_FIX = "Pass global_rngs=('numpy', 'torch')"
 
 
-class Quiet(sl.SavableDataset):
-    """Savable source: the integers below ``n`` (worker w of W takes w, w+W, ...) as float
-    tensors, each marked with ``mark_sample``; draws from no global RNG."""
+class Quiet(RangeSource):
+    """RangeSource's integers (worker w of W takes w, w+W, ..., each marked with
+    ``mark_sample``) as float tensors, without its draws: from no global RNG."""
 
-    _savable_fields = ("pos",)
-
-    def __init__(self, n: int, worker_config: sl.WorkerConfig) -> None:
-        super().__init__(worker_config)
-        self.n = n
-        self.reset_state_own()
-
-    def reset_state_own(self) -> None:
-        self.pos = self.worker_config.rank_worker_id()
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        step = self.worker_config.workers_per_rank
-        while self.pos < self.n:
-            value = self.pos
-            self.pos += step
-            self.mark_sample(value)
-            yield torch.tensor([float(value)])
-
-    def restore_sample(self, key: Any) -> torch.Tensor:
-        self.mark_sample(key)
-        return torch.tensor([float(key)])
-
-    def config(self) -> dict[str, Any]:
-        return {"n": self.n}
+    @staticmethod
+    def _build(value: int) -> torch.Tensor:
+        return torch.tensor([float(value)])
 
 
 # -- the maps (module level: cloudpickled into workers) ----------------------------------
