@@ -14,11 +14,14 @@ or ``global_rngs=()`` for one that draws from none (a reader, a tokenizer). Then
 * the generators left out are not re-seeded per sample, and the loader checks that
   nothing drew from them: a draw raises :class:`UndeclaredRngError` for that batch (the
   drop-in path) or item (pipelines), naming the generator and the setting that fixes
-  it. The drop-in path puts them in a fixed state (seeded from ``(seed, epoch)``, see
-  ``_seeds.undeclared_rngs_seed``) before a batch when anything changed them
-  (:meth:`GlobalRngs.begin`); pipelines leave them as they are (:meth:`GlobalRngs.watch`:
-  in the main process they are the caller's). The check reads each generator's whole
-  state: the Mersenne Twister words of Python's and NumPy's with Python's cached
+  it. They are put in a fixed state (seeded from ``(seed, epoch)``, see
+  ``_seeds.undeclared_rngs_seed``) before a batch or item when anything changed them
+  (:meth:`GlobalRngs.begin`), so that code that reads a generator without drawing
+  (``torch.initial_seed()``) or draws and puts its state back (``torch.random.fork_rng``)
+  sees the same state in every worker and after every restore. In the main process the
+  caller's states are saved and put back around each batch or item (as by default;
+  ``rng.preserve_global_rng`` copies them as bytes, about 5 µs). The check reads each
+  generator's whole state: the Mersenne Twister words of Python's and NumPy's with Python's cached
   ``gauss_next`` and NumPy's cached Gaussian (read in the objects, about 0.2 µs each
   where ``_torch_internals`` finds the layout, else through ``getstate``/``get_state``),
   and torch's ``get_state()`` (about 1.3 µs).
@@ -27,10 +30,10 @@ Never silently inexact: a batch either drew only from re-seeded generators (exac
 by default) or raised. Draws outside batches and items (a ``worker_init_fn``, the main
 process between batches) are not the data's and are not checked; ``worker_init_fn``
 re-seeding NumPy (the classic recipe) is harmless. The setting is recorded in states and
-restore keys (``LoaderConfig.global_rngs``, ``RestoreKey.global_rngs``). Since it never
-changes the data (the same data as by default, or an error), a state or key made under
-one setting restores exactly under any other: a run can turn it on or off across a
-restore; a malformed recorded setting is refused (``_index_mode.check_global_rngs``).
+restore keys (``LoaderConfig.global_rngs``, ``RestoreKey.global_rngs``); a restore or a
+key under another setting is refused: code that reads a left-out generator without
+drawing sees its fixed state, not the per-sample seed, so another setting can give other
+data without a draw to see.
 
 Example::
 
@@ -40,8 +43,8 @@ Example::
     guard.check("the batch at positions 0..63 of epoch 3")   # UndeclaredRngError if drawn
 
     guard = GlobalRngs(())
-    guard.watch()                     # nothing re-seeded; the states as they are now
-    guard.check("item 7 of worker 0 in epoch 0")
+    guard.begin(seed=0, epoch=0)      # all three in their fixed state
+    guard.check("item 7 of worker 0 in epoch 0", "in the pipeline")
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import torch
 from savable_loader._seeds import undeclared_rngs_seed
 from savable_loader._torch_internals import (
     PY_RANDOM,
+    global_rng_state_io,
     numpy_gauss_fingerprint,
     numpy_global_randomstate,
     numpy_mt_fingerprint,
@@ -118,7 +122,11 @@ class GlobalRngs:
         }
         #: a fingerprint function per generator left out, in ``self.undeclared``'s order
         self._looks: list[Callable[[], Any]] = [looks[name]() for name in self.undeclared]
-        self._fixed: tuple[tuple[int, int] | None, list[Any]] | None = None
+        self._fixed: tuple[tuple[int, int], list[Any]] | None = None
+        #: the generators left out: take and put back their whole states (process-local)
+        self._get, self._put = global_rng_state_io(self.undeclared)
+        #: ``(seed, epoch)`` and the whole states of its fixed state, once made
+        self._fixed_states: tuple[tuple[int, int], Any] | None = None
 
     def begin(self, seed: int, epoch: int) -> None:
         """Before a batch: the generators left out in the fixed state of ``(seed, epoch)``
@@ -128,14 +136,13 @@ class GlobalRngs:
         fixed = self._fixed
         if fixed is not None and fixed[0] == (seed, epoch) and self._same(fixed[1]):
             return
-        self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
+        made = self._fixed_states
+        if made is not None and made[0] == (seed, epoch):
+            self._put(made[1])  # the same states as re-seeding gives, copied back (~1 µs)
+        else:
+            self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
+            self._fixed_states = ((seed, epoch), self._get())
         self._fixed = ((seed, epoch), [look() for look in self._looks])
-
-    def watch(self) -> None:
-        """Before an item: remember the states of the generators left out, as they are
-        (nothing re-seeded: in the main process they are the caller's streams)."""
-        if self.undeclared:
-            self._fixed = (None, [look() for look in self._looks])
 
     def check(self, batch: str, where: str = "in the dataset or the collate function") -> None:
         """After a batch or item: ``UndeclaredRngError`` if it drew from a generator left

@@ -22,11 +22,10 @@ from typing import Any
 
 import msgspec
 
-from savable_loader._global_rngs import global_rngs_setting
 from savable_loader._mode import Iteration, Mode
 from savable_loader._permutation import ORDER_ALGORITHMS, ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.dataset import config_fingerprint, current_names, plain_config, type_name
-from savable_loader.errors import ConfigMismatchError, InternalError, LoaderUsageError, RestoreKeyError, StateError
+from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
 from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA, SEED_FORMULAS
 from savable_loader.sources.index import (
     BatchKey,
@@ -252,7 +251,7 @@ class IndexMode(Mode):
             raise ConfigMismatchError(
                 "reseed", saved.reseed, current.reseed, "re-seeding per sample or per batch draws other values"
             )
-        check_global_rngs(saved)
+        check_global_rngs(saved, current)
         if current.reseed == "batch" and saved.batch_size != current.batch_size:
             raise ConfigMismatchError(
                 "batch_size",
@@ -298,8 +297,8 @@ class IndexMode(Mode):
         return made if reseed == "sample" else msgspec.structs.replace(made, reseed=reseed)
 
     def check_key_global_rngs(self, key: RestoreKey) -> None:
-        """RestoreKeyError for a malformed ``key.global_rngs``."""
-        check_key_global_rngs(key)
+        """RestoreKeyError if ``key`` was made by a loader re-seeding other global RNGs."""
+        check_key_global_rngs(key, self.global_rngs)
 
     def key_sample(self, key: BatchKey) -> Any:
         """What a restore key carries besides positions (the loader's own order: nothing)."""
@@ -519,38 +518,33 @@ def check_key_setting(name: str, in_key: Any, current: Any, hint: str = "") -> N
         )
 
 
-def _recorded_global_rngs(value: Any) -> bool:
-    """Whether ``value`` is a ``global_rngs`` setting as a loader records it."""
-    if not isinstance(value, (list, tuple)):
-        return False
-    try:
-        return tuple(value) == global_rngs_setting(tuple(value))
-    except LoaderUsageError:
-        return False
-
-
-def check_global_rngs(saved: LoaderConfig) -> None:
-    """StateError if the state's ``config.global_rngs`` is not a setting a loader records.
-
-    Any well-formed setting restores under any other: the setting never changes the data
-    (the generators it lists are re-seeded as by default, a draw from another raises
-    ``UndeclaredRngError``), so a run may turn ``global_rngs=`` on or off across a restore.
-    """
-    if not _recorded_global_rngs(saved.global_rngs):
-        raise StateError(
-            f"config.global_rngs is {saved.global_rngs!r}, expected sorted names from {list(GLOBAL_RNG_NAMES)} "
-            "with 'torch' among them, or none"
+def check_global_rngs(saved: LoaderConfig, current: LoaderConfig) -> None:
+    """ConfigMismatchError if the state was saved by a loader re-seeding other global RNGs
+    (``SavableDataLoader(global_rngs=...)``): a generator left out is not re-seeded but
+    held in a fixed state, which code that reads it (``torch.initial_seed()``) or draws
+    and puts it back (``torch.random.fork_rng``) sees without the per-item check seeing
+    a draw, so another setting can give other data."""
+    recorded: Any = saved.global_rngs  # a list of names, or what a hostile state holds
+    found = tuple(recorded) if isinstance(recorded, (list, tuple)) else recorded
+    if found != tuple(current.global_rngs):
+        raise ConfigMismatchError(
+            "global_rngs",
+            found,
+            tuple(current.global_rngs),
+            f"the state was saved by a loader that re-seeds other global RNGs: build the loader with global_rngs={found!r}",
         )
 
 
-def check_key_global_rngs(key: RestoreKey) -> None:
-    """RestoreKeyError if ``key.global_rngs`` is not a setting a loader records (any
-    well-formed one is rebuilt under the loader's own: see :func:`check_global_rngs`)."""
-    if not _recorded_global_rngs(key.global_rngs):
-        raise RestoreKeyError(
-            f"key.global_rngs is {key.global_rngs!r}, expected sorted names from {list(GLOBAL_RNG_NAMES)} "
-            "with 'torch' among them, or none"
-        )
+def check_key_global_rngs(key: RestoreKey, names: tuple[str, ...]) -> None:
+    """RestoreKeyError if ``key`` was made by a loader re-seeding other global RNGs than
+    ``names`` (see :func:`check_global_rngs`)."""
+    in_key = key.global_rngs
+    check_key_setting(
+        "global_rngs",
+        tuple(in_key) if isinstance(in_key, (list, tuple)) else in_key,
+        names,
+        "it re-seeds other global RNGs before each sample",
+    )
 
 
 def key_seed_formula(key: RestoreKey, current: int) -> int:

@@ -312,6 +312,8 @@ class PipelineMode(Mode):
     def resized(self, states: list[RankState], world_size: int, num_workers: int) -> tuple[RankState, Any]:
         """This rank's share of the ranks' ``states`` on ``world_size`` ranks: a source
         that re-splits starts a new stage of the epoch (``_pipeline_resize.py``)."""
+        if states:  # the replays below re-seed as the states' run did: the loader's setting
+            check_global_rngs(states[0].config, self.loader_config(num_workers))
         state = resized_state(self.torch_dataset.dataset, states, self.worker_config.rank, world_size, num_workers)
         return state, state.position
 
@@ -418,7 +420,7 @@ class PipelineMode(Mode):
                         "(a list from save_state_global) to restore it on another world size"
                     )
                 raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name), hint)
-        check_global_rngs(saved)
+        check_global_rngs(saved, current)
         factor = None
         if saved.dataset_fingerprint != current.dataset_fingerprint:
             factor = batch_rescale_factor(saved.dataset_config, current.dataset_config)
@@ -521,14 +523,14 @@ class PipelineMode(Mode):
                     else f"key.num_workers is {key.num_workers}, the key is malformed"
                 )
             )
-        check_key_global_rngs(key)
+        check_key_global_rngs(key, self.global_rngs)
         formula = key_seed_formula(key, self.seed_formula)  # the key's own (mark_sample's too)
         wc = self.worker_config
         names = self.global_rngs
-        guard = GlobalRngs(names, formula)  # as the item was made: only these re-seeded, the others checked
+        guard = GlobalRngs(names, formula)  # as the item was made: only these re-seeded, the others fixed
         with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch, formula, names), _LogicalWorkers(workers):
             base = pipeline_base(wc.seed, key.rank, key.worker, key.epoch)
-            guard.watch()
+            guard.begin(wc.seed, key.epoch)
             guard.seed(pipeline_item(base, key.index, formula))
             item = self.collate.collate(dataset.restore_sample(key.sample))
             guard.check(f"the item of restore key {key}", "in the pipeline's restore_sample or collate_fn")

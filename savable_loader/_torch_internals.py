@@ -50,7 +50,9 @@ __all__ = [
     "WORKER_PROCESS_TEXT",
     "ExceptionWrapper",
     "died_pids",
+    "global_rng_state_io",
     "loader_iterator",
+    "numpy_gauss_fingerprint",
     "numpy_global_randomstate",
     "numpy_mt_fingerprint",
     "pending_worker",
@@ -325,7 +327,13 @@ def numpy_gauss_fingerprint(state: np.random.RandomState) -> Callable[[], Any]:
         return slow
     address = id(state) + offset
     string_at = ctypes.string_at
-    return lambda: string_at(address, 16)
+
+    def fast() -> bytes:
+        if state is None:  # pragma: no cover - keeps ``state`` (the memory read) alive
+            raise InternalError("numpy_gauss_fingerprint lost its RandomState")
+        return string_at(address, 16)
+
+    return fast
 
 
 def python_random_fingerprint(gen: random.Random) -> Callable[[], Any]:
@@ -388,3 +396,88 @@ def _comparable(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.dtype.str, value.tobytes()
     return value
+
+
+# -- saving and putting back the global generators' states, fast ------------------------
+
+
+def _python_state_io() -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """Get and put Python's global ``random`` state: the ``RandomObject`` words and index
+    copied as bytes (about 0.3 µs each way) where the layout checks out, else
+    ``getstate``/``setstate`` (about 5 µs)."""
+    gen = PY_RANDOM
+    if not _python_layout_ok():
+        return gen.getstate, gen.setstate
+    address = id(gen) + object.__basicsize__
+    string_at, memmove = ctypes.string_at, ctypes.memmove
+
+    def get() -> Any:
+        return string_at(address, _PY_MT_BYTES), gen.gauss_next  # type: ignore[attr-defined]
+
+    def put(saved: Any) -> None:
+        memmove(address, saved[0], _PY_MT_BYTES)
+        gen.gauss_next = saved[1]  # type: ignore[attr-defined]
+
+    return get, put
+
+
+def _numpy_state_io() -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """Get and put NumPy's global RNG state: the MT19937 words and position and the cached
+    Gaussian copied as bytes (about 0.4 µs each way) while the global ``RandomState`` runs
+    on its own MT19937 of the known layout, else ``get_state``/``set_state`` (about 25 µs)."""
+    state = numpy_global_randomstate()
+    bit = state._bit_generator
+    offset = _NP_GAUSS_OFFSET
+    if not (
+        isinstance(bit, np.random.MT19937)
+        and _numpy_layout_ok()
+        and offset is not None
+        and type(state) is np.random.RandomState
+    ):
+        return lambda: np.random.get_state(legacy=False), np.random.set_state
+    words, gauss = bit.ctypes.state_address, id(state) + offset
+    string_at, memmove = ctypes.string_at, ctypes.memmove
+
+    def get() -> Any:
+        if state._bit_generator is not bit or numpy_global_randomstate() is not state:
+            return None, np.random.get_state(legacy=False)  # another bit generator swapped in
+        return string_at(words, _NP_MT_BYTES), string_at(gauss, 16)
+
+    def put(saved: Any) -> None:
+        if saved[0] is None:
+            np.random.set_state(saved[1])
+            return
+        if state._bit_generator is not bit:
+            np.random.set_bit_generator(bit)  # type: ignore[attr-defined]
+        memmove(words, saved[0], _NP_MT_BYTES)
+        memmove(gauss, saved[1], 16)
+
+    return get, put
+
+
+def global_rng_state_io(names: tuple[str, ...]) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """A function taking the whole states of the global generators in ``names`` (of
+    ``"numpy"``, ``"random"``, ``"torch"``) and one putting such states back, in this
+    process: about 2 µs for all three, where ``getstate``/``get_state``/``get_rng_state``
+    and their setters take about 60 µs. The states are process-local values (bytes of the
+    generators' memory), not for saving. Example::
+
+        get, put = global_rng_state_io(("numpy", "random", "torch"))
+        saved = get(); np.random.rand(); put(saved)      # as if nothing had been drawn
+    """
+    io = {
+        "numpy": _numpy_state_io,
+        "random": _python_state_io,
+        "torch": lambda: (torch.get_rng_state, torch.set_rng_state),
+    }
+    pairs = [io[name]() for name in names]
+    gets, puts = [g for g, _ in pairs], [p for _, p in pairs]
+
+    def get() -> list[Any]:
+        return [g() for g in gets]
+
+    def put(saved: list[Any]) -> None:
+        for p, value in zip(puts, saved):
+            p(value)
+
+    return get, put

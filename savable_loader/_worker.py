@@ -304,7 +304,6 @@ class WorkerRuntime:
         # global_rngs=: only those re-seeded (mark_sample too), the others checked per item
         guard = None if names == GLOBAL_RNG_NAMES else GlobalRngs(names, formula)
         seed_all = global_seeder(names, formula)
-        scope_names = names if self.in_process else ()  # the caller's streams we re-seed
         self.carried = None if start is None or start.dataset is not None else start.carried
         # reset/restore run user code too (reset_state_own): keep the caller's RNG out of it
         if self.carried is not None:  # go on from the previous epoch's end (EpochizeDataset)
@@ -333,9 +332,9 @@ class WorkerRuntime:
         costs: list[float] = []
         iterator: Iterator[Any] | None = None
         while True:
-            with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(scope_names):
-                if guard is not None:
-                    guard.watch()
+            with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(self.in_process):
+                if guard is not None:  # the generators left out in their fixed state
+                    guard.begin(wc.seed, epoch)
                 seed_all(pipeline_item(base_seed, index, formula))
                 t0 = time.perf_counter()
                 if iterator is None:
@@ -343,6 +342,8 @@ class WorkerRuntime:
                 try:
                     sample = next(iterator)
                 except StopIteration:
+                    if guard is not None:  # the pipeline's end-of-epoch code is checked too
+                        guard.check(f"the end of worker {worker_id}'s epoch {epoch}", "in the pipeline")
                     if skip:  # the restored worker had yielded more than this: not the same data
                         raise DataError(
                             f"worker {worker_id}'s pipeline ended after {index} samples while replaying to the "
@@ -451,11 +452,8 @@ class _NoScope:
         return None
 
 
-def _rng_scope(in_process: bool | tuple[str, ...]) -> Any:
-    # In the main process the loader must leave the caller's RNG streams untouched: a
-    # bool (all three in the main process), or the names of those the block re-seeds.
-    if isinstance(in_process, tuple):
-        return preserve_global_rng(in_process) if in_process else _NoScope()
+def _rng_scope(in_process: bool) -> Any:
+    # In the main process the loader must leave the caller's RNG streams untouched.
     return preserve_global_rng() if in_process else _NoScope()
 
 
