@@ -125,24 +125,27 @@ class GlobalRngs:
         self._fixed: tuple[tuple[int, int], list[Any]] | None = None
         #: the generators left out: take and put back their whole states (process-local)
         self._get, self._put = global_rng_state_io(self.undeclared)
-        #: ``(seed, epoch)`` and the whole states of its fixed state, once made
-        self._fixed_states: tuple[tuple[int, int], Any] | None = None
+        #: ``(seed, epoch)``, the whole states of its fixed state and their fingerprints, once made
+        self._fixed_states: tuple[tuple[int, int], Any, list[Any]] | None = None
 
-    def begin(self, seed: int, epoch: int) -> None:
+    def begin(self, seed: int, epoch: int, changed: bool = False) -> None:
         """Before a batch: the generators left out in the fixed state of ``(seed, epoch)``
-        (re-seeded only if anything changed them since)."""
+        (re-seeded only if anything changed them since; ``changed``: the caller knows it
+        did, as in the main process, where the caller's own states were put back)."""
         if not self.undeclared:
             return
         fixed = self._fixed
-        if fixed is not None and fixed[0] == (seed, epoch) and self._same(fixed[1]):
+        if not changed and fixed is not None and fixed[0] == (seed, epoch) and self._same(fixed[1]):
             return
         made = self._fixed_states
         if made is not None and made[0] == (seed, epoch):
             self._put(made[1])  # the same states as re-seeding gives, copied back (~1 µs)
-        else:
-            self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
-            self._fixed_states = ((seed, epoch), self._get())
-        self._fixed = ((seed, epoch), [look() for look in self._looks])
+            self._fixed = (made[0], made[2])
+            return
+        self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
+        prints = [look() for look in self._looks]
+        self._fixed_states = ((seed, epoch), self._get(), prints)
+        self._fixed = ((seed, epoch), prints)
 
     def check(self, batch: str, where: str = "in the dataset or the collate function") -> None:
         """After a batch or item: ``UndeclaredRngError`` if it drew from a generator left

@@ -334,7 +334,7 @@ class WorkerRuntime:
         while True:
             with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(self.in_process):
                 if guard is not None:  # the generators left out in their fixed state
-                    guard.begin(wc.seed, epoch)
+                    guard.begin(wc.seed, epoch, changed=self.in_process)  # (the caller's were put back)
                 seed_all(pipeline_item(base_seed, index, formula))
                 t0 = time.perf_counter()
                 if iterator is None:
