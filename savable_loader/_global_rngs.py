@@ -125,8 +125,8 @@ class GlobalRngs:
         self._fixed: tuple[tuple[int, int], list[Any]] | None = None
         #: the generators left out: take and put back their whole states (process-local)
         self._get, self._put = global_rng_state_io(self.undeclared)
-        #: ``(seed, epoch)``, the whole states of its fixed state and their fingerprints, once made
-        self._fixed_states: tuple[tuple[int, int], Any, list[Any]] | None = None
+        #: ``(seed, epoch)`` and the whole states of its fixed state, once made
+        self._fixed_states: tuple[tuple[int, int], Any] | None = None
 
     def begin(self, seed: int, epoch: int, changed: bool = False) -> None:
         """Before a batch: the generators left out in the fixed state of ``(seed, epoch)``
@@ -140,12 +140,11 @@ class GlobalRngs:
         made = self._fixed_states
         if made is not None and made[0] == (seed, epoch):
             self._put(made[1])  # the same states as re-seeding gives, copied back (~1 µs)
-            self._fixed = (made[0], made[2])
-            return
-        self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
-        prints = [look() for look in self._looks]
-        self._fixed_states = ((seed, epoch), self._get(), prints)
-        self._fixed = ((seed, epoch), prints)
+        else:
+            self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
+            self._fixed_states = ((seed, epoch), self._get())
+        # looked at again: a generator swapped in (np.random.set_bit_generator) has another identity
+        self._fixed = ((seed, epoch), [look() for look in self._looks])
 
     def check(self, batch: str, where: str = "in the dataset or the collate function") -> None:
         """After a batch or item: ``UndeclaredRngError`` if it drew from a generator left
