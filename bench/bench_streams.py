@@ -19,13 +19,16 @@ warm-up run each):
   through a ``SavableDataLoader`` with 2 worker processes (``collate_fn`` passes the
   batches on as they are), one epoch: every entry once, timed from the first batch on
   (the workers' process start and first page are left out: the plain client, already
-  running in this process, pays neither; a stream is read for hours). Each
-  worker reads the whole stream and keeps its half (Redis has no index by ordinal), and
-  re-seeds the global RNGs from each entry's id (``mark_sample``, the RNG rule of
-  ``SavableDataset``): the plain client does neither.
+  running in this process, pays neither; a stream is read for hours). The server
+  filters each worker's entries (a Lua scan), and each worker re-seeds the global RNGs
+  from each entry's id (``mark_sample``, the RNG rule of ``SavableDataset``), which the
+  plain client does not;
+* ``RedisStreamSource, 2 workers, global_rngs=()``: the same loader re-seeding no global
+  RNG (each item checked for draws instead): for pipelines that draw no global
+  randomness.
 
 The figure is entries per second, the paired ratio source / plain per repeat (median,
-min-max; target >= 0.8). Then the save: a ``follow=True`` loader with 2 workers over an
+min-max; target >= 0.8, judged for both runs of the source). Then the save: a ``follow=True`` loader with 2 workers over an
 empty stream, iterated by a thread that waits for the first entry, while the main thread
 calls ``save_state_rank()`` ``--saves`` times: p50, p99 and max in ms. ``main(argv)``
 returns the results as a dict.
@@ -95,14 +98,14 @@ def _collate(batch: list[Any]) -> list[Any]:
     return batch
 
 
-def through_source(server: RedisServer, stream: str, entries: int) -> float:
-    """Entries per second of one epoch through a 2-worker SavableDataLoader, from its
-    first batch on: the workers' start-up (a process start and the first page, which the
-    plain client in this process does not pay) is left out, and so are the first batch's
-    entries."""
+def through_source(server: RedisServer, stream: str, entries: int, global_rngs: tuple[str, ...] | None = None) -> float:
+    """Entries per second of one epoch through a 2-worker SavableDataLoader (built with
+    ``global_rngs``), from its first batch on: the workers' start-up (a process start and
+    the first page, which the plain client in this process does not pay) is left out, and
+    so are the first batch's entries."""
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=WORKERS, seed=0)
     ds = BatchDataset(RedisStreamSource(server.url, stream, wc, follow=False, batch=PAGE), BATCH, collate_fn=_collate)
-    loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, collate_fn=_collate)
+    loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, collate_fn=_collate, global_rngs=global_rngs)
     it = iter(loader)
     first = len(next(it))
     t0 = time.perf_counter()
@@ -151,12 +154,14 @@ def run(repeats: int, entries: int, size: int, saves: int) -> dict[str, Any]:
             {
                 "plain": lambda r: plain(server, stream, entries),
                 "source": lambda r: through_source(server, stream, entries),
+                "source, global_rngs=()": lambda r: through_source(server, stream, entries, ()),
             },
             repeats,
         )
         M.log(f"streams: {saves} saves while {WORKERS} workers wait on an empty stream")
         latencies = save_latencies(server, saves)
     ratio = M.paired(rates["source"], rates["plain"])
+    lean = M.paired(rates["source, global_rngs=()"], rates["plain"])
     save_ms = M.percentiles_ms(latencies)
     return {
         "entries": entries,
@@ -166,6 +171,8 @@ def run(repeats: int, entries: int, size: int, saves: int) -> dict[str, Any]:
         "plain_per_s": M.spread(rates["plain"]),
         "source_per_s": M.spread(rates["source"]),
         "ratio": ratio,
+        "lean_per_s": M.spread(rates["source, global_rngs=()"]),
+        "lean_ratio": lean,
         "save_ms": save_ms,
         "targets": [
             {
@@ -173,6 +180,15 @@ def run(repeats: int, entries: int, size: int, saves: int) -> dict[str, Any]:
                 "value": ratio,
                 "target": f">= {TARGET:g}",
                 "result": M.verdict(ratio, TARGET, higher_is_better=True),
+            },
+            {
+                "figure": (
+                    f"streams: RedisStreamSource ({WORKERS} workers, global_rngs=()) / plain redis client, "
+                    "entries per second"
+                ),
+                "value": lean,
+                "target": f">= {TARGET:g}",
+                "result": M.verdict(lean, TARGET, higher_is_better=True),
             },
             {
                 "figure": "streams: save p99 (ms) while the workers wait on an empty stream",
@@ -190,6 +206,8 @@ def render(out: dict[str, Any]) -> str:
         ["plain redis (1 process)", M.fmt_spread(out["plain_per_s"])],
         [f"RedisStreamSource ({out['workers']} workers)", M.fmt_spread(out["source_per_s"])],
         ["ratio", M.fmt_spread(out["ratio"])],
+        [f"RedisStreamSource ({out['workers']} workers), global_rngs=()", M.fmt_spread(out["lean_per_s"])],
+        ["ratio", M.fmt_spread(out["lean_ratio"])],
     ]
     s = out["save_ms"]
     saves = M.table(

@@ -104,7 +104,6 @@ def check_our_arguments(
     reseed: Any = "sample",
     global_rngs: Any = None,
     pipeline: bool = False,
-    iterable: bool = False,
     stacklevel: int = 3,
 ) -> None:
     """What torch accepts but a resumable loader cannot honour, and our own arguments."""
@@ -116,11 +115,6 @@ def check_our_arguments(
         )
     if global_rngs is not None:
         global_rngs_setting(global_rngs)  # LoaderUsageError for a malformed setting
-        if pipeline or iterable:
-            raise LoaderUsageError(
-                f"global_rngs={global_rngs!r} is for map-style datasets (the drop-in path): pipelines and "
-                "iterable datasets re-seed all three global RNGs; leave global_rngs out"
-            )
     if not in_order and num_workers > 0:
         raise LoaderUsageError(
             "in_order=False delivers batches in the order the workers finish them, which a state cannot "

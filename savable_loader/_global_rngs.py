@@ -1,30 +1,39 @@
-"""Which global random generators the drop-in path re-seeds: all three, or those declared.
+"""Which global random generators a loader re-seeds per sample: all three, or those declared.
 
-By default the drop-in path re-seeds Python's ``random``, NumPy's global RNG and torch's
-CPU RNG before every sample (and before the collate function), about 5.5 µs a sample in
-all: Python's ``random.seed`` alone is about 3 µs, NumPy's about 1.3 µs, torch's about
-1 µs. A dataset that draws from fewer of them can say so:
-``SavableDataLoader(..., global_rngs=("torch",))``. Then:
+By default the loader re-seeds Python's ``random``, NumPy's global RNG and torch's CPU
+RNG before every sample (drop-in path: and before the collate function; pipelines: in
+``mark_sample`` and before every item), about 5.5 µs a sample in all: Python's
+``random.seed`` alone is about 3 µs, NumPy's about 1.3 µs, torch's about 1 µs. A dataset
+that draws from fewer of them can say so: ``SavableDataLoader(..., global_rngs=("torch",))``,
+or ``global_rngs=()`` for one that draws from none (a reader, a tokenizer). Then:
 
 * the generators listed are re-seeded exactly as by default, with the same seeds: a
   dataset that draws only from them yields the same data with or without the setting;
-* torch's is re-seeded whatever the setting (it is the cheapest, and most transforms
-  draw from it): the setting always includes ``"torch"``;
-* the generators left out are not re-seeded per sample. They are put in a fixed state
-  (seeded from ``(seed, epoch)``, see ``_seeds.undeclared_rngs_seed``) before a batch
-  when anything changed them, and after the batch (samples and collate function) the
-  loader checks that nothing did: a draw raises :class:`UndeclaredRngError` for that
-  batch, naming the generator and the setting that fixes it. The check reads each
-  generator's whole Mersenne Twister state (and Python's cached ``gauss_next``; NumPy's
-  cached Gaussian is empty in the fixed state, so a Gaussian draw must move the words):
-  about 1 µs a batch per generator left out (``_torch_internals`` reads the states).
+* a non-empty setting always includes ``"torch"`` (the cheapest to re-seed, and most
+  transforms draw from it); ``()`` re-seeds none;
+* the generators left out are not re-seeded per sample, and the loader checks that
+  nothing drew from them: a draw raises :class:`UndeclaredRngError` for that batch (the
+  drop-in path) or item (pipelines), naming the generator and the setting that fixes
+  it. They are put in a fixed state (seeded from ``(seed, epoch)``, see
+  ``_seeds.undeclared_rngs_seed``) before a batch or item when anything changed them
+  (:meth:`GlobalRngs.begin`), so that code that reads a generator without drawing
+  (``torch.initial_seed()``) or draws and puts its state back (``torch.random.fork_rng``)
+  sees the same state in every worker and after every restore. In the main process the
+  caller's states are saved and put back around each batch or item (as by default;
+  ``rng.preserve_global_rng`` copies them as bytes, about 5 µs). The check reads each
+  generator's whole state: the Mersenne Twister words of Python's and NumPy's with Python's cached
+  ``gauss_next`` and NumPy's cached Gaussian (read in the objects, about 0.2 µs each
+  where ``_torch_internals`` finds the layout, else through ``getstate``/``get_state``),
+  and torch's ``get_state()`` (about 1.3 µs).
 
 Never silently inexact: a batch either drew only from re-seeded generators (exact, as
-by default) or raised. Draws outside batches (a ``worker_init_fn``, the main process
-between batches) are not the data's and are not checked; ``worker_init_fn`` re-seeding
-NumPy (the classic recipe) is harmless. The setting is recorded in states and restore
-keys (``LoaderConfig.global_rngs``, ``RestoreKey.global_rngs``); a restore under another
-setting is a ``ConfigMismatchError``.
+by default) or raised. Draws outside batches and items (a ``worker_init_fn``, the main
+process between batches) are not the data's and are not checked; ``worker_init_fn``
+re-seeding NumPy (the classic recipe) is harmless. The setting is recorded in states and
+restore keys (``LoaderConfig.global_rngs``, ``RestoreKey.global_rngs``); a restore or a
+key under another setting is refused: code that reads a left-out generator without
+drawing sees its fixed state, not the per-sample seed, so another setting can give other
+data without a draw to see.
 
 Example::
 
@@ -32,6 +41,10 @@ Example::
     guard.begin(seed=0, epoch=3)      # numpy and random in their fixed state
     guard.seed(s)                     # before each sample: torch only
     guard.check("the batch at positions 0..63 of epoch 3")   # UndeclaredRngError if drawn
+
+    guard = GlobalRngs(())
+    guard.begin(seed=0, epoch=0)      # all three in their fixed state
+    guard.check("item 7 of worker 0 in epoch 0", "in the pipeline")
 """
 
 from __future__ import annotations
@@ -39,9 +52,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from savable_loader._seeds import undeclared_rngs_seed
 from savable_loader._torch_internals import (
     PY_RANDOM,
+    global_rng_state_io,
+    numpy_gauss_fingerprint,
     numpy_global_randomstate,
     numpy_mt_fingerprint,
     python_random_fingerprint,
@@ -57,12 +74,15 @@ _SHOWN = {"numpy": "NumPy's global RNG (np.random)", "random": "Python's random 
 
 def global_rngs_setting(value: Any) -> tuple[str, ...]:
     """``SavableDataLoader(global_rngs=...)`` as recorded: the sorted names, ``"torch"``
-    always included; None means all three. ``LoaderUsageError`` for anything else.
+    included in any non-empty setting; None means all three, an empty collection none.
+    ``LoaderUsageError`` for anything else.
 
     >>> global_rngs_setting(["random"])
     ('random', 'torch')
     >>> global_rngs_setting(None)
     ('numpy', 'random', 'torch')
+    >>> global_rngs_setting(())
+    ()
     """
     if value is None:
         return GLOBAL_RNG_NAMES
@@ -78,14 +98,14 @@ def global_rngs_setting(value: Any) -> tuple[str, ...]:
             f"global_rngs names {unknown}, expected names from {GLOBAL_RNG_NAMES} ('random' is Python's "
             "random module, 'numpy' NumPy's global RNG, 'torch' torch's CPU RNG)"
         )
-    return tuple(sorted({*names, "torch"}))
+    return tuple(sorted({*names, "torch"})) if names else ()
 
 
 class GlobalRngs:
-    """Re-seeds the declared global generators per sample and guards the others per batch
-    (see the module docstring), as seed formula ``formula`` seeds them (the run's: NumPy's
-    word differs from formula 3 on, ``rng.numpy_word``). Process-local: made in the
-    process that loads.
+    """Re-seeds the declared global generators per sample and guards the others (see the
+    module docstring), as seed formula ``formula`` seeds them (the run's: NumPy's word
+    differs from formula 3 on, ``rng.numpy_word``). Process-local: made in the process
+    that loads.
     """
 
     def __init__(self, names: tuple[str, ...], formula: int = SEED_FORMULA) -> None:
@@ -96,37 +116,64 @@ class GlobalRngs:
         self.seed: Callable[[int], None] = global_seeder(names, formula)
         self._seed_undeclared = global_seeder(self.undeclared, formula)
         looks = {
-            "numpy": lambda: numpy_mt_fingerprint(numpy_global_randomstate()),
+            "numpy": lambda: _numpy_look(numpy_global_randomstate()),
             "random": lambda: python_random_fingerprint(PY_RANDOM),
+            "torch": lambda: _torch_state,
         }
         #: a fingerprint function per generator left out, in ``self.undeclared``'s order
         self._looks: list[Callable[[], Any]] = [looks[name]() for name in self.undeclared]
         self._fixed: tuple[tuple[int, int], list[Any]] | None = None
+        #: the generators left out: take and put back their whole states (process-local)
+        self._get, self._put = global_rng_state_io(self.undeclared)
+        #: ``(seed, epoch)`` and the whole states of its fixed state, once made
+        self._fixed_states: tuple[tuple[int, int], Any] | None = None
 
-    def begin(self, seed: int, epoch: int) -> None:
+    def begin(self, seed: int, epoch: int, changed: bool = False) -> None:
         """Before a batch: the generators left out in the fixed state of ``(seed, epoch)``
-        (re-seeded only if anything changed them since)."""
+        (re-seeded only if anything changed them since; ``changed``: the caller knows it
+        did, as in the main process, where the caller's own states were put back)."""
         if not self.undeclared:
             return
         fixed = self._fixed
-        if fixed is not None and fixed[0] == (seed, epoch) and self._same(fixed[1]):
+        if not changed and fixed is not None and fixed[0] == (seed, epoch) and self._same(fixed[1]):
             return
-        self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
+        made = self._fixed_states
+        if made is not None and made[0] == (seed, epoch):
+            self._put(made[1])  # the same states as re-seeding gives, copied back (~1 µs)
+        else:
+            self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
+            self._fixed_states = ((seed, epoch), self._get())
+        # looked at again: a generator swapped in (np.random.set_bit_generator) has another identity
         self._fixed = ((seed, epoch), [look() for look in self._looks])
 
-    def check(self, batch: str) -> None:
-        """After a batch: ``UndeclaredRngError`` if it drew from a generator left out."""
+    def check(self, batch: str, where: str = "in the dataset or the collate function") -> None:
+        """After a batch or item: ``UndeclaredRngError`` if it drew from a generator left
+        out (``batch`` and ``where`` say what drew, for the message)."""
         fixed = self._fixed
-        if fixed is None or self._same(fixed[1]):
+        if fixed is None:
             return
         drawn = [name for name, look, was in zip(self.undeclared, self._looks, fixed[1]) if look() != was]
-        fix = tuple(sorted({*self.names, *drawn}))
+        if not drawn:
+            return
+        self._fixed = None
+        fix = tuple(sorted({*self.names, *drawn, "torch"}))
         raise UndeclaredRngError(
-            f"{batch} drew from {' and '.join(_SHOWN[n] for n in drawn)} (in the dataset or the collate "
-            f"function), but the loader's global_rngs={self.names!r} does not list {', '.join(map(repr, drawn))}: "
+            f"{batch} drew from {' and '.join(_SHOWN[n] for n in drawn)} ({where}), but the loader's global_rngs={self.names!r} does not list {', '.join(map(repr, drawn))}: "
             f"the loader did not re-seed it, so these draws would not resume exactly. Pass global_rngs={fix!r} "
             "(or leave global_rngs out: all three are re-seeded before every sample)"
         )
 
     def _same(self, fingerprints: list[Any]) -> bool:
         return all(look() == was for look, was in zip(self._looks, fingerprints))
+
+
+def _torch_state() -> bytes:
+    """torch's CPU generator's whole state (its words, position and cached normals)."""
+    return bytes(torch.default_generator.get_state().numpy())
+
+
+def _numpy_look(state: Any) -> Callable[[], Any]:
+    """A fingerprint of NumPy's global RNG: its words and position, and its cached
+    Gaussian (which a ``np.random.normal()`` takes without moving the words)."""
+    words, gauss = numpy_mt_fingerprint(state), numpy_gauss_fingerprint(state)
+    return lambda: (words(), gauss())

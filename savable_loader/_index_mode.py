@@ -251,14 +251,7 @@ class IndexMode(Mode):
             raise ConfigMismatchError(
                 "reseed", saved.reseed, current.reseed, "re-seeding per sample or per batch draws other values"
             )
-        if tuple(saved.global_rngs) != tuple(current.global_rngs):
-            raise ConfigMismatchError(
-                "global_rngs",
-                tuple(saved.global_rngs),
-                tuple(current.global_rngs),
-                "the state was saved by a loader that re-seeds other global RNGs: build the loader with "
-                f"global_rngs={tuple(saved.global_rngs)!r}",
-            )
+        check_global_rngs(saved, current)
         if current.reseed == "batch" and saved.batch_size != current.batch_size:
             raise ConfigMismatchError(
                 "batch_size",
@@ -305,13 +298,7 @@ class IndexMode(Mode):
 
     def check_key_global_rngs(self, key: RestoreKey) -> None:
         """RestoreKeyError if ``key`` was made by a loader re-seeding other global RNGs."""
-        in_key = key.global_rngs
-        check_key_setting(
-            "global_rngs",
-            tuple(in_key) if isinstance(in_key, (list, tuple)) else in_key,
-            self.global_rngs,
-            "it re-seeds other global RNGs before each sample",
-        )
+        check_key_global_rngs(key, self.global_rngs)
 
     def key_sample(self, key: BatchKey) -> Any:
         """What a restore key carries besides positions (the loader's own order: nothing)."""
@@ -529,6 +516,35 @@ def check_key_setting(name: str, in_key: Any, current: Any, hint: str = "") -> N
             f"key.{name} is {in_key!r}, this loader's {name} is {current!r}: the key names data of a loader "
             f"built with another {name}{f' ({hint})' if hint else ''}"
         )
+
+
+def check_global_rngs(saved: LoaderConfig, current: LoaderConfig) -> None:
+    """ConfigMismatchError if the state was saved by a loader re-seeding other global RNGs
+    (``SavableDataLoader(global_rngs=...)``): a generator left out is not re-seeded but
+    held in a fixed state, which code that reads it (``torch.initial_seed()``) or draws
+    and puts it back (``torch.random.fork_rng``) sees without the per-item check seeing
+    a draw, so another setting can give other data."""
+    recorded: Any = saved.global_rngs  # a list of names, or what a hostile state holds
+    found = tuple(recorded) if isinstance(recorded, (list, tuple)) else recorded
+    if found != tuple(current.global_rngs):
+        raise ConfigMismatchError(
+            "global_rngs",
+            found,
+            tuple(current.global_rngs),
+            f"the state was saved by a loader that re-seeds other global RNGs: build the loader with global_rngs={found!r}",
+        )
+
+
+def check_key_global_rngs(key: RestoreKey, names: tuple[str, ...]) -> None:
+    """RestoreKeyError if ``key`` was made by a loader re-seeding other global RNGs than
+    ``names`` (see :func:`check_global_rngs`)."""
+    in_key = key.global_rngs
+    check_key_setting(
+        "global_rngs",
+        tuple(in_key) if isinstance(in_key, (list, tuple)) else in_key,
+        names,
+        "it re-seeds other global RNGs before each sample",
+    )
 
 
 def key_seed_formula(key: RestoreKey, current: int) -> int:

@@ -53,6 +53,7 @@ from savable_loader._pipeline_mode import (
 from savable_loader._torch_internals import replace_worker_info
 from savable_loader._worker import End, Item, ItemError, PipelineWorkerDataset
 from savable_loader.config import WorkerConfig
+from savable_loader.rng import GLOBAL_RNG_NAMES
 from savable_loader.sources.torch_iterable import (
     TorchIterableSource,
     torch_worker_seed,
@@ -165,9 +166,10 @@ class IterableMode(PipelineMode):
         drop_last: bool,
         seed_explicit: bool,
         reported_length: Callable[[], int | None],
+        global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
     ) -> None:
         self.source = TorchIterableSource(dataset, worker_config, batch_size=batch_size, drop_last=drop_last)
-        super().__init__(self.source, worker_config, prefetch_factor, collate_fn)
+        super().__init__(self.source, worker_config, prefetch_factor, collate_fn, global_rngs)
         self.seed_explicit = seed_explicit
         #: ``len(dataset)`` reported by the loader's last ``len(loader)`` (torch's
         #: ``_IterableDataset_len_called``), None before.

@@ -28,9 +28,17 @@ import msgspec
 from torch.utils.data import default_convert
 
 from savable_loader._elastic import batch_rescale_factor
+from savable_loader._global_rngs import GlobalRngs
 from savable_loader._guards import release
 from savable_loader._hosting import MAX_LOGICAL_WORKERS, hosts, slot_of
-from savable_loader._index_mode import check_dataset_config, check_key_int, check_key_setting, key_seed_formula
+from savable_loader._index_mode import (
+    check_dataset_config,
+    check_global_rngs,
+    check_key_global_rngs,
+    check_key_int,
+    check_key_setting,
+    key_seed_formula,
+)
 from savable_loader._mode import SKIP, Iteration, Mode
 from savable_loader._pipeline_resize import resize_blocker, resized_state
 from savable_loader._seeds import pipeline_base, pipeline_item
@@ -40,7 +48,7 @@ from savable_loader._worker import End, Item, PipelineWorkerDataset, walk
 from savable_loader.config import WorkerConfig, _ActiveWorker, _LogicalWorkers
 from savable_loader.dataset import SavableDataset, config_fingerprint
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
-from savable_loader.rng import SEED_FORMULA, preserve_global_rng, seed_global
+from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA, preserve_global_rng
 from savable_loader.sources.torch_iterable import iterable_sources
 from savable_loader.state.codec import decode_part
 from savable_loader.state.schema import (
@@ -92,6 +100,11 @@ class _TaggedCollate:
         if isinstance(item, End):
             return item
         return item._replace(payload=self.collate(item.payload))
+
+
+def _as_made(item: Item | End) -> Item | End:
+    """The engine's collate function: items arrive collated (``WorkerRuntime.collate``)."""
+    return item
 
 
 class PipelineIteration(Iteration):
@@ -262,13 +275,19 @@ class PipelineMode(Mode):
         worker_config: WorkerConfig,
         prefetch_factor: int,
         collate_fn: Callable[[Any], Any] = default_convert,
+        global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
     ) -> None:
         self.worker_config = worker_config
         self.workers = worker_config.workers_per_rank
         self.seed_formula = SEED_FORMULA
+        #: The global RNGs re-seeded per sample and item (``SavableDataLoader(global_rngs=...)``).
+        self.global_rngs = global_rngs
         in_flight = prefetch_factor * worker_config.num_workers + 2 if worker_config.num_workers else 1
         self.torch_dataset = self.worker_dataset_type(dataset, in_flight)
+        self.torch_dataset.global_rngs = global_rngs
         self.collate = self.collate_type(collate_fn)
+        # applied where each item is made, under the item's RNG seeding (_worker.py)
+        self.torch_dataset.collate = self.collate
         self.dataset_config = dataset.config_tree()
         self.fingerprint = config_fingerprint(self.dataset_config)
         # (epoch, logical worker, index, key, logical workers) of the item yielded last
@@ -293,6 +312,8 @@ class PipelineMode(Mode):
     def resized(self, states: list[RankState], world_size: int, num_workers: int) -> tuple[RankState, Any]:
         """This rank's share of the ranks' ``states`` on ``world_size`` ranks: a source
         that re-splits starts a new stage of the epoch (``_pipeline_resize.py``)."""
+        if states:  # the replays below re-seed as the states' run did: the loader's setting
+            check_global_rngs(states[0].config, self.loader_config(num_workers))
         state = resized_state(self.torch_dataset.dataset, states, self.worker_config.rank, world_size, num_workers)
         return state, state.position
 
@@ -306,7 +327,7 @@ class PipelineMode(Mode):
         return carry[1] if carry is not None and carry[0] == epoch else [None] * self.workers
 
     def engine_kwargs(self) -> dict[str, Any]:
-        return {"dataset": self.torch_dataset, "batch_size": None, "collate_fn": self.collate}
+        return {"dataset": self.torch_dataset, "batch_size": None, "collate_fn": _as_made}
 
     def adopt(self, seed: int, seed_formula: int) -> None:
         super().adopt(seed, seed_formula)
@@ -343,6 +364,7 @@ class PipelineMode(Mode):
             dataset_fingerprint=self.fingerprint,
             dataset_config=self.dataset_config,
             seed_formula=self.seed_formula,
+            global_rngs=list(self.global_rngs),
         )
 
     def start_position(self, epoch: int) -> PipelinePosition:
@@ -398,6 +420,7 @@ class PipelineMode(Mode):
                         "(a list from save_state_global) to restore it on another world size"
                     )
                 raise ConfigMismatchError(name, getattr(saved, name), getattr(current, name), hint)
+        check_global_rngs(saved, current)
         factor = None
         if saved.dataset_fingerprint != current.dataset_fingerprint:
             factor = batch_rescale_factor(saved.dataset_config, current.dataset_config)
@@ -445,7 +468,7 @@ class PipelineMode(Mode):
         except TypeError as e:
             raise RestoreKeyError(f"the pipeline's sample key {key!r} is not plain data: {e}") from None
         wc = self.worker_config
-        return RestoreKey(
+        made = RestoreKey(
             kind="pipeline",
             seed=seed,
             fingerprint=self.fingerprint,
@@ -459,6 +482,9 @@ class PipelineMode(Mode):
             # the logical workers the item was made under (a resized restore's: hosted)
             num_workers=wc.num_workers if logical == self.workers else logical,
         )
+        if self.global_rngs != GLOBAL_RNG_NAMES:  # the default is left out of str(key)
+            made = msgspec.structs.replace(made, global_rngs=self.global_rngs)
+        return made
 
     def restore_sample(self, key: RestoreKey) -> Any:
         """The item ``key`` names, rebuilt in this process (the loader's collate applied)."""
@@ -497,9 +523,15 @@ class PipelineMode(Mode):
                     else f"key.num_workers is {key.num_workers}, the key is malformed"
                 )
             )
+        check_key_global_rngs(key, self.global_rngs)
         formula = key_seed_formula(key, self.seed_formula)  # the key's own (mark_sample's too)
         wc = self.worker_config
-        with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch, formula), _LogicalWorkers(workers):
+        names = self.global_rngs
+        guard = GlobalRngs(names, formula)  # as the item was made: only these re-seeded, the others fixed
+        with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch, formula, names), _LogicalWorkers(workers):
             base = pipeline_base(wc.seed, key.rank, key.worker, key.epoch)
-            seed_global(pipeline_item(base, key.index, formula), formula)
-            return self.collate.collate(dataset.restore_sample(key.sample))
+            guard.begin(wc.seed, key.epoch)
+            guard.seed(pipeline_item(base, key.index, formula))
+            item = self.collate.collate(dataset.restore_sample(key.sample))
+            guard.check(f"the item of restore key {key}", "in the pipeline's restore_sample or collate_fn")
+            return item

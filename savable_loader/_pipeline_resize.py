@@ -33,13 +33,14 @@ from typing import Any, cast
 import cloudpickle
 import msgspec
 
+from savable_loader._global_rngs import GlobalRngs
 from savable_loader._hosting import MAX_LOGICAL_WORKERS
 from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._worker import walk
 from savable_loader.config import _ActiveWorker, _LogicalWorkers
 from savable_loader.dataset import SavableDataset, type_name
 from savable_loader.errors import DataError, StateError
-from savable_loader.rng import SEED_FORMULAS, preserve_global_rng, seed_global
+from savable_loader.rng import SEED_FORMULAS, preserve_global_rng
 from savable_loader.state.schema import PipelinePosition, RankState, WorkerState
 
 __all__ = ["FOLLOWING", "ALL_CONSUMED", "resize_blocker", "resized_state"]
@@ -105,11 +106,14 @@ def _consumed_fields(
     wc.rank, wc.world_size, wc.num_workers, wc.seed = rank, len(states), config.num_workers, config.seed
     base = pipeline_base(config.seed, rank, ws.worker_id, epoch)
     formula = config.seed_formula
-    with preserve_global_rng(), _ActiveWorker(ws.worker_id, epoch, formula), _LogicalWorkers(workers):
+    names = tuple(config.global_rngs)  # as the run re-seeded (checked against the loader's)
+    guard = GlobalRngs(names, formula)  # the generators left out in the run's fixed state
+    with preserve_global_rng(), _ActiveWorker(ws.worker_id, epoch, formula, names), _LogicalWorkers(workers):
         copy.restore_state(ws.dataset)
         it = iter(copy)
         for index in range(ws.snapshot_index, ws.index):
-            seed_global(pipeline_item(base, index, formula), formula)
+            guard.begin(config.seed, epoch)
+            guard.seed(pipeline_item(base, index, formula))
             try:
                 next(it)
             except StopIteration:
@@ -132,7 +136,7 @@ def resized_state(
         positions.append(s.position)
     first = states[0].config
     for i, s in enumerate(states):
-        for name in ("seed", "dataset_fingerprint", "num_workers", "world_size"):
+        for name in ("seed", "dataset_fingerprint", "num_workers", "world_size", "global_rngs"):
             if getattr(s.config, name) != getattr(first, name):
                 raise StateError(
                     f"entry {i} was saved with {name}={getattr(s.config, name)!r}, entry 0 with {getattr(first, name)!r}"

@@ -27,12 +27,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn, cast
 
 import cloudpickle
 from torch.utils.data import IterableDataset, get_worker_info
 
+from savable_loader._global_rngs import GlobalRngs
 from savable_loader._guards import exclusive
 from savable_loader._hosting import hosted_by, in_view, interleave
 from savable_loader._seeds import pipeline_base, pipeline_item
@@ -250,9 +251,15 @@ class WorkerRuntime:
         *,
         in_process: bool,
         seed_formula: int = SEED_FORMULA,
+        global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
     ) -> None:
         self.dataset = dataset
         self.seed_formula = seed_formula
+        #: The global RNGs re-seeded per sample and item (the loader's ``global_rngs=``).
+        self.global_rngs = global_rngs
+        #: The loader's per-item collate function (``Item`` to ``Item``), applied to each
+        #: item where it is made (None: items leave as they are).
+        self.collate: Callable[[Item | End], Item | End] | None = None
         self.worker_config = worker_config
         self.max_in_flight = max_in_flight
         self.in_process = in_process
@@ -292,13 +299,17 @@ class WorkerRuntime:
         wc = self.worker_config
         base_seed = pipeline_base(wc.seed, wc.rank, worker_id, epoch)
         formula = self.seed_formula  # the run's (a restored state's own): items and mark_sample
-        seed_all = global_seeder(GLOBAL_RNG_NAMES, formula)
+        names = self.global_rngs
+        collate = self.collate
+        # global_rngs=: only those re-seeded (mark_sample too), the others checked per item
+        guard = None if names == GLOBAL_RNG_NAMES else GlobalRngs(names, formula)
+        seed_all = global_seeder(names, formula)
         self.carried = None if start is None or start.dataset is not None else start.carried
         # reset/restore run user code too (reset_state_own): keep the caller's RNG out of it
         if self.carried is not None:  # go on from the previous epoch's end (EpochizeDataset)
-            with _ActiveWorker(worker_id, epoch - 1, formula), _rng_scope(self.in_process):
+            with _ActiveWorker(worker_id, epoch - 1, formula, names), _rng_scope(self.in_process):
                 self.dataset.restore_state(self.carried)
-        with _ActiveWorker(worker_id, epoch, formula), _rng_scope(self.in_process):
+        with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(self.in_process):
             if start is None:
                 self.dataset.reset_state_deep()
                 index, skip, snapshot = 0, 0, None
@@ -321,7 +332,9 @@ class WorkerRuntime:
         costs: list[float] = []
         iterator: Iterator[Any] | None = None
         while True:
-            with _ActiveWorker(worker_id, epoch, formula), _rng_scope(self.in_process):
+            with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(self.in_process):
+                if guard is not None:  # the generators left out in their fixed state
+                    guard.begin(wc.seed, epoch, changed=self.in_process)  # (the caller's were put back)
                 seed_all(pipeline_item(base_seed, index, formula))
                 t0 = time.perf_counter()
                 if iterator is None:
@@ -329,6 +342,8 @@ class WorkerRuntime:
                 try:
                     sample = next(iterator)
                 except StopIteration:
+                    if guard is not None:  # the pipeline's end-of-epoch code is checked too
+                        guard.check(f"the end of worker {worker_id}'s epoch {epoch}", "in the pipeline")
                     if skip:  # the restored worker had yielded more than this: not the same data
                         raise DataError(
                             f"worker {worker_id}'s pipeline ended after {index} samples while replaying to the "
@@ -339,6 +354,14 @@ class WorkerRuntime:
                     if not self.errors_go_on:
                         raise
                     sample = ItemError.capture(e, self.in_process, worker_id)  # counts as an item
+                item: Item | End = Item(worker_id, index, self.dataset.sample_key, sample)
+                if collate is not None and not skip:
+                    # the loader's collate_fn draws right after the item, from the RNG
+                    # state the item's seeding left (in the main process too, where the
+                    # caller's own streams are put back after this block)
+                    item = collate(item)
+                if guard is not None:  # a draw the loader did not seed: an error, never the item
+                    guard.check(f"item {index} of worker {worker_id} in epoch {epoch}", "in the pipeline")
                 work += time.perf_counter() - t0
                 index += 1
                 if not self.cold_seconds:  # what a restore is measured against (first run)
@@ -361,11 +384,11 @@ class WorkerRuntime:
             if skip:
                 skip -= 1
                 continue
-            yield Item(worker_id, index - 1, self.dataset.sample_key, sample)
+            yield item
         if self.carries and self.ring.newest_index() != index:
             # the state at the epoch's end rides with the end marker: the next epoch's
             # (fresh) worker goes on from it (WorkerState.carried)
-            with _ActiveWorker(worker_id, epoch, formula), _rng_scope(self.in_process):
+            with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(self.in_process):
                 self._snapshot(index)
         # Tell the main process this worker is done (its final snapshot, if any, rides
         # with the marker): torch may retire the worker as soon as it has sent it, and
@@ -454,6 +477,10 @@ class PipelineWorkerDataset(IterableDataset):
         self.planned_at: float | None = None
         #: The per-item seed formula (``savable_loader.rng.item_seed``).
         self.seed_formula = SEED_FORMULA
+        #: The global RNGs re-seeded per sample (the loader's ``global_rngs=``).
+        self.global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES
+        #: ``WorkerRuntime.collate`` (the loader's collate function, per item).
+        self.collate: Callable[[Item | End], Item | End] | None = None
         #: ``WorkerRuntime.errors_go_on``.
         self.errors_go_on = False
         self._iterations = 0
@@ -493,12 +520,15 @@ class PipelineWorkerDataset(IterableDataset):
             self._runtimes.append(WorkerRuntime(dataset, self.worker_config, self.max_in_flight, in_process=in_process))
         runtime = self._runtimes[j]
         runtime.seed_formula = self.seed_formula
+        runtime.global_rngs = self.global_rngs
+        runtime.collate = self.collate
         runtime.errors_go_on = self.errors_go_on
         return runtime
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["dataset"] = cloudpickle.dumps(self.dataset)
+        state["collate"] = cloudpickle.dumps(self.collate)  # a lambda crosses spawn too
         state["worker_config"] = None
         state["_runtimes"] = []
         state["_hosted"] = {}
@@ -507,6 +537,7 @@ class PipelineWorkerDataset(IterableDataset):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.dataset = cloudpickle.loads(state["dataset"])
+        self.collate = cloudpickle.loads(state["collate"])
         self.worker_config = self.dataset.worker_config
 
     def __iter__(self) -> Iterator[Item | End]:

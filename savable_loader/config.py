@@ -13,13 +13,14 @@ Example::
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from savable_loader._frameworks import check_not_rebuilt
 from savable_loader._seeds import worker_epoch_seed, worker_seed
 from savable_loader.errors import LoaderUsageError
-from savable_loader.rng import SEED_FORMULA
+from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA, global_seeder
 
 __all__ = ["WorkerConfig"]
 
@@ -211,38 +212,47 @@ class _LogicalWorkers:
 class _ActiveWorker:
     """Context manager: the current thread loads for logical ``worker_id`` in ``epoch``,
     under seed formula ``seed_formula`` (``rng.SEED_FORMULA``; None: the enclosing
-    context's, or the current formula outside any; :func:`active_seed_formula`)."""
+    context's, or the current formula outside any; :func:`active_seed_formula`) and
+    re-seeding the global generators ``global_rngs`` per sample (the loader's
+    ``global_rngs=``; None: the enclosing context's, or all three; :func:`active_seeder`)."""
 
-    def __init__(self, worker_id: int, epoch: int, seed_formula: int | None = None) -> None:
+    def __init__(
+        self,
+        worker_id: int,
+        epoch: int,
+        seed_formula: int | None = None,
+        global_rngs: tuple[str, ...] | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.epoch = epoch
         self.seed_formula = seed_formula
-        self._saved: tuple[Any, Any, Any] = (None, None, None)
+        self.global_rngs = global_rngs
+        self._saved: tuple[Any, ...] = ()
 
     def __enter__(self) -> _ActiveWorker:  # noqa: PYI034 - typing.Self needs Python 3.11
-        self._saved = (
-            getattr(_active, "worker_id", None),
-            getattr(_active, "epoch", None),
-            getattr(_active, "seed_formula", None),
-        )
+        d = _active.__dict__
+        self._saved = (d.get("worker_id"), d.get("epoch"), d.get("seed_formula"), d.get("global_rngs"))
         _active.worker_id = self.worker_id
         _active.epoch = self.epoch
         if self.seed_formula is not None:
             _active.seed_formula = self.seed_formula
+        if self.global_rngs is not None:
+            _active.global_rngs = self.global_rngs
         return self
 
     def __exit__(self, *exc: object) -> None:
-        worker_id, epoch, formula = self._saved
+        worker_id, epoch, formula, names = self._saved
         if worker_id is None:
             del _active.worker_id
             del _active.epoch
         else:
             _active.worker_id = worker_id
             _active.epoch = epoch
-        if formula is None:
-            _active.__dict__.pop("seed_formula", None)
-        else:
-            _active.seed_formula = formula
+        for name, value in (("seed_formula", formula), ("global_rngs", names)):
+            if value is None:
+                _active.__dict__.pop(name, None)
+            else:
+                setattr(_active, name, value)
 
 
 def active_seed_formula() -> int:
@@ -251,3 +261,35 @@ def active_seed_formula() -> int:
     outside a loader."""
     formula: int = getattr(_active, "seed_formula", SEED_FORMULA)
     return formula
+
+
+def active_global_rngs() -> tuple[str, ...]:
+    """The global generators the current thread re-seeds per sample (the loader's
+    ``global_rngs=``, set by its loading contexts); all three outside a loader."""
+    names: tuple[str, ...] = getattr(_active, "global_rngs", GLOBAL_RNG_NAMES)
+    return names
+
+
+#: ``global_seeder(names, formula)`` by ``(names, formula)`` (None: no names): per sample.
+_SEEDERS: dict[tuple[tuple[str, ...], int], Callable[[int], None] | None] = {}
+
+
+def active_seeder() -> Callable[[int], None] | None:
+    """The function re-seeding, from one seed, the global generators the current thread
+    re-seeds per sample (:func:`active_global_rngs`) under its seed formula
+    (:func:`active_seed_formula`); None when the loader's ``global_rngs=()`` re-seeds none.
+
+    Example::
+
+        seed = active_seeder()
+        if seed is not None:
+            seed(key_seed)      # rng.seed_global(key_seed, formula) outside a loader
+    """
+    d = _active.__dict__
+    where = (d.get("global_rngs", GLOBAL_RNG_NAMES), d.get("seed_formula", SEED_FORMULA))
+    try:
+        return _SEEDERS[where]
+    except KeyError:
+        seeder = global_seeder(*where) if where[0] else None
+        _SEEDERS[where] = seeder
+        return seeder

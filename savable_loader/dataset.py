@@ -40,9 +40,9 @@ from torch.utils.data import IterableDataset
 from savable_loader._guards import check_first_save
 from savable_loader._seeds import key_prefix, key_seed_of
 from savable_loader._values import freeze, from_plain
-from savable_loader.config import WorkerConfig, active_repetitions, active_seed_formula, request_snapshot
+from savable_loader.config import WorkerConfig, active_repetitions, active_seeder, request_snapshot
 from savable_loader.errors import DatasetContractError, LoaderUsageError, RestoreKeyError, StateError
-from savable_loader.rng import capture_kind, restore_generator, seed_global
+from savable_loader.rng import capture_kind, restore_generator
 from savable_loader.state.schema import DatasetState
 
 __all__ = ["SavableDataset", "config_fingerprint", "current_names", "plain_config", "type_name", "wrap_key"]
@@ -283,6 +283,8 @@ class SavableDataset(IterableDataset):
         draws follow the loader's per-item seeding. A key must be a JSON value (None,
         bool, int, float, str, lists, tuples, str-keyed dicts); anything else (a NumPy
         integer, say) is a :class:`RestoreKeyError` naming the dataset and the key.
+        Under a loader's ``global_rngs=`` only the generators it lists are re-seeded
+        (none for ``global_rngs=()``), with the same seeds.
 
         Sources call it for every sample; wrappers that yield samples they held (buffers,
         buckets, packed rows, micro-batch rests) call it before every such yield, with the
@@ -299,12 +301,15 @@ class SavableDataset(IterableDataset):
                 f"is not a JSON value ({e}); keys are None, bool, int, float, str, and lists, tuples and "
                 "str-keyed dicts of these (convert NumPy scalars with int() / float())"
             ) from e
+        seed = active_seeder()
+        if seed is None:  # the loader's global_rngs=(): no global RNG re-seeded (guarded per item)
+            return
         wc = self.worker_config
         where = (wc.seed, wc.active_epoch(), active_repetitions(), type(self))
         prefix = _KEY_PREFIXES.get(where)
         if prefix is None:
             prefix = _key_prefix(where)
-        seed_global(key_seed_of(prefix, text), active_seed_formula())
+        seed(key_seed_of(prefix, text))
 
     def restore_sample(self, key: Any) -> Any:
         """The sample ``key`` names, built alone in the calling process.

@@ -101,11 +101,11 @@ class SavableDataLoader(DataLoader[T_co]):
     and ``reseed`` (map-style datasets:
     ``"sample"``, the default, re-seeds the global RNGs before every sample; ``"batch"``
     once per batch, for samples of a few microseconds: see docs/performance.md for what
-    each keeps) and ``global_rngs`` (map-style datasets: the global generators the
-    dataset and collate function draw from, of ``"random"``, ``"numpy"`` and
-    ``"torch"``; None, the default, re-seeds all three before every sample; with, say,
-    ``("torch",)`` only torch's is re-seeded and a batch that draws from another raises
-    ``UndeclaredRngError``: see docs/concepts.md). Example::
+    each keeps) and ``global_rngs`` (the global generators the dataset, pipeline or
+    collate function draws from, of ``"random"``, ``"numpy"`` and ``"torch"``; None, the
+    default, re-seeds all three before every sample; with, say, ``("torch",)`` only
+    torch's is re-seeded, with ``()`` none, and a batch or item that draws from another
+    raises ``UndeclaredRngError``: see docs/concepts.md). Example::
 
         loader = SavableDataLoader(dataset, batch_size=32, shuffle=True, num_workers=4)
         for batch in loader:
@@ -264,7 +264,6 @@ class SavableDataLoader(DataLoader[T_co]):
             num_workers=workers,
             prefetch_factor=arguments["prefetch_factor"],
             pipeline=isinstance(dataset, SavableDataset),
-            iterable=isinstance(dataset, IterableDataset),
             stacklevel=4,
             **ours,  # a warning points at the caller of SavableDataLoader(...)
         )
@@ -320,7 +319,9 @@ class SavableDataLoader(DataLoader[T_co]):
                 raise LoaderUsageError(
                     f"the pipeline's worker_config {dataset.worker_config} differs from the loader's {wc}"
                 )
-            return {"batch_size": None}, lambda: PipelineMode(dataset, wc, prefetch, self.collate_fn)
+            return {"batch_size": None}, lambda: PipelineMode(
+                dataset, wc, prefetch, self.collate_fn, global_rngs=global_rngs
+            )
         if isinstance(dataset, IterableDataset):  # a plain torch IterableDataset: _iterable_mode.py
             owner = weakref.ref(self)
 
@@ -334,6 +335,7 @@ class SavableDataLoader(DataLoader[T_co]):
                     drop_last=self.drop_last,
                     seed_explicit=seed_explicit,
                     reported_length=lambda: getattr(owner(), "_IterableDataset_len_called", None),
+                    global_rngs=global_rngs,
                 )
 
             return {"batch_size": batch_size, "shuffle": shuffle}, iterable  # torch shuffles an IterDataPipe

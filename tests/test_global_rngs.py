@@ -4,7 +4,9 @@ with 0 and 2 workers; the same data as the default for a dataset that keeps to i
 declaration; a clear UndeclaredRngError (never silently other data) for a batch that
 draws from a generator left out, in a sample (some samples only), in the collate
 function; none for draws in a worker_init_fn or between batches; the setting in states
-and restore keys, another one refused; the parts (setting, seeder, guard)."""
+and restore keys, another one refused; ``global_rngs=()`` re-seeds none and checks all
+three; pipelines and IterableDatasets take the setting (tests/test_global_rngs_pipeline.py);
+the parts (setting, seeder, guard)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,13 @@ class TorchOnly:
 class NumpyAndTorch(TorchOnly):
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor([float(i), float(np.random.rand()), float(np.random.randn()), float(torch.rand(()))])
+
+
+class NoDraws(TorchOnly):
+    """Draws from no global RNG (a reader, a tokenizer): fine under ``global_rngs=()``."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), float(i) / 7])
 
 
 class SometimesNumpy(TorchOnly):
@@ -216,23 +225,43 @@ def test_the_setting_is_normalised_and_checked() -> None:
     assert global_rngs_setting("torch") == ("torch",)
     assert global_rngs_setting(["random"]) == ("random", "torch")
     assert global_rngs_setting({"numpy", "torch", "random"}) == GLOBAL_RNG_NAMES
-    assert make(global_rngs=()).save_state_rank().config.global_rngs == ["torch"]
+    for empty in ((), [], set(), frozenset()):  # any empty collection: re-seed none, check all three
+        assert global_rngs_setting(empty) == ()
+        assert make(NoDraws(), global_rngs=empty).save_state_rank().config.global_rngs == []
     with pytest.raises(sl.LoaderUsageError, match="global_rngs names \\['np'\\]"):
         make(global_rngs=("np",))
     with pytest.raises(sl.LoaderUsageError, match="must be a tuple of names"):
         make(global_rngs=5)
     with pytest.raises(sl.LoaderUsageError, match="must be a tuple of names"):
         make(global_rngs=[torch.default_generator])
+    # pipelines and plain IterableDatasets take the setting too (tests/test_global_rngs_pipeline.py)
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=3)
-    with pytest.raises(sl.LoaderUsageError, match="map-style datasets"):
-        sl.SavableDataLoader(RangeSource(5, wc), batch_size=None, worker_config=wc, global_rngs=("torch",))
+    pipeline = sl.SavableDataLoader(RangeSource(5, wc), batch_size=None, worker_config=wc, global_rngs=("numpy",))
+    assert pipeline.save_state_rank().config.global_rngs == ["numpy", "torch"]
 
     class Stream(IterableDataset):
         def __iter__(self) -> Any:
             return iter(range(3))
 
-    with pytest.raises(sl.LoaderUsageError, match="map-style datasets"):
-        sl.SavableDataLoader(Stream(), global_rngs=("torch",))
+    stream = sl.SavableDataLoader(Stream(), global_rngs=())
+    assert [int(x) for x in stream] == [0, 1, 2]
+    assert stream.save_state_rank().config.global_rngs == []
+
+
+def test_global_rngs_empty_reseeds_none_and_checks_all_three() -> None:
+    # the drop-in path under (): a dataset that draws nothing gets the default's data
+    assert_streams(list(make(NoDraws(), 0, ())), list(make(NoDraws(), 0, None)), "()")
+    assert_streams(list(make(NoDraws(), 2, ())), list(make(NoDraws(), 0, None)), "() with 2 workers")
+    with pytest.raises(sl.UndeclaredRngError) as info:  # a draw from torch is not re-seeded either
+        list(make(TorchOnly(), 0, ()))
+    assert "torch's CPU RNG" in str(info.value) and "Pass global_rngs=('torch',)" in str(info.value)
+
+    class GaussOnce(NoDraws):
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.tensor([float(i), random.gauss(0.0, 1.0) if i == 5 else 0.0])
+
+    with pytest.raises(sl.UndeclaredRngError, match="Python's random module.*Pass global_rngs=\\('random', 'torch'\\)"):
+        list(make(GaussOnce(), 2, ()))
 
 
 def test_states_record_the_setting_and_another_one_is_refused() -> None:

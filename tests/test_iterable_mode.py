@@ -347,3 +347,52 @@ def test_persistent_workers_restart_only_after_rotated_roles(steps, rotated):
     pids = {x[2] for x in restored}, {x[2] for x in following}
     assert (pids[0] != pids[1]) == rotated, pids
     assert pids[1] == {x[2] for x in fresh}  # kept from then on
+
+
+class _Sharded(IterableDataset):
+    """0..n-1, split over workers; no randomness of its own."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        worker, workers = _shard()
+        return iter(range(worker, self.n, workers))
+
+
+def _masking_collate(batch: list[int]) -> torch.Tensor:
+    """A collate function drawing from torch's global RNG, as a masking collator does
+    (``torch.bernoulli`` in transformers' DataCollatorForLanguageModeling)."""
+    return default_collate(batch).float() * torch.bernoulli(torch.full((len(batch),), 0.5)) + torch.rand(len(batch))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_random_collate_fn_resumes_exactly_while_the_training_loop_draws(num_workers: int) -> None:
+    """The loader's collate_fn draws right after its batch, from the RNG state the batch's
+    seeding left: with num_workers=0 it ran after the caller's streams were put back, so
+    its draws followed the training loop's own (dropout) and differed after a restore."""
+
+    def make() -> sl.SavableDataLoader:
+        return sl.SavableDataLoader(
+            _Sharded(14), batch_size=3, collate_fn=_masking_collate, num_workers=num_workers, seed=5
+        )
+
+    torch.manual_seed(0)
+    reference = []
+    for batch in make():
+        reference.append(batch)
+        torch.rand(7)  # the training loop draws between batches
+    for stop in range(len(reference) + 1):
+        torch.manual_seed(100 + stop)
+        loader = make()
+        it = iter(loader)
+        got = [next(it) for _ in range(stop)]
+        torch.rand(3)
+        state = loader.save_state_rank()
+        torch.manual_seed(200 + stop)  # the restarted job's streams are others
+        restored = make()
+        restored.restore_state_rank(state)
+        for batch in restored:
+            got.append(batch)
+            torch.rand(5)
+        assert_streams(got, reference, f"restored after {stop} batches")

@@ -22,6 +22,7 @@ import pytest
 import savable_loader as sl
 from savable_loader.errors import (
     ConfigMismatchError,
+    DataError,
     LoaderUsageError,
     StateError,
     StorageError,
@@ -663,3 +664,43 @@ def test_resplit_counts_a_worker_that_ended_its_epoch_as_having_consumed_all_of_
     assert new["origin"] == ["0-3", 3] and new["end"] == "0-9" and new["after"] == ""
     stages = stages_of(new["stages"])
     assert [current_ordinal(stages, n) for n in range(4, 10)] == [None, 0, None, 1, None, 2]
+
+
+def test_the_packed_scan_gives_the_entries_as_xrange_does(server: RedisServer, stream: str) -> None:
+    # the scan script packs each worker's entries into one string (_unpack_entries): binary
+    # and empty values, non-ASCII and repeated field names, many fields, come out as XRANGE's
+    client = server.client()
+    bodies = [
+        {"v": b"0", "x": b""},
+        {"v": b"1", "d\xc3\xa9j\xc3\xa0": b"\xff" * 70000, "x": b"\x00"},
+        {"v": b"2", **{f"f{k}": bytes([k]) * k for k in range(40)}},
+        {"v": b"3"},
+    ]
+    ids = [client.xadd(stream, body).decode() for body in bodies]
+    expected = [
+        {**{k.decode(): val for k, val in fields.items()}, "__id__": i.decode()} for i, fields in client.xrange(stream)
+    ]
+    assert [e["__id__"] for e in expected] == ids
+    got = list(make(server, stream, workers=2))
+    assert sorted(got, key=lambda s: s["__id__"]) == expected
+
+
+def test_a_packed_scan_reply_that_does_not_parse_is_a_data_error() -> None:
+    from savable_loader.sources.redis_stream import _unpack_entries
+
+    good = b"\x00\x00\x00\x02\x00\x00\x00\x031-0\x00\x00\x00\x01v\x00\x00\x00\x01a"
+    assert _unpack_entries(good) == [("1-0", [(b"v", b"a")])]
+    for bad in (good[:-1], good + b"\x00", good[:8], b"\x00\x00\x00\x01" + good[4:]):
+        with pytest.raises(DataError, match="packed reply does not parse"):
+            _unpack_entries(bad)
+
+
+def test_a_server_without_luas_struct_library_gets_the_entries_unpacked(
+    server: RedisServer, stream: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import savable_loader.sources.redis_stream as module
+
+    monkeypatch.setattr(module, "_SCAN", "local struct = nil\n" + module._SCAN)  # as such a server runs it
+    fill(server, stream, range(11))
+    assert sorted(v(s) for s in make(server, stream, workers=2)) == list(range(11))
+    assert check_resume(lambda: make(server, stream, workers=2), 1) > 10

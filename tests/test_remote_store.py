@@ -491,6 +491,18 @@ def test_prefetch_crosses_into_the_next_repeat_pass(remotes: Remotes, tmp_path: 
     got += list(it)
     assert_same(got, want)
     _read_from_the_prefetch(_shard_gets(log)[mark:], first)
+    _settle(storage)  # the prefetch for the loader's next epoch: not a GET of the next test's
+
+
+def _settle(storage: Storage) -> None:
+    """Stop ``storage``'s prefetching in this process and wait for a download in flight to
+    end, so that no request of this test reaches the shared server's log after it."""
+    storage.close()
+    prefetcher = storage._rt().prefetcher
+    deadline = time.monotonic() + 30
+    while prefetcher is not None and prefetcher.fetching:
+        assert time.monotonic() < deadline, "a prefetch did not end within 30 s"
+        time.sleep(0.01)
 
 
 @pytest.mark.filterwarnings("ignore:shard cache")

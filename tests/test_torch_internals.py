@@ -188,6 +188,29 @@ def test_numpy_fingerprint_sees_another_bit_generator(monkeypatch, fast):
     assert look() == before
 
 
+def test_the_numpy_gauss_layout_checks_out_here():
+    # NumPy's aug_bitgen_t inside RandomState: a NumPy that moved it fails here first
+    assert ti._NP_GAUSS_OFFSET is not None
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_numpy_gauss_fingerprint_sees_a_cached_gaussian_taken_or_put_back(monkeypatch, fast):
+    if not fast:
+        monkeypatch.setattr(ti, "_NP_GAUSS_OFFSET", None)
+    look = ti.numpy_gauss_fingerprint(ti.numpy_global_randomstate())
+    words = ti.numpy_mt_fingerprint(ti.numpy_global_randomstate())
+    np.random.seed(5)
+    empty = look()
+    np.random.randn()  # two normals made, one cached
+    cached, moved = look(), words()
+    assert cached != empty
+    kept = np.random.get_state()
+    np.random.randn()  # the cached one taken: the words stay
+    assert words() == moved and look() != cached
+    np.random.set_state(kept)  # put back
+    assert look() == cached
+
+
 class _DoneInThread(Dataset):
     def __len__(self) -> int:
         return 1

@@ -397,12 +397,13 @@ class ShardedFileDataset(SavableDataset):
             # start after it, never reading (or downloading) this unit again
             last = first + int(order[-1])
             reader = None
+            mark, readers = self.mark_sample, self._readers
             for index in (order + first).tolist():
                 self.position += 1
-                self.mark_sample([shard, index, lap])
+                mark([shard, index, lap])
                 if index == last:
                     self.request_snapshot()
-                if reader is None or self._readers.get(shard) is not reader:  # (restore_sample may close it)
+                if reader is None or readers.get(shard) is not reader:  # (restore_sample may close it)
                     reader = self._reader(shard, True)
                     if moved:  # after the open: the shard is taken from the prefetcher before it is un-named
                         self._prefetch(shard)

@@ -55,11 +55,10 @@ from torch.utils.data import (
 
 from savable_loader._seeds import datapipe_shuffle_seed, torch_iterable_base, torch_worker_info_seed
 from savable_loader._torch_internals import replace_worker_info
-from savable_loader.config import WorkerConfig, active_repetitions
+from savable_loader.config import WorkerConfig, active_global_rngs, active_repetitions
 from savable_loader.dataset import SavableDataset, type_name
 from savable_loader.errors import DataError, LoaderUsageError, StateError
 from savable_loader.rng import (
-    GLOBAL_RNG_NAMES,
     SEED_FORMULA,
     counter_seed,
     global_seeder,
@@ -278,8 +277,9 @@ class _Iteration:
         if isinstance(target, IterDataPipe):
             _prepare_datapipe(target, wc, worker, epoch)
         #: the run's seed formula (a restored state's own) and its seeder of the global RNGs
+        #: (those the loader's global_rngs= lists)
         self.formula = formula = source.seed_formula
-        self.seed_all = global_seeder(GLOBAL_RNG_NAMES, formula)
+        self.seed_all = global_seeder(active_global_rngs(), formula)
         self.seed_all(item_seed(self.base, formula))  # __iter__'s draws are the same on a resume
         self.iterator = iter(target)
         if restored is None and source.position:

@@ -170,8 +170,9 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     #: their stream; ``"feistel-1"``: the constant-memory keyed bijection of
     #: ``savable_loader/_permutation.py``, which new drop-in loaders write.
     order_algorithm: str = "numpy-permutation"
-    #: Drop-in path: the global RNGs re-seeded before every sample, sorted
-    #: (``SavableDataLoader(global_rngs=...)``); all three by default, as earlier versions did.
+    #: The global RNGs re-seeded per sample, sorted (``SavableDataLoader(global_rngs=...)``;
+    #: drop-in path: before every sample; pipelines and IterableDatasets: in ``mark_sample``
+    #: and before every item); all three by default, as earlier versions did.
     global_rngs: list[str] = msgspec.field(default_factory=lambda: ["numpy", "random", "torch"])
 
 
@@ -375,8 +376,8 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     order_algorithm: str = "numpy-permutation"
     #: ``"index"`` keys: ``LoaderConfig.reseed`` of the loader that made the key.
     reseed: str = "sample"
-    #: ``"index"`` keys: ``LoaderConfig.global_rngs`` of the loader that made the key
-    #: (the default, all three, is left out of ``str(key)``).
+    #: ``LoaderConfig.global_rngs`` of the loader that made the key (the default, all
+    #: three, is left out of ``str(key)``).
     global_rngs: tuple[str, ...] = ("numpy", "random", "torch")
     #: The seed formula of the loader that made the key (``LoaderConfig.seed_formula``),
     #: which a loader rebuilds the key under. Keys made before the field existed have None
