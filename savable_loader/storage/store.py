@@ -518,10 +518,6 @@ class _Prefetcher:
     def take(self, key: str) -> CachedFile | None:
         with self.cond:
             self.wanted = [(k, r) for k, r in self.wanted if k != key]  # the caller fetches it now
-            # being downloaded now: wait for it and take it (let go, a tight cache budget
-            # could evict it before the caller's own fetch finds it: a second download)
-            while key in self.fetching:
-                self.cond.wait()
             self.named.discard(key)
             return self.held.pop(key, None)
 
@@ -542,7 +538,6 @@ class _Prefetcher:
                 log.debug("prefetch of %s failed: %s", ref.path, e)
                 with self.cond:
                     self.fetching.discard(key)
-                    self.cond.notify_all()  # a take() waiting for it fetches it itself
                 continue
             with self.cond:
                 self.fetching.discard(key)
@@ -550,4 +545,3 @@ class _Prefetcher:
                     self.held[key] = cached
                 else:
                     cached.close()
-                self.cond.notify_all()  # a take() waiting for it
