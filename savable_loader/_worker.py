@@ -355,13 +355,6 @@ class WorkerRuntime:
                         raise
                     sample = ItemError.capture(e, self.in_process, worker_id)  # counts as an item
                 item: Item | End = Item(worker_id, index, self.dataset.sample_key, sample)
-                if collate is not None and not skip:
-                    # the loader's collate_fn draws right after the item, from the RNG
-                    # state the item's seeding left (in the main process too, where the
-                    # caller's own streams are put back after this block)
-                    item = collate(item)
-                if guard is not None:  # a draw the loader did not seed: an error, never the item
-                    guard.check(f"item {index} of worker {worker_id} in epoch {epoch}", "in the pipeline")
                 work += time.perf_counter() - t0
                 index += 1
                 if not self.cold_seconds:  # what a restore is measured against (first run)
@@ -381,6 +374,14 @@ class WorkerRuntime:
                     snapshot_cost = min(costs)
                     taken += 1
                     work = 0.0
+                if collate is not None and not skip:
+                    # the loader's collate_fn draws right after the item (and its snapshot,
+                    # which refuses a state by name first), from the RNG state the item's
+                    # seeding left: in the main process too, where the caller's own
+                    # streams are put back after this block
+                    item = collate(item)
+                if guard is not None:  # a draw the loader did not seed: an error, never the item
+                    guard.check(f"item {index - 1} of worker {worker_id} in epoch {epoch}", "in the pipeline")
             if skip:
                 skip -= 1
                 continue

@@ -72,9 +72,11 @@ def _restore(rank, world, num_workers, out, remaining):
 @pytest.mark.parametrize("world, num_workers", [(2, 0), (2, 2), (3, 0), (3, 2)])
 def test_global_save_restore_is_bit_identical_per_rank(tmp_path, world, num_workers):
     k = 4
-    saved = values(run_ranks(_save, world, num_workers, k, str(tmp_path)))
+    # each run starts the ranks' worker processes several times (both restore forms in one
+    # set of ranks): under a loaded CI machine 120 s was too short once
+    saved = values(run_ranks(_save, world, num_workers, k, str(tmp_path), timeout=240))
     remaining = len(saved[0][0]) - k
-    restored = values(run_ranks(_restore, world, num_workers, str(tmp_path), remaining))
+    restored = values(run_ranks(_restore, world, num_workers, str(tmp_path), remaining, timeout=240))
     for rank in range(world):
         reference, seen = saved[rank]
         assert_streams(seen, reference[:k], f"rank {rank} prefix")
