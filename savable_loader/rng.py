@@ -294,50 +294,34 @@ class GlobalRngState:
 
     python: Any
     numpy: Any
-    torch: torch.Tensor | None
+    torch: torch.Tensor
 
 
-def capture_global(names: Collection[str] = GLOBAL_RNG_NAMES) -> GlobalRngState:
-    """Capture the global RNG states of the calling process: those in ``names`` (of
-    :data:`GLOBAL_RNG_NAMES`; None in the fields of the others)."""
-    return GlobalRngState(
-        random.getstate() if "random" in names else None,
-        np.random.get_state() if "numpy" in names else None,
-        torch.get_rng_state() if "torch" in names else None,
-    )
+def capture_global() -> GlobalRngState:
+    """Capture the three global RNG states of the calling process."""
+    return GlobalRngState(random.getstate(), np.random.get_state(), torch.get_rng_state())
 
 
 def restore_global(state: GlobalRngState) -> None:
     """Put back states taken by :func:`capture_global`."""
-    if state.python is not None:
-        random.setstate(state.python)
-    if state.numpy is not None:
-        np.random.set_state(state.numpy)
-    if state.torch is not None:
-        torch.set_rng_state(state.torch)
+    random.setstate(state.python)
+    np.random.set_state(state.numpy)
+    torch.set_rng_state(state.torch)
 
 
-#: ``global_rng_state_io(names)`` by names (made on first use, per process).
-_STATE_IO: dict[tuple[str, ...], tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+#: ``global_rng_state_io`` of the three global generators (made on first use, per process).
+_STATE_IO: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
 
 
 @contextmanager
-def preserve_global_rng(names: Collection[str] = GLOBAL_RNG_NAMES) -> Iterator[None]:
-    """Run a block without changing the caller's global RNG streams (those in ``names``:
-    a block that re-seeds only these). The states are copied as bytes where the
-    generators' layouts check out (``_torch_internals.global_rng_state_io``: about 2 µs
-    for all three, against about 60 µs through their ``getstate`` methods).
-
-    Example::
-
-        with preserve_global_rng(("torch",)):
-            torch.manual_seed(0)      # the caller's torch stream goes on afterwards
-    """
-    key = tuple(sorted(names))
-    io = _STATE_IO.get(key)
-    if io is None:
-        io = _STATE_IO[key] = global_rng_state_io(key)
-    get, put = io
+def preserve_global_rng() -> Iterator[None]:
+    """Run a block without changing the caller's global RNG streams. The states are
+    copied as bytes where the generators' layouts check out
+    (``_torch_internals.global_rng_state_io``: about 2 µs, against about 60 µs through
+    their ``getstate`` methods)."""
+    if not _STATE_IO:
+        _STATE_IO.append(global_rng_state_io(GLOBAL_RNG_NAMES))
+    get, put = _STATE_IO[0]
     saved = get()
     try:
         yield
