@@ -61,6 +61,18 @@ def _require(module: str, pip: str) -> None:
         _missing(module, f"pip install {pip} -c constraints.txt (the test extra)")
 
 
+def _check_gcs_env() -> None:
+    """Fail at once, rather than hang on the emulator, if gcsfs was imported before
+    conftest switched its gRPC layout lookup off (``GCS_ENV``)."""
+    import gcsfs
+    import gcsfs.core
+
+    if gcsfs.GCSFileSystem is not gcsfs.core.GCSFileSystem:
+        pytest.fail(
+            f"gcsfs was imported with its gRPC layout lookup on; its requests to the emulator would hang: set {GCS_ENV} before gcsfs is imported"
+        )
+
+
 @pytest.fixture(scope="session")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("backends")
@@ -98,8 +110,8 @@ class Backend:
 def _start(name: str, folders: dict[str, Path], root: Path) -> Backend:
     files = _files(folders)
     if name == "gs":
-        os.environ.update(GCS_ENV)  # before gcsfs is imported; inherited by worker processes
         _require("gcsfs", "gcsfs")
+        _check_gcs_env()
         _require("gcp_storage_emulator", "gcp-storage-emulator")
         gcs = GcsEmulator()
         gcs.bucket("shards", files)
@@ -126,15 +138,9 @@ def _start(name: str, folders: dict[str, Path], root: Path) -> Backend:
 @pytest.fixture(scope="session")
 def servers(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Backend]]:
     started: dict[str, Backend] = {}
-    saved = {k: os.environ.get(k) for k in GCS_ENV}
     yield started
     for backend in started.values():
         backend.close()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 @pytest.fixture(params=BACKENDS)
