@@ -20,11 +20,11 @@ or ``global_rngs=()`` for one that draws from none (a reader, a tokenizer). Then
   (``torch.initial_seed()``) or draws and puts its state back (``torch.random.fork_rng``)
   sees the same state in every worker and after every restore. In the main process the
   caller's states are saved and put back around each batch or item (as by default;
-  ``rng.preserve_global_rng`` copies them as bytes, about 5 µs). The check reads each
-  generator's whole state: the Mersenne Twister words of Python's and NumPy's with Python's cached
-  ``gauss_next`` and NumPy's cached Gaussian (read in the objects, about 0.2 µs each
-  where ``_torch_internals`` finds the layout, else through ``getstate``/``get_state``),
-  and torch's ``get_state()`` (about 1.3 µs).
+  ``rng.preserve_global_rng`` copies them as bytes, about 2 µs). The check reads each
+  generator's whole state: the Mersenne Twister words of Python's, NumPy's and torch's,
+  with Python's cached ``gauss_next``, NumPy's cached Gaussian and torch's cached
+  normals (read in the objects, about 0.2-0.6 µs each where ``_torch_internals`` finds
+  the layout, else through ``getstate``/``get_state``, about 1.3 µs for torch's).
 
 Never silently inexact: a batch either drew only from re-seeded generators (exact, as
 by default) or raised. Draws outside batches and items (a ``worker_init_fn``, the main
@@ -52,8 +52,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from savable_loader._seeds import undeclared_rngs_seed
 from savable_loader._torch_internals import (
     PY_RANDOM,
@@ -62,6 +60,7 @@ from savable_loader._torch_internals import (
     numpy_global_randomstate,
     numpy_mt_fingerprint,
     python_random_fingerprint,
+    torch_rng_fingerprint,
 )
 from savable_loader.errors import LoaderUsageError, UndeclaredRngError
 from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA, global_seeder
@@ -118,15 +117,16 @@ class GlobalRngs:
         looks = {
             "numpy": lambda: _numpy_look(numpy_global_randomstate()),
             "random": lambda: python_random_fingerprint(PY_RANDOM),
-            "torch": lambda: _torch_state,
+            "torch": torch_rng_fingerprint,
         }
         #: a fingerprint function per generator left out, in ``self.undeclared``'s order
         self._looks: list[Callable[[], Any]] = [looks[name]() for name in self.undeclared]
         self._fixed: tuple[tuple[int, int], list[Any]] | None = None
         #: the generators left out: take and put back their whole states (process-local)
         self._get, self._put = global_rng_state_io(self.undeclared)
-        #: ``(seed, epoch)`` and the whole states of its fixed state, once made
-        self._fixed_states: tuple[tuple[int, int], Any] | None = None
+        #: ``(seed, epoch)``, the whole states of its fixed state and (name, look,
+        #: fingerprint) of each generator left out, once made
+        self._fixed_states: tuple[tuple[int, int], Any, list[tuple[str, Callable[[], Any], Any]]] | None = None
 
     def begin(self, seed: int, epoch: int, changed: bool = False) -> None:
         """Before a batch: the generators left out in the fixed state of ``(seed, epoch)``
@@ -139,12 +139,16 @@ class GlobalRngs:
             return
         made = self._fixed_states
         if made is not None and made[0] == (seed, epoch):
-            self._put(made[1])  # the same states as re-seeding gives, copied back (~1 µs)
-        else:
-            self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
-            self._fixed_states = ((seed, epoch), self._get())
-        # looked at again: a generator swapped in (np.random.set_bit_generator) has another identity
-        self._fixed = ((seed, epoch), [look() for look in self._looks])
+            # the same states as re-seeding gives, copied back (~1 µs): their fingerprints
+            # are the ones taken then, but NumPy's is looked at again (a bit generator
+            # swapped in since has another identity, which its slow form compares)
+            self._put(made[1])
+            self._fixed = (made[0], [look() if name == "numpy" else was for name, look, was in made[2]])
+            return
+        self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
+        fingerprints = [look() for look in self._looks]
+        self._fixed_states = ((seed, epoch), self._get(), list(zip(self.undeclared, self._looks, fingerprints)))
+        self._fixed = ((seed, epoch), fingerprints)
 
     def check(self, batch: str, where: str = "in the dataset or the collate function") -> None:
         """After a batch or item: ``UndeclaredRngError`` if it drew from a generator left
@@ -165,11 +169,6 @@ class GlobalRngs:
 
     def _same(self, fingerprints: list[Any]) -> bool:
         return all(look() == was for look, was in zip(self._looks, fingerprints))
-
-
-def _torch_state() -> bytes:
-    """torch's CPU generator's whole state (its words, position and cached normals)."""
-    return bytes(torch.default_generator.get_state().numpy())
 
 
 def _numpy_look(state: Any) -> Callable[[], Any]:

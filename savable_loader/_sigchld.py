@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 __all__ = ["install", "loader_call"]
@@ -53,17 +51,25 @@ def install() -> None:
     signal.signal(signal.SIGCHLD, _handler)
 
 
-@contextmanager
-def loader_call() -> Iterator[None]:
-    """Mark the main thread as inside a loader call; deliver a remembered signal first."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    _state["depth"] += 1
-    try:
+class loader_call:  # (lower case: a context manager used as a function)
+    """Mark the main thread as inside a loader call; deliver a remembered signal first.
+    A class rather than a generator function: the loader enters one per batch."""
+
+    __slots__ = ("_main",)
+
+    def __enter__(self) -> None:
+        self._main = threading.current_thread() is threading.main_thread()
+        if not self._main:
+            return
+        _state["depth"] += 1
         if _state["pending"]:
             _state["pending"] = False
-            _call_wrapped(signal.SIGCHLD, None)
-        yield
-    finally:
-        _state["depth"] -= 1
+            try:
+                _call_wrapped(signal.SIGCHLD, None)
+            except BaseException:
+                _state["depth"] -= 1
+                raise
+
+    def __exit__(self, *exc: object) -> None:
+        if self._main:
+            _state["depth"] -= 1

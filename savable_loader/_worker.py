@@ -335,7 +335,8 @@ class WorkerRuntime:
             with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(self.in_process):
                 if guard is not None:  # the generators left out in their fixed state
                     guard.begin(wc.seed, epoch, changed=self.in_process)  # (the caller's were put back)
-                seed_all(pipeline_item(base_seed, index, formula))
+                if names:  # (global_rngs=(): nothing to re-seed)
+                    seed_all(pipeline_item(base_seed, index, formula))
                 t0 = time.perf_counter()
                 if iterator is None:
                     iterator = iter(self.dataset)

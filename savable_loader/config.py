@@ -231,24 +231,26 @@ class _ActiveWorker:
 
     def __enter__(self) -> _ActiveWorker:  # noqa: PYI034 - typing.Self needs Python 3.11
         d = _active.__dict__
-        self._saved = (d.get("worker_id"), d.get("epoch"), d.get("seed_formula"), d.get("global_rngs"))
+        self._saved = (d.get("worker_id"), d.get("epoch"), d.get("seed_formula"), d.get("global_rngs"), d.get("seeder"))
         _active.worker_id = self.worker_id
         _active.epoch = self.epoch
         if self.seed_formula is not None:
             _active.seed_formula = self.seed_formula
         if self.global_rngs is not None:
             _active.global_rngs = self.global_rngs
+        if self.seed_formula is not None or self.global_rngs is not None:
+            _active.seeder = (_seeder_for(d.get("global_rngs", GLOBAL_RNG_NAMES), d.get("seed_formula", SEED_FORMULA)),)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        worker_id, epoch, formula, names = self._saved
+        worker_id, epoch, formula, names, seeder = self._saved
         if worker_id is None:
             del _active.worker_id
             del _active.epoch
         else:
             _active.worker_id = worker_id
             _active.epoch = epoch
-        for name, value in (("seed_formula", formula), ("global_rngs", names)):
+        for name, value in (("seed_formula", formula), ("global_rngs", names), ("seeder", seeder)):
             if value is None:
                 _active.__dict__.pop(name, None)
             else:
@@ -285,11 +287,17 @@ def active_seeder() -> Callable[[int], None] | None:
         if seed is not None:
             seed(key_seed)      # rng.seed_global(key_seed, formula) outside a loader
     """
-    d = _active.__dict__
-    where = (d.get("global_rngs", GLOBAL_RNG_NAMES), d.get("seed_formula", SEED_FORMULA))
+    held = _active.__dict__.get("seeder")  # (the seeder,), set by the loading context
+    if held is not None:
+        return held[0]
+    return _seeder_for(GLOBAL_RNG_NAMES, SEED_FORMULA)
+
+
+def _seeder_for(names: tuple[str, ...], formula: int) -> Callable[[int], None] | None:
+    where = (names, formula)
     try:
         return _SEEDERS[where]
     except KeyError:
-        seeder = global_seeder(*where) if where[0] else None
+        seeder = global_seeder(names, formula) if names else None
         _SEEDERS[where] = seeder
         return seeder

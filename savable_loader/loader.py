@@ -48,7 +48,7 @@ from savable_loader._rank_zero import derive_state, entries_of_every_rank
 from savable_loader._sampler_mode import SamplerMode
 from savable_loader._seeds import engine_generator_seed
 from savable_loader._sigchld import install, loader_call
-from savable_loader._torch_internals import loader_iterator, set_loader_iterator, shutdown_workers
+from savable_loader._torch_internals import loader_iterator, next_batch, set_loader_iterator, shutdown_workers
 from savable_loader._version import __version__
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
@@ -501,7 +501,7 @@ class SavableDataLoader(DataLoader[T_co]):
         while True:
             try:
                 with loader_call():
-                    item = next(torch_iter)
+                    item = next_batch(torch_iter)
             except StopIteration:
                 self._end(record, Fate.FINISHED)
                 raise

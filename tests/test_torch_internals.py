@@ -211,6 +211,107 @@ def test_numpy_gauss_fingerprint_sees_a_cached_gaussian_taken_or_put_back(monkey
     assert look() == cached
 
 
+def test_the_torch_generator_layout_checks_out_here():
+    # torch's CPUGeneratorImpl (engine, then the cached normals): a torch that moved it
+    # fails here first (get_state/set_state still work)
+    assert ti._torch_layout_ok() and ti._torch_default_engine() is not None
+
+
+@pytest.fixture(params=[True, False], ids=["memory", "get_state"])
+def torch_fast(request, monkeypatch):
+    if not request.param:
+        monkeypatch.setattr(ti, "_TORCH_ENGINE", [None])
+    saved = torch.get_rng_state()
+    yield request.param
+    torch.set_rng_state(saved)
+
+
+def test_torch_fingerprint_changes_exactly_when_the_state_does(torch_fast):
+    look = ti.torch_rng_fingerprint()
+    torch.manual_seed(3)
+    seeded = look()
+    assert look() == seeded
+    torch.rand(3)
+    drawn = look()
+    assert drawn != seeded
+    torch.randn(())  # two normals made, one cached: the cache is part of the state
+    cached = look()
+    kept = torch.get_rng_state()
+    torch.randn(())  # the cached one taken: the words stay
+    assert look() not in (cached, drawn)
+    torch.set_rng_state(kept)
+    assert look() == cached
+    with torch.random.fork_rng(devices=[]):  # drawn from, then put back through set_state
+        torch.manual_seed(11)
+        torch.randn(5)
+    assert look() == cached
+    torch.manual_seed(3)  # the same state again, whatever padding the engine got
+    assert look() == seeded
+    torch.manual_seed(4)
+    assert look() != seeded
+    assert torch.initial_seed() == 4
+
+
+def test_torch_state_io_puts_back_exactly(torch_fast):
+    get, put = ti._torch_state_io()
+    torch.manual_seed(5)
+    torch.randn(())  # a cached normal in the state taken
+    whole, saved = torch.get_rng_state(), get()
+    expected = [torch.randn(()).item(), torch.rand(4).tolist()]
+    torch.manual_seed(99)
+    torch.randn(7)
+    put(saved)
+    assert torch.equal(torch.get_rng_state(), whole)
+    assert [torch.randn(()).item(), torch.rand(4).tolist()] == expected
+    assert torch.initial_seed() == 5
+
+
+class _Count(torch.utils.data.IterableDataset):
+    def __init__(self, n: int, length: int | None = None) -> None:
+        self.n, self.length = n, length
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("no length")
+        return self.length
+
+
+def test_next_batch_steps_the_single_process_iterator_as_next_does():
+    loader = DataLoader(_Count(5), batch_size=2)
+    it = iter(loader)
+    got = []
+    with pytest.raises(StopIteration):
+        while True:
+            got.append(ti.next_batch(it).tolist())
+    assert got == [[0, 1], [2, 3], [4]] == [b.tolist() for b in loader]
+    assert it._num_yielded == 3
+
+    def mapped() -> DataLoader:
+        return DataLoader(list(range(5)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+    it = iter(mapped())
+    assert [ti.next_batch(it).tolist() for _ in range(3)] == [b.tolist() for b in mapped()]
+
+
+def test_next_batch_keeps_torchs_span_under_a_profiler_and_its_length_warning():
+    from torch.profiler import profile
+
+    loader = DataLoader(_Count(4), batch_size=2)
+    with profile() as prof:
+        it = iter(loader)
+        ti.next_batch(it)
+    assert any("DataLoader" in event.name for event in prof.events())
+    reported = DataLoader(_Count(3, length=2), batch_size=None)
+    assert len(reported) == 2
+    it = iter(reported)
+    ti.next_batch(it), ti.next_batch(it)
+    with pytest.warns(UserWarning, match="was reported to be 2"):
+        ti.next_batch(it)
+
+
 class _DoneInThread(Dataset):
     def __len__(self) -> int:
         return 1
