@@ -7,7 +7,9 @@ consumed; indexing works on a URL."""
 
 from __future__ import annotations
 
+import gc
 import itertools
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ from savable_loader.errors import DataError, IntegrityError, RangeIgnoredError, 
 from savable_loader.sources import ShardedFileDataset, index_folder
 from savable_loader.sources._remote_store import StorageShardStore
 from savable_loader.storage import RetryPolicy, Storage
-from savable_loader.wrappers import RepeatDataset
+from savable_loader.wrappers import MapDataset, RepeatDataset
 from tests.common import assert_same, check_resume_everywhere
 from tests.storage_servers import FileServer, Replicas
 from tests.test_shard_formats import make_folder, sample_id, wconf
@@ -105,6 +107,48 @@ def test_worker_processes_of_every_start_method(remotes: Remotes, backend: str, 
     want = epoch(remotes.folders["tar"], workers=2, context="fork", decode=True)
     got = epoch(remotes.location(backend, "tar", tmp_path / "cache"), workers=2, context=context, decode=True)
     assert_same(got, want)
+
+
+_COLLECTED: set[int] = set()
+
+
+def _collect_once(sample: Any) -> Any:
+    """The identity, with a full garbage collection in each process at its first sample
+    (in a real pipeline a worker's collector runs soon after it starts reading)."""
+    if os.getpid() not in _COLLECTED:
+        _COLLECTED.add(os.getpid())
+        gc.collect()
+    return sample
+
+
+@pytest.mark.parametrize("backend", ["http", "s3"])
+def test_forked_workers_leave_the_parents_session_alone(remotes: Remotes, backend: str, tmp_path: Path) -> None:
+    """Two forked workers over a session the parent opened (reading the metadata), whose
+    collector runs after their first read: the same bytes as the local folder, in the same
+    order, and the parent's session still answers at the first attempt afterwards (a child
+    that closed its inherited copy took the pooled connections out of the epoll set it
+    shares with the parent: the parent's next request on one hung until its timeout)."""
+    one_attempt = RetryPolicy(attempts=1, timeout=30.0, deadline=60.0)
+    remote = ShardedFileDataset(
+        remotes.location(backend, "tar", tmp_path / "cache", retry=one_attempt), wconf(0, 1, 2), decode=True
+    )
+    local = ShardedFileDataset(remotes.folders["tar"], wconf(0, 1, 2), decode=True)
+    got, want = (
+        list(
+            sl.SavableDataLoader(
+                MapDataset(ds, _collect_once),
+                batch_size=None,
+                worker_config=ds.worker_config,
+                multiprocessing_context="fork",
+            )
+        )
+        for ds in (remote, local)
+    )
+    assert_same(got, want)
+    assert len(got) == 20
+    assert isinstance(remote.store, StorageShardStore)
+    metadata = (remotes.folders["tar"] / "metadata.json").read_bytes()
+    assert remote.store.storage.read("metadata.json") == metadata
 
 
 def test_a_url_string_with_storage_options(remotes: Remotes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

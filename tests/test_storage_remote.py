@@ -4,6 +4,7 @@ S3 backend's own retries turned off, timeouts, and no backend imported before us
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import multiprocessing
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +201,64 @@ def test_a_forked_child_opens_its_own_filesystem() -> None:
     inherited, now, pid = queue.get(timeout=30)
     child.join(30)
     assert inherited == os.getpid() and now == pid != os.getpid()
+
+
+def _forked_http_reader(remote: Remote, queue: Any) -> None:
+    inherited = remote._fs[1] if remote._fs else None
+    data = remote.read_range("a.bin", 0, 16)  # the child's own filesystem replaces the inherited one
+    fresh = remote.filesystem() is not inherited
+    del inherited
+    gc.collect()  # the inherited filesystems are garbage here, as in a worker whose collector runs
+    queue.put((data, fresh))
+
+
+def test_a_forked_child_never_closes_the_parents_http_session(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session inherited through a fork belongs to the parent's event loop: the child
+    neither closes it (fsspec's finalizer would wait a second on a loop thread the child
+    does not have) nor closes its pooled connections (they would leave the parent's epoll
+    set: the parent's next request on one would hang until its timeout)."""
+    pytest.importorskip("aiohttp")
+    from fsspec.implementations.http import HTTPFileSystem
+
+    closes = tmp_path / "closes"
+    original = HTTPFileSystem.close_session
+    parent = os.getpid()
+
+    def spy(loop: Any, session: Any) -> None:
+        if os.getpid() != parent:  # the parent closes its own sessions when it collects them
+            with open(closes, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        original(loop, session)
+
+    monkeypatch.setattr(HTTPFileSystem, "close_session", staticmethod(spy))  # before any session exists
+    one_attempt = RetryPolicy(attempts=1, timeout=30.0, deadline=60.0)
+    with FileServer(folder) as server:
+        dropped = Remote(server.url, retry=one_attempt)  # an equal filesystem (same URL and options)
+        assert dropped.read("sub/b.bin") == b"hello"
+        remote = Remote(server.url, retry=one_attempt)
+        assert remote.read_range("a.bin", 16, 32) == bytes(range(16, 32))  # a pooled connection
+        assert remote.filesystem() == dropped.filesystem()
+        fs = weakref.ref(remote.filesystem())  # no strong reference for the children to inherit
+        ctx = multiprocessing.get_context("fork")
+        gc.disable()  # the parent keeps its garbage until the children have run
+        try:
+            del dropped  # garbage (filesystems are reference cycles) the children inherit
+            for _ in range(2):
+                queue = ctx.Queue()
+                child = ctx.Process(target=_forked_http_reader, args=(remote, queue))
+                child.start()
+                assert queue.get(timeout=60) == (bytes(range(16)), True)
+                child.join(60)
+                assert child.exitcode == 0
+        finally:
+            gc.enable()
+        assert not closes.exists(), f"a forked child closed the parent's session: pids {closes.read_text().split()}"
+        # the parent's session and pooled connections still work, at the first attempt
+        assert remote.filesystem() is fs() and not remote.filesystem()._session.closed
+        assert remote.read_range("a.bin", 32, 48) == bytes(range(32, 48))
+        assert remote.read("sub/b.bin") == b"hello"
 
 
 IMPORTS = textwrap.dedent("""

@@ -3,8 +3,8 @@
 ``Remote`` holds the URL and the options as plain data (it pickles as them); the fsspec
 filesystem is opened on first use in each process, again after a fork, so ``fork``,
 ``spawn`` and ``forkserver`` workers all work (a client created before a fork is never
-used in the child). Local folders (a path, or ``file://``) are read with plain file I/O:
-they need neither fsspec nor a cache.
+used in the child, nor closed there: see ``_abandon_inherited``). Local folders (a path,
+or ``file://``) are read with plain file I/O: they need neither fsspec nor a cache.
 
 Every remote call goes through the :class:`~savable_loader.storage.retry.RetryPolicy`
 with a timeout per attempt: an async filesystem (``s3://``, ``gs://``, ``az://``,
@@ -32,6 +32,7 @@ import copy
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -43,6 +44,39 @@ __all__ = ["Remote", "normalize_etag"]
 
 _LOCAL_PROTOCOLS = ("file", "local")
 _IN_PROCESS_PROTOCOLS = ("memory",)
+
+#: The filesystems this process opened, weakly held and keyed by id: fsspec filesystems of
+#: the same URL and options compare equal, a ``WeakSet`` would keep only one of them.
+_OPENED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+#: The filesystems a forked child inherited: held until the child exits, never closed.
+_INHERITED: list[Any] = []
+
+
+def _abandon_inherited() -> None:
+    """In a child just forked: make sure the filesystems the parent opened are never
+    closed, finalized or garbage-collected here.
+
+    Their sessions, connection pools and event loop belong to the parent, whose event loop
+    thread does not exist in the child. Closing one there (fsspec's finalizer, when the
+    child drops it) waits on that loop until a timeout (a second for ``http(s)://``), then
+    closes the pooled connections through the loop's selector, an epoll instance the child
+    shares with the parent: the parent's sockets leave its epoll set and its next request
+    on one of them hangs until its timeout. So the child detaches their finalizers and
+    holds them until it exits (their sockets are the parent's copies, closed with the
+    child); :meth:`Remote.filesystem` opens a fresh filesystem for the child.
+    """
+    inherited = list(_OPENED.values())
+    _OPENED.clear()
+    for fs in inherited:
+        for ref in weakref.getweakrefs(fs):
+            finalizer = getattr(ref, "__callback__", None)
+            if isinstance(finalizer, weakref.finalize):
+                finalizer.detach()
+    _INHERITED.extend(inherited)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; spawn and forkserver children inherit nothing
+    os.register_at_fork(after_in_child=_abandon_inherited)
 
 
 def _protocol(url: str) -> str:
@@ -185,6 +219,7 @@ class Remote:
             fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option): ours decides
         if self.protocol in ("az", "abfs", "abfss"):
             _no_azure_retries(fs)
+        _OPENED[id(fs)] = fs  # a fork abandons it in the child (_abandon_inherited)
         return fs
 
     def _call(self, method: str, url: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
