@@ -589,7 +589,14 @@ def _torch_state_io() -> tuple[Callable[[], Any], Callable[[Any], None]]:
     if address is None:
         return torch.get_rng_state, torch.set_rng_state
     string_at, memmove = ctypes.string_at, ctypes.memmove
-    return lambda: string_at(address, _T_BYTES), lambda saved: memmove(address, saved, _T_BYTES)
+
+    def get() -> bytes:
+        return string_at(address, _T_BYTES)
+
+    def put(saved: bytes) -> None:
+        memmove(address, saved, _T_BYTES)
+
+    return get, put
 
 
 def global_rng_state_io(names: tuple[str, ...]) -> tuple[Callable[[], Any], Callable[[Any], None]]:
