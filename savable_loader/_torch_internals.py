@@ -493,6 +493,8 @@ _T_SCAN = 2688  # bytes of the generator object searched for the engine
 #: The legacy layout of ``get_state()``: ``uint64 seed; int left; int seeded; uint64 next;
 #: uint64 state[624]; double normal_x, normal_y, normal_rho; int normal_is_valid; ...``.
 _T_LEGACY_BYTES, _T_LEGACY_NORMAL_Y, _T_LEGACY_NORMAL_VALID = 5056, 5024, 5040
+#: ... then ``float next_float_normal_sample; bool is_next_float_normal_sample_valid``.
+_T_LEGACY_FLOAT = 5048
 
 
 def _torch_engine(gen: torch.Generator) -> int | None:
@@ -518,8 +520,8 @@ def _torch_engine(gen: torch.Generator) -> int | None:
 def _torch_layout_ok() -> bool:
     """True when a private probe generator's engine, found by :func:`_torch_engine`,
     behaves as the layout says: bytes copied out and back give exactly the states
-    ``get_state()`` gave (cached normal included), and a draw that caches a normal sets
-    the flag where it is expected."""
+    ``get_state()`` gave (cached normal included), a draw that caches a normal sets the
+    flag where it is expected, and so does a float normal put in by ``set_state``."""
     probe = torch.Generator()
     probe.manual_seed(20240601)
     torch.rand(7, generator=probe)
@@ -539,7 +541,14 @@ def _torch_layout_ok() -> bool:
         if not torch.equal(probe.get_state(), whole):
             return False
     torch.randn((), generator=probe)  # the cached one taken
-    return ctypes.string_at(address, _T_BYTES)[_T_DOUBLE + 8] == 0 and _torch_engine(probe) == address
+    if ctypes.string_at(address, _T_BYTES)[_T_DOUBLE + 8] != 0 or _torch_engine(probe) != address:
+        return False
+    # the float cache (no CPU op here fills it; set_state does): where expected too
+    with_float = bytearray(probe.get_state().numpy().tobytes())
+    struct.pack_into("=fB", with_float, _T_LEGACY_FLOAT, 1.25, 1)
+    probe.set_state(torch.frombuffer(with_float, dtype=torch.uint8).clone())
+    raw = ctypes.string_at(address, _T_BYTES)
+    return struct.unpack_from("=fB", raw, _T_FLOAT) == (1.25, 1)
 
 
 #: The engine of ``torch.default_generator`` where the layout checks out (None: not yet

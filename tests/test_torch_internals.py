@@ -57,6 +57,7 @@ import inspect
 import multiprocessing.queues
 import random
 import re
+import struct
 
 import numpy as np
 import torch.utils.data.dataloader as torch_dataloader
@@ -250,6 +251,15 @@ def test_torch_fingerprint_changes_exactly_when_the_state_does(torch_fast):
     torch.manual_seed(4)
     assert look() != seeded
     assert torch.initial_seed() == 4
+    # a cached float normal (set_state can put one in; taking it would move no words)
+    looks = []
+    for value in (0.5, 0.75):
+        torch.manual_seed(3)
+        with_float = bytearray(torch.get_rng_state().numpy().tobytes())
+        struct.pack_into("=fB", with_float, ti._T_LEGACY_FLOAT, value, 1)
+        torch.set_rng_state(torch.frombuffer(with_float, dtype=torch.uint8).clone())
+        looks.append(look())
+    assert len({seeded, *looks}) == 3
 
 
 def test_torch_state_io_puts_back_exactly(torch_fast):
