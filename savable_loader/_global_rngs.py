@@ -14,17 +14,17 @@ or ``global_rngs=()`` for one that draws from none (a reader, a tokenizer). Then
 * the generators left out are not re-seeded per sample, and the loader checks that
   nothing drew from them: a draw raises :class:`UndeclaredRngError` for that batch (the
   drop-in path) or item (pipelines), naming the generator and the setting that fixes
-  it. They are put in a fixed state (seeded from ``(seed, epoch)``, see
-  ``_seeds.undeclared_rngs_seed``) before a batch or item when anything changed them
+  it. They are put in a fixed state (``_seeds.undeclared_rngs_seed`` of ``(seed,
+  epoch)``; NumPy's global ``RandomState`` then runs on a PCG64 of the loader's, whose
+  state is cheap to read) before a batch or item when anything changed them
   (:meth:`GlobalRngs.begin`), so that code that reads a generator without drawing
   (``torch.initial_seed()``) or draws and puts its state back (``torch.random.fork_rng``)
   sees the same state in every worker and after every restore. In the main process the
-  caller's states are saved and put back around each batch or item (as by default;
-  ``rng.preserve_global_rng`` copies them as bytes, about 2 µs). The check reads each
-  generator's whole state: the Mersenne Twister words of Python's, NumPy's and torch's,
-  with Python's cached ``gauss_next``, NumPy's cached Gaussian and torch's cached
-  normals (read in the objects, about 0.2-0.6 µs each where ``_torch_internals`` finds
-  the layout, else through ``getstate``/``get_state``, about 1.3 µs for torch's).
+  caller's streams are set aside around each batch or item, as by default
+  (``_rng_states.CallerStreams``). The check compares each generator's state through
+  its public API (``_rng_states.FixedStates``): Python's ``getstate()`` (its position,
+  words and cached ``gauss_next``), NumPy's ``get_state()`` of the PCG64 (with the cached
+  Gaussian) and torch's ``get_state()`` (with its cached normals).
 
 Never silently inexact: a batch either drew only from re-seeded generators (exact, as
 by default) or raised. Draws outside batches and items (a ``worker_init_fn``, the main
