@@ -14,17 +14,17 @@ or ``global_rngs=()`` for one that draws from none (a reader, a tokenizer). Then
 * the generators left out are not re-seeded per sample, and the loader checks that
   nothing drew from them: a draw raises :class:`UndeclaredRngError` for that batch (the
   drop-in path) or item (pipelines), naming the generator and the setting that fixes
-  it. They are put in a fixed state (seeded from ``(seed, epoch)``, see
-  ``_seeds.undeclared_rngs_seed``) before a batch or item when anything changed them
+  it. They are put in a fixed state (``_seeds.undeclared_rngs_seed`` of ``(seed,
+  epoch)``; NumPy's global ``RandomState`` then runs on a PCG64 of the loader's, whose
+  state is cheap to read) before a batch or item when anything changed them
   (:meth:`GlobalRngs.begin`), so that code that reads a generator without drawing
   (``torch.initial_seed()``) or draws and puts its state back (``torch.random.fork_rng``)
   sees the same state in every worker and after every restore. In the main process the
-  caller's states are saved and put back around each batch or item (as by default;
-  ``rng.preserve_global_rng`` copies them as bytes, about 2 µs). The check reads each
-  generator's whole state: the Mersenne Twister words of Python's, NumPy's and torch's,
-  with Python's cached ``gauss_next``, NumPy's cached Gaussian and torch's cached
-  normals (read in the objects, about 0.2-0.6 µs each where ``_torch_internals`` finds
-  the layout, else through ``getstate``/``get_state``, about 1.3 µs for torch's).
+  caller's streams are set aside around each batch or item, as by default
+  (``_rng_states.CallerStreams``). The check compares each generator's state through
+  its public API (``_rng_states.FixedStates``): Python's ``getstate()`` (its position,
+  words and cached ``gauss_next``), NumPy's ``get_state()`` of the PCG64 (with the cached
+  Gaussian) and torch's ``get_state()`` (with its cached normals).
 
 Never silently inexact: a batch either drew only from re-seeded generators (exact, as
 by default) or raised. Draws outside batches and items (a ``worker_init_fn``, the main
@@ -52,16 +52,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from savable_loader._rng_states import FixedStates
 from savable_loader._seeds import undeclared_rngs_seed
-from savable_loader._torch_internals import (
-    PY_RANDOM,
-    global_rng_state_io,
-    numpy_gauss_fingerprint,
-    numpy_global_randomstate,
-    numpy_mt_fingerprint,
-    python_random_fingerprint,
-    torch_rng_fingerprint,
-)
 from savable_loader.errors import LoaderUsageError, UndeclaredRngError
 from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA, global_seeder
 
@@ -113,50 +105,47 @@ class GlobalRngs:
         self.undeclared = tuple(n for n in GLOBAL_RNG_NAMES if n not in names)
         #: seeds the declared generators (as ``seed_global(s, formula)`` seeds each)
         self.seed: Callable[[int], None] = global_seeder(names, formula)
-        self._seed_undeclared = global_seeder(self.undeclared, formula)
-        looks = {
-            "numpy": lambda: _numpy_look(numpy_global_randomstate()),
-            "random": lambda: python_random_fingerprint(PY_RANDOM),
-            "torch": torch_rng_fingerprint,
-        }
-        #: a fingerprint function per generator left out, in ``self.undeclared``'s order
-        self._looks: list[Callable[[], Any]] = [looks[name]() for name in self.undeclared]
-        self._fixed: tuple[tuple[int, int], list[Any]] | None = None
-        #: the generators left out: take and put back their whole states (process-local)
-        self._get, self._put = global_rng_state_io(self.undeclared)
-        #: ``(seed, epoch)``, the whole states of its fixed state and (name, look,
-        #: fingerprint) of each generator left out, once made
-        self._fixed_states: tuple[tuple[int, int], Any, list[tuple[str, Callable[[], Any], Any]]] | None = None
+        #: the generators left out, in the fixed state of a seed
+        self._fixed_states = FixedStates(self.undeclared)
+        #: ``(seed, epoch)`` whose fixed state the generators left out are in, while
+        #: nothing is known to have changed them (None: put it in again)
+        self._fixed: tuple[int, int] | None = None
+        self._seeds: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (seed, epoch) -> the fixed state's seed
 
     def begin(self, seed: int, epoch: int, changed: bool = False) -> None:
         """Before a batch: the generators left out in the fixed state of ``(seed, epoch)``
-        (re-seeded only if anything changed them since; ``changed``: the caller knows it
-        did, as in the main process, where the caller's own states were put back)."""
+        (put in again only if anything changed them since; ``changed``: the caller knows
+        it did, as in the main process, where the caller's own states were put back)."""
         if not self.undeclared:
             return
-        fixed = self._fixed
-        if not changed and fixed is not None and fixed[0] == (seed, epoch) and self._same(fixed[1]):
+        if not changed and self._fixed == (seed, epoch) and not self._fixed_states.changed():
             return
-        made = self._fixed_states
-        if made is not None and made[0] == (seed, epoch):
-            # the same states as re-seeding gives, copied back (~1 µs): their fingerprints
-            # are the ones taken then, but NumPy's is looked at again (a bit generator
-            # swapped in since has another identity, which its slow form compares)
-            self._put(made[1])
-            self._fixed = (made[0], [look() if name == "numpy" else was for name, look, was in made[2]])
+        key = (seed, epoch)
+        if self._seeds[0] != key:
+            self._seeds = (key, undeclared_rngs_seed(seed, epoch))
+        self._fixed_states.put(self._seeds[1])
+        self._fixed = key
+
+    def explain(self, error: BaseException, batch: str) -> None:
+        """Raise :class:`UndeclaredRngError` (from ``error``) if ``error`` is NumPy's
+        refusal to re-seed its global RNG while it is left out (it runs on the fixed
+        state's PCG64 then, which ``np.random.seed`` cannot re-seed); else nothing."""
+        if "numpy" in self.names or not isinstance(error, TypeError) or "re-seed a MT19937" not in str(error):
             return
-        self._seed_undeclared(undeclared_rngs_seed(seed, epoch))
-        fingerprints = [look() for look in self._looks]
-        self._fixed_states = ((seed, epoch), self._get(), list(zip(self.undeclared, self._looks, fingerprints)))
-        self._fixed = ((seed, epoch), fingerprints)
+        fix = tuple(sorted({*self.names, "numpy"}))
+        raise UndeclaredRngError(
+            f"{batch} called np.random.seed(), but the loader's global_rngs={self.names!r} does not list 'numpy': "
+            "NumPy's global RNG is held in a fixed state of the loader's while a sample is made, and its draws would "
+            f"not resume exactly. Pass global_rngs={fix!r} (the loader then re-seeds it before every sample, and "
+            "the dataset need not)"
+        ) from error
 
     def check(self, batch: str, where: str = "in the dataset or the collate function") -> None:
         """After a batch or item: ``UndeclaredRngError`` if it drew from a generator left
         out (``batch`` and ``where`` say what drew, for the message)."""
-        fixed = self._fixed
-        if fixed is None:
+        if self._fixed is None:
             return
-        drawn = [name for name, look, was in zip(self.undeclared, self._looks, fixed[1]) if look() != was]
+        drawn = self._fixed_states.changed()
         if not drawn:
             return
         self._fixed = None
@@ -166,13 +155,3 @@ class GlobalRngs:
             f"the loader did not re-seed it, so these draws would not resume exactly. Pass global_rngs={fix!r} "
             "(or leave global_rngs out: all three are re-seeded before every sample)"
         )
-
-    def _same(self, fingerprints: list[Any]) -> bool:
-        return all(look() == was for look, was in zip(self._looks, fingerprints))
-
-
-def _numpy_look(state: Any) -> Callable[[], Any]:
-    """A fingerprint of NumPy's global RNG: its words and position, and its cached
-    Gaussian (which a ``np.random.normal()`` takes without moving the words)."""
-    words, gauss = numpy_mt_fingerprint(state), numpy_gauss_fingerprint(state)
-    return lambda: (words(), gauss())

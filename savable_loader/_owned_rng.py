@@ -53,8 +53,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from savable_loader._rng_states import C_RANDOM_SEED, NUMPY_GLOBAL, PY_RANDOM
 from savable_loader._seeds import owned_rng_base, pcg_increment
-from savable_loader._torch_internals import C_RANDOM_SEED, PY_RANDOM, numpy_global_randomstate
 from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import counter_seed
 
@@ -67,7 +67,7 @@ MAX_ITEMS = 256
 #: Objects one walk visits at most (a dataset holding a large object graph).
 MAX_OBJECTS = 20_000
 
-_GLOBAL_IDS = frozenset(id(g) for g in (PY_RANDOM, numpy_global_randomstate(), torch.default_generator))
+_GLOBAL_IDS = frozenset(id(g) for g in (PY_RANDOM, NUMPY_GLOBAL, torch.default_generator))
 _OPAQUE = (
     type,
     types.ModuleType,

@@ -352,6 +352,8 @@ class WorkerRuntime:
                         ) from None
                     break
                 except Exception as e:  # the item's exception, raised in the main process
+                    if guard is not None:  # np.random.seed() on the fixed state: say what to declare
+                        guard.explain(e, f"item {index} of worker {worker_id} in epoch {epoch}")
                     if not self.errors_go_on:
                         raise
                     sample = ItemError.capture(e, self.in_process, worker_id)  # counts as an item

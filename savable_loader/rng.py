@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from savable_loader._torch_internals import C_RANDOM_SEED, PY_RANDOM, global_rng_state_io
+from savable_loader._rng_states import C_RANDOM_SEED, PY_RANDOM, CallerStreams
 from savable_loader.errors import StateError
 
 __all__ = [
@@ -308,16 +308,12 @@ def restore_global(state: GlobalRngState) -> None:
     torch.set_rng_state(state.torch)
 
 
-#: ``global_rng_state_io`` of the three global generators (made on first use, per process).
-_STATE_IO: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
-
-
-class preserve_global_rng:  # (lower case: a context manager used as a function)
-    """Run a block without changing the caller's global RNG streams. The states are
-    copied as bytes where the generators' layouts check out
-    (``_torch_internals.global_rng_state_io``: about 2 µs, against about 60 µs through
-    their ``getstate`` methods). A class rather than a generator function: the loader
-    enters one per item in the main process.
+class preserve_global_rng(CallerStreams):  # (lower case: a context manager used as a function)
+    """Run a block without changing the caller's global RNG streams: torch's and Python's
+    states are copied and put back, NumPy's bit generator is set aside while the block
+    draws from one of the loader's (``_rng_states.CallerStreams``; a cached legacy
+    Gaussian of the caller's is dropped). A class rather than a generator function: the
+    loader enters one per item in the main process.
 
     Example::
 
@@ -325,15 +321,7 @@ class preserve_global_rng:  # (lower case: a context manager used as a function)
             random.random()        # the caller's stream is where it was afterwards
     """
 
-    __slots__ = ("_saved",)
-
-    def __enter__(self) -> None:
-        if not _STATE_IO:
-            _STATE_IO.append(global_rng_state_io(GLOBAL_RNG_NAMES))
-        self._saved = _STATE_IO[0][0]()
-
-    def __exit__(self, *exc: object) -> None:
-        _STATE_IO[0][1](self._saved)
+    __slots__ = ()
 
 
 def capture_generator(gen: Any) -> dict[str, Any]:

@@ -55,11 +55,8 @@ def test_replace_worker_info_outside_a_worker_is_an_error():
 
 import inspect
 import multiprocessing.queues
-import random
 import re
-import struct
 
-import numpy as np
 import torch.utils.data.dataloader as torch_dataloader
 from torch.utils.data._utils import signal_handling
 
@@ -126,154 +123,13 @@ def test_error_texts_are_torchs():
     assert ti.died_pids("no pid here") == set()
 
 
-def test_cpython_and_numpy_internals():
-    assert isinstance(ti.PY_RANDOM, random.Random) and random.random.__self__ is ti.PY_RANDOM
-    np.random.seed(5)
-    assert ti.numpy_global_randomstate().get_state()[1][0] == np.random.get_state()[1][0]
-    r = random.Random()
-    ti.C_RANDOM_SEED(r, 3)
-    assert r.random() == random.Random(3).random()
+def test_multiprocessing_queue_internals():
     assert callable(multiprocessing.queues.Queue._on_queue_feeder_error)
     q = multiprocessing.get_context("fork").Queue()
     q.put("a")  # starts the feeder thread, which sends what the buffer holds
     ti.queue_push_front(q, "x")
     assert {q.get(timeout=10), q.get(timeout=10)} == {"a", "x"}
     q.close()
-
-
-def test_the_mersenne_twister_layouts_check_out_here():
-    # the fast fingerprints read CPython's RandomObject and NumPy's mt19937_state: a new
-    # interpreter or NumPy that moved them fails here first (the slow forms still work)
-    assert ti._python_layout_ok() and ti._numpy_layout_ok()
-
-
-@pytest.mark.parametrize("fast", [True, False])
-def test_fingerprints_change_exactly_when_the_state_does(monkeypatch, fast):
-    if not fast:
-        monkeypatch.setattr(ti, "_python_layout_ok", lambda: False)
-        monkeypatch.setattr(ti, "_numpy_layout_ok", lambda: False)
-    python = ti.python_random_fingerprint(ti.PY_RANDOM)
-    numpy = ti.numpy_mt_fingerprint(ti.numpy_global_randomstate())
-    random.seed(3)
-    np.random.seed(3)
-    before = python(), numpy()
-    assert (python(), numpy()) == before
-    random.gauss(0, 1)  # two normals drawn, one cached in gauss_next
-    after_draw = python()
-    assert after_draw != before[0]
-    random.gauss(0, 1)  # the cached one: the words stay, gauss_next goes
-    assert python() != after_draw
-    np.random.rand()
-    assert numpy() != before[1]
-    state = ti.PY_RANDOM.getstate()
-    random.seed(3)
-    assert python() == before[0]  # the same state again: the same fingerprint
-    ti.PY_RANDOM.setstate(state)
-    np.random.seed(3)
-    assert numpy() == before[1]
-
-
-@pytest.mark.parametrize("fast", [True, False])
-def test_numpy_fingerprint_sees_another_bit_generator(monkeypatch, fast):
-    if not fast:
-        monkeypatch.setattr(ti, "_numpy_layout_ok", lambda: False)
-    state = ti.numpy_global_randomstate()
-    old = np.random.get_bit_generator()
-    look = ti.numpy_mt_fingerprint(state)
-    before = look()
-    np.random.set_bit_generator(np.random.PCG64(1))
-    try:
-        assert look() != before
-    finally:
-        np.random.set_bit_generator(old)
-    assert look() == before
-
-
-def test_the_numpy_gauss_layout_checks_out_here():
-    # NumPy's aug_bitgen_t inside RandomState: a NumPy that moved it fails here first
-    assert ti._NP_GAUSS_OFFSET is not None
-
-
-@pytest.mark.parametrize("fast", [True, False])
-def test_numpy_gauss_fingerprint_sees_a_cached_gaussian_taken_or_put_back(monkeypatch, fast):
-    if not fast:
-        monkeypatch.setattr(ti, "_NP_GAUSS_OFFSET", None)
-    look = ti.numpy_gauss_fingerprint(ti.numpy_global_randomstate())
-    words = ti.numpy_mt_fingerprint(ti.numpy_global_randomstate())
-    np.random.seed(5)
-    empty = look()
-    np.random.randn()  # two normals made, one cached
-    cached, moved = look(), words()
-    assert cached != empty
-    kept = np.random.get_state()
-    np.random.randn()  # the cached one taken: the words stay
-    assert words() == moved and look() != cached
-    np.random.set_state(kept)  # put back
-    assert look() == cached
-
-
-def test_the_torch_generator_layout_checks_out_here():
-    # torch's CPUGeneratorImpl (engine, then the cached normals): a torch that moved it
-    # fails here first (get_state/set_state still work)
-    assert ti._torch_layout_ok() and ti._torch_default_engine() is not None
-
-
-@pytest.fixture(params=[True, False], ids=["memory", "get_state"])
-def torch_fast(request, monkeypatch):
-    if not request.param:
-        monkeypatch.setattr(ti, "_TORCH_ENGINE", [None])
-    saved = torch.get_rng_state()
-    yield request.param
-    torch.set_rng_state(saved)
-
-
-def test_torch_fingerprint_changes_exactly_when_the_state_does(torch_fast):
-    look = ti.torch_rng_fingerprint()
-    torch.manual_seed(3)
-    seeded = look()
-    assert look() == seeded
-    torch.rand(3)
-    drawn = look()
-    assert drawn != seeded
-    torch.randn(())  # two normals made, one cached: the cache is part of the state
-    cached = look()
-    kept = torch.get_rng_state()
-    torch.randn(())  # the cached one taken: the words stay
-    assert look() not in (cached, drawn)
-    torch.set_rng_state(kept)
-    assert look() == cached
-    with torch.random.fork_rng(devices=[]):  # drawn from, then put back through set_state
-        torch.manual_seed(11)
-        torch.randn(5)
-    assert look() == cached
-    torch.manual_seed(3)  # the same state again, whatever padding the engine got
-    assert look() == seeded
-    torch.manual_seed(4)
-    assert look() != seeded
-    assert torch.initial_seed() == 4
-    # a cached float normal (set_state can put one in; taking it would move no words)
-    looks = []
-    for value in (0.5, 0.75):
-        torch.manual_seed(3)
-        with_float = bytearray(torch.get_rng_state().numpy().tobytes())
-        struct.pack_into("=fB", with_float, ti._T_LEGACY_FLOAT, value, 1)
-        torch.set_rng_state(torch.frombuffer(with_float, dtype=torch.uint8).clone())
-        looks.append(look())
-    assert len({seeded, *looks}) == 3
-
-
-def test_torch_state_io_puts_back_exactly(torch_fast):
-    get, put = ti._torch_state_io()
-    torch.manual_seed(5)
-    torch.randn(())  # a cached normal in the state taken
-    whole, saved = torch.get_rng_state(), get()
-    expected = [torch.randn(()).item(), torch.rand(4).tolist()]
-    torch.manual_seed(99)
-    torch.randn(7)
-    put(saved)
-    assert torch.equal(torch.get_rng_state(), whole)
-    assert [torch.randn(()).item(), torch.rand(4).tolist()] == expected
-    assert torch.initial_seed() == 5
 
 
 class _Count(torch.utils.data.IterableDataset):

@@ -268,6 +268,15 @@ class IndexedDataset(Dataset):
     def build(self, key: BatchKey, formula: int | None = None) -> Any:
         """The batch (or sample, when unbatched) that ``key`` names, under the loader's
         seed formula (or ``formula``: a restore key's own)."""
+        try:
+            return self._build(key, formula)
+        except TypeError as e:  # np.random.seed() while NumPy is left out: say what to declare
+            guard = self._guard(self.seed_formula if formula is None else formula)
+            if guard is not None:
+                guard.explain(e, f"the batch from position {key.positions[0]} of epoch {key.epoch}")
+            raise
+
+    def _build(self, key: BatchKey, formula: int | None) -> Any:
         base = self._sample_base(key.epoch)
         dataset = self.dataset
         if formula is None:
@@ -276,8 +285,8 @@ class IndexedDataset(Dataset):
         many = _own_getitems(dataset) if self.batched else None
         guard = self._guard(formula)
         reseed = global_seeder(GLOBAL_RNG_NAMES, formula) if guard is None else guard.seed
-        if guard is not None:
-            guard.begin(self.seed, key.epoch)
+        if guard is not None:  # (in the caller's process its streams were just set aside: put in anew)
+            guard.begin(self.seed, key.epoch, changed=get_worker_info() is None)
         if many is not None or self.reseed == "batch":
             reseed(sample_item(base, key.positions[0], formula))
             owned.seed_sample(key.positions[0])

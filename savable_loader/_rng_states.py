@@ -1,0 +1,246 @@
+"""The three global random generators, reached through their public APIs only.
+
+Python's ``random``, NumPy's legacy global ``RandomState`` (behind ``np.random.rand``
+and friends) and torch's CPU generator are process-wide. The loader re-seeds them per
+sample, holds the ones ``global_rngs=`` leaves out in a fixed state, and, when it loads
+in the caller's process (``num_workers=0``), keeps the caller's own streams out of the
+way. Everything here goes through what each library documents:
+
+* torch: ``torch.default_generator.get_state()`` / ``set_state()`` (about 1 µs each);
+* Python: ``random.getstate()`` / ``setstate()`` (a few µs: 625 integers), seeding
+  through the C base class's ``seed`` (skips ``Random.seed``'s Python-level checks);
+* NumPy: ``np.random.get_bit_generator()`` / ``set_bit_generator()`` (NumPy >= 1.25):
+  the caller's bit generator is **set aside**, not copied, and the loader draws from a
+  bit generator of its own meanwhile. Reading a Mersenne Twister's state through
+  NumPy's API costs about 25 µs, swapping bit generators well under 1 µs. A swap starts
+  the legacy ``RandomState`` with no cached Gaussian (``np.random.randn`` makes them in
+  pairs and keeps the second): the caller's cached one, if any, is dropped when the
+  loader loads in its process. This is the same at every ``next()`` of an
+  uninterrupted and of a resumed run, so a resumed training loop still draws exactly
+  what the uninterrupted one drew; only the comparison with a run without the loader
+  shows it (``docs/concepts.md``, "The caller's random streams").
+
+No library's memory is read or written, and nothing here depends on a torch, NumPy or
+CPython release beyond those APIs.
+
+Example::
+
+    with CallerStreams():          # the caller's three streams set aside
+        seed_global(s)             # the loader's own draws
+    # the caller's streams are as they were (NumPy's cached Gaussian aside)
+"""
+
+from __future__ import annotations
+
+import _random
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from savable_loader.errors import InternalError
+
+__all__ = [
+    "C_RANDOM_SEED",
+    "NUMPY_GLOBAL",
+    "PY_RANDOM",
+    "CallerStreams",
+    "FixedStates",
+    "loader_bit_generator",
+    "look_numpy",
+    "look_python",
+    "look_torch",
+    "same_torch",
+]
+
+#: The hidden ``random.Random`` behind Python's module-level random functions.
+PY_RANDOM: random.Random = random.random.__self__  # type: ignore[attr-defined]
+#: The legacy ``RandomState`` behind NumPy's module-level random functions.
+NUMPY_GLOBAL: np.random.RandomState = np.random.random_sample.__self__  # type: ignore[attr-defined]
+#: ``seed`` of ``random.Random``'s C base class: the same seeding, without ``Random.seed``'s
+#: Python-level argument checks (about 0.5 µs instead of 3).
+C_RANDOM_SEED: Callable[..., None] = _random.Random.seed
+
+_TORCH = torch.default_generator
+_MASK64 = (1 << 64) - 1
+try:
+    _get_bit_generator: Callable[[], Any] = np.random.get_bit_generator  # type: ignore[attr-defined]
+    _set_bit_generator: Callable[[Any], None] = np.random.set_bit_generator  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - NumPy < 1.25 (pyproject.toml asks for 1.25)
+    raise ImportError(
+        f"savable_loader needs NumPy >= 1.25 (np.random.get_bit_generator), found NumPy {np.__version__}"
+    ) from None
+
+#: The bit generators the loader swaps into NumPy's global ``RandomState`` while it loads
+#: in the caller's process, one per nesting depth (made on first use), and the depth now.
+_LOADER_MT: list[np.random.MT19937] = []
+_DEPTH = [0]
+
+
+def loader_bit_generator(depth: int = 0) -> np.random.MT19937:
+    """This process's Mersenne Twister that NumPy's global functions draw from inside a
+    :class:`CallerStreams` block nested ``depth`` deep (re-seeded by ``np.random.seed`` as
+    the caller's would be, so the draws are those of a worker process)."""
+    while len(_LOADER_MT) <= depth:
+        _LOADER_MT.append(np.random.MT19937(len(_LOADER_MT)))
+    return _LOADER_MT[depth]
+
+
+class CallerStreams:
+    """Set the caller's three global streams aside for a block, and put them back after
+    it: torch's and Python's states are copied (``get_state``, ``getstate``), NumPy's bit
+    generator is swapped for :func:`loader_bit_generator` (see the module docstring for
+    its cached Gaussian). A class (not a generator function): the loader enters one per
+    item when it loads in the caller's process. A block inside a block sets the outer
+    block's streams aside in the same way (another bit generator of the loader's).
+
+    Example::
+
+        with CallerStreams():
+            random.seed(0); np.random.seed(0); torch.manual_seed(0)
+        # the caller's streams go on where they were
+    """
+
+    __slots__ = ("_numpy", "_python", "_torch")
+
+    def __enter__(self) -> None:
+        self._python = PY_RANDOM.getstate()
+        self._torch = _TORCH.get_state()
+        self._numpy = _get_bit_generator()
+        depth = _DEPTH[0]
+        _set_bit_generator(_LOADER_MT[depth] if depth < len(_LOADER_MT) else loader_bit_generator(depth))
+        _DEPTH[0] = depth + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _DEPTH[0] -= 1
+        PY_RANDOM.setstate(self._python)
+        _TORCH.set_state(self._torch)
+        _set_bit_generator(self._numpy)
+
+
+# -- looking at a generator: a value equal exactly when the state is --------------------
+
+
+def look_python() -> Any:
+    """Python's global ``random``, for telling a changed state from an unchanged one:
+    its position, its first words and its cached ``gauss_next``. A draw moves the
+    position, or (a multiple of 624 words) regenerates every word; comparing 8 of the 624
+    is as good as comparing all of them (a 256-bit coincidence) and costs nothing beside
+    ``getstate()`` itself, where comparing the whole tuple costs as much again."""
+    _, words, gauss = PY_RANDOM.getstate()
+    return words[624], words[:8], gauss
+
+
+def look_torch() -> torch.Tensor:
+    """torch's CPU generator state (seed, words, position, cached normals); compare two
+    with :func:`same_torch`."""
+    return _TORCH.get_state()
+
+
+def same_torch(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two states from :func:`look_torch` are equal."""
+    return torch.equal(a, b)
+
+
+def look_numpy(fixed: Any = None) -> Any:
+    """NumPy's global ``RandomState`` whole while it runs on ``fixed`` (the PCG64 of
+    :class:`FixedStates`: its state and the cached Gaussian, about 1 µs), else which bit
+    generator it runs on (another bit generator swapped in is a change)."""
+    bit = _get_bit_generator()
+    if bit is not fixed:
+        return False, id(bit)
+    return True, NUMPY_GLOBAL.get_state(legacy=False)
+
+
+# -- the fixed state of the generators global_rngs= leaves out ---------------------------
+
+
+class FixedStates:
+    """Puts the global generators ``names`` (of ``"numpy"``, ``"random"``, ``"torch"``) in
+    the fixed state of a seed, and tells whether anything changed them since.
+
+    Python's and torch's generators are seeded with the seed; NumPy's global
+    ``RandomState`` is given a PCG64 of this object's, in the state the seed makes (its
+    state is cheap to read, which the check after every item does; a Mersenne Twister's
+    costs about 25 µs). Code that reads a generator without drawing (``torch.initial_seed``,
+    ``torch.random.fork_rng``, ``np.random.get_state``) sees the same state in every
+    worker and after every restore.
+
+    Example::
+
+        fixed = FixedStates(("numpy", "random"))
+        fixed.put(1234)          # both in the state of seed 1234
+        ...                      # an item that must not draw from them
+        fixed.unchanged()        # False if it drew
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self._python, self._numpy, self._torch = "random" in names, "numpy" in names, "torch" in names
+        self._seed: int | None = None
+        self._bit: np.random.PCG64 | None = None
+        self._bit_state: Any = None
+        self._torch_state: torch.Tensor | None = None
+        #: the PCG64 is known to be in the seed's state (changed() found it so since put())
+        self._pristine = False
+        #: what :meth:`look` gives in the fixed state of ``self._seed``
+        self._fingerprint: tuple[Any, ...] | None = None
+
+    def put(self, seed: int) -> None:
+        """Put the generators in the fixed state of ``seed`` (made once per seed)."""
+        seed &= _MASK64
+        if seed != self._seed:
+            self._make(seed)
+        if self._python:
+            C_RANDOM_SEED(PY_RANDOM, seed)
+            PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
+        if self._torch:
+            _TORCH.set_state(self._torch_state)  # type: ignore[arg-type]
+        if self._numpy:
+            bit = self._bit
+            if bit is None:  # pragma: no cover - made with the seed
+                raise InternalError("FixedStates lost its bit generator")
+            if not self._pristine:  # drawn from since (or not known): back to the seed's state
+                bit.state = self._bit_state
+            _set_bit_generator(bit)  # (which also empties the cached Gaussian)
+            self._pristine = False  # until changed() finds it unchanged
+
+    def _make(self, seed: int) -> None:
+        if self._torch:
+            self._torch_state = torch.Generator().manual_seed(seed).get_state()
+        if self._numpy:
+            self._bit = np.random.PCG64(seed)
+            self._bit_state = self._bit.state
+            self._pristine = True
+        self._seed = seed
+        self._fingerprint = None
+        self.put(seed)
+        self._fingerprint = self.look()
+
+    def look(self) -> tuple[Any, Any, Any]:
+        """The generators' states now (see :meth:`changed`)."""
+        return (
+            look_python() if self._python else None,
+            look_numpy(self._bit) if self._numpy else None,
+            look_torch() if self._torch else None,
+        )
+
+    def changed(self) -> list[str]:
+        """The names of the generators not in the fixed state of the last :meth:`put`
+        (sorted)."""
+        fixed = self._fingerprint
+        if fixed is None:
+            raise InternalError("FixedStates.changed before put")
+        changed = []
+        if self._numpy:
+            # unchanged, on our PCG64: the next put() need not set its state again
+            self._pristine = look_numpy(self._bit) == fixed[1]
+            if not self._pristine:
+                changed.append("numpy")
+        if self._python and look_python() != fixed[0]:
+            changed.append("random")
+        if self._torch and not same_torch(look_torch(), fixed[2]):
+            changed.append("torch")
+        return changed

@@ -1,0 +1,162 @@
+"""savable_loader/_rng_states.py: the global generators through their public APIs only."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from savable_loader import _rng_states as rs
+from savable_loader.rng import capture_global, restore_global, seed_global
+
+
+@pytest.fixture(autouse=True)
+def _keep_global_rng() -> Iterator[None]:
+    saved, bit = capture_global(), np.random.get_bit_generator()
+    yield
+    np.random.set_bit_generator(bit)
+    restore_global(saved)
+
+
+def draws() -> list[float]:
+    return [
+        random.random(),
+        random.gauss(0, 1),
+        float(np.random.rand()),
+        float(np.random.randn()),
+        float(torch.rand(())),
+        float(torch.randn(())),
+    ]
+
+
+def empty_numpy_gaussian_cache() -> None:
+    """What the loader does to NumPy's legacy cached Gaussian: it is dropped (a no-op
+    swap of the bit generator empties it)."""
+    np.random.set_bit_generator(np.random.get_bit_generator())
+
+
+def test_the_global_generators_are_found_through_public_names() -> None:
+    assert rs.PY_RANDOM is random.random.__self__ and isinstance(rs.PY_RANDOM, random.Random)
+    assert rs.NUMPY_GLOBAL is np.random.rand.__self__ and isinstance(rs.NUMPY_GLOBAL, np.random.RandomState)
+    r = random.Random()
+    rs.C_RANDOM_SEED(r, 3)
+    assert r.random() == random.Random(3).random()
+
+
+def test_caller_streams_go_on_where_they_were() -> None:
+    seed_global(7)
+    draws()  # mid-stream, with cached Gaussians in Python's, NumPy's and torch's
+    reference = capture_global()
+    bit = np.random.get_bit_generator()
+    empty_numpy_gaussian_cache()
+    expected = draws()
+    restore_global(reference)
+    with rs.CallerStreams():
+        seed_global(1)
+        draws()
+        assert np.random.get_bit_generator() is rs.loader_bit_generator()
+    assert np.random.get_bit_generator() is bit  # the caller's own object, set aside and put back
+    assert draws() == expected
+
+
+def test_caller_streams_keep_pythons_cached_gaussian_and_drop_numpys() -> None:
+    random.seed(1)
+    np.random.seed(1)
+    random.gauss(0, 1)
+    np.random.randn()
+    assert random.getstate()[2] is not None and np.random.get_state()[3] == 1
+    words = np.random.get_state()[1].copy()
+    with rs.CallerStreams():
+        pass
+    assert random.getstate()[2] is not None  # Python's gauss_next is part of getstate()
+    after = np.random.get_state()
+    assert np.array_equal(after[1], words) and after[3] == 0  # the words kept, the cache dropped
+
+
+def test_caller_streams_put_back_on_an_exception_and_nest() -> None:
+    seed_global(5)
+    reference = capture_global()
+    expected = draws()
+    restore_global(reference)
+    with pytest.raises(ZeroDivisionError), rs.CallerStreams():
+        with rs.CallerStreams():
+            draws()
+        draws()
+        1 / 0
+    assert draws() == expected
+
+
+def test_the_loader_bit_generator_draws_as_the_callers_would_when_seeded() -> None:
+    np.random.seed(123)
+    expected = np.random.rand(4).tolist() + np.random.randn(3).tolist()
+    with rs.CallerStreams():
+        np.random.seed(123)  # seeds the loader's Mersenne Twister, as a worker's
+        got = np.random.rand(4).tolist() + np.random.randn(3).tolist()
+    assert got == expected
+
+
+@pytest.mark.parametrize("names", [("numpy", "random", "torch"), ("numpy", "random"), ("random",), ("numpy",)])
+def test_fixed_states_see_every_draw_and_only_draws(names: tuple[str, ...]) -> None:
+    fixed = rs.FixedStates(names)
+    fixed.put(99)
+    assert fixed.changed() == []
+    torch.initial_seed()
+    np.random.get_state()
+    random.getstate()  # reading is not a change
+    assert fixed.changed() == []
+    draws_by_name = {
+        "random": [random.random, lambda: random.gauss(0, 1), lambda: random.getrandbits(624 * 32)],
+        "numpy": [np.random.rand, np.random.randn, lambda: np.random.set_bit_generator(np.random.PCG64(1))],
+        "torch": [torch.rand, torch.randn],
+    }
+    for name in names:
+        for draw in draws_by_name[name]:
+            fixed.put(99)
+            draw() if draw not in (torch.rand, torch.randn) else draw(())
+            assert fixed.changed() == [name], (name, draw)
+    fixed.put(99)
+    assert fixed.changed() == []
+
+
+def test_fixed_states_are_the_same_state_every_time() -> None:
+    a, b = rs.FixedStates(("numpy", "random", "torch")), rs.FixedStates(("numpy", "random", "torch"))
+    a.put(7)
+    first = draws()
+    a.put(7)
+    assert draws() == first  # put back exactly, cached values dropped
+    b.put(7)
+    assert draws() == first  # another object, the same fixed state
+    b.put(8)
+    assert draws() != first
+    a.put(7)
+    assert torch.initial_seed() == 7
+    assert isinstance(np.random.get_bit_generator(), np.random.PCG64)
+
+
+def test_a_gaussian_taken_from_a_cache_put_in_by_set_state_is_seen() -> None:
+    # torch: a cached normal that set_state puts in and an item takes moves no words
+    fixed = rs.FixedStates(("torch",))
+    fixed.put(3)
+    torch.randn(())
+    with_cache = torch.get_rng_state()
+    fixed.put(3)
+    torch.set_rng_state(with_cache)
+    assert fixed.changed() == ["torch"]
+    # NumPy: a state with a cached Gaussian put in with the fixed PCG64's words
+    fixed = rs.FixedStates(("numpy",))
+    fixed.put(3)
+    state = np.random.get_state(legacy=False)
+    state["has_gauss"], state["gauss"] = 1, 0.5
+    np.random.set_state(state)
+    assert fixed.changed() == ["numpy"]
+
+
+def test_no_module_reads_or_writes_another_librarys_memory() -> None:
+    import savable_loader
+
+    for path in Path(savable_loader.__file__).parent.rglob("*.py"):
+        assert "ctypes" not in path.read_text(), path
