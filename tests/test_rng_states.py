@@ -104,8 +104,9 @@ def test_fixed_states_see_every_draw_and_only_draws(names: tuple[str, ...]) -> N
     fixed = rs.FixedStates(names)
     fixed.put(99)
     assert fixed.changed() == []
+    fixed.put(99)  # (the check draws from Python's: put it in again before each use)
     torch.initial_seed()
-    np.random.get_state()
+    np.random.get_state(legacy=False)
     random.getstate()  # reading is not a change
     assert fixed.changed() == []
     draws_by_name = {
@@ -135,6 +136,18 @@ def test_fixed_states_are_the_same_state_every_time() -> None:
     a.put(7)
     assert torch.initial_seed() == 7
     assert isinstance(np.random.get_bit_generator(), np.random.PCG64)
+
+
+def test_a_draw_of_a_whole_block_of_words_is_seen() -> None:
+    fixed = rs.FixedStates(("random",))
+    for words in (1, 623, 624, 625, 2 * 624):
+        fixed.put(5)
+        random.getrandbits(32 * words)
+        assert fixed.changed() == ["random"], words
+    fixed.put(5)
+    random.gauss(0, 1)
+    random.gauss(0, 1)  # an even number: gauss_next empty again, the words moved
+    assert fixed.changed() == ["random"]
 
 
 def test_a_gaussian_taken_from_a_cache_put_in_by_set_state_is_seen() -> None:
