@@ -139,15 +139,18 @@ class GlobalRngs:
             "the dataset need not)"
         ) from error
 
-    def check(self, batch: str, where: str = "in the dataset or the collate function") -> None:
+    def check(self, batch: str | Callable[[], str], where: str = "in the dataset or the collate function") -> None:
         """After a batch or item: ``UndeclaredRngError`` if it drew from a generator left
-        out (``batch`` and ``where`` say what drew, for the message)."""
+        out (``batch`` and ``where`` say what drew, for the message; ``batch`` may be a
+        function making the text, called only for an error)."""
         if self._fixed is None:
             return
         drawn = self._fixed_states.changed()
         if not drawn:
             return
         self._fixed = None
+        if callable(batch):
+            batch = batch()
         fix = tuple(sorted({*self.names, *drawn, "torch"}))
         raise UndeclaredRngError(
             f"{batch} drew from {' and '.join(_SHOWN[n] for n in drawn)} ({where}), but the loader's global_rngs={self.names!r} does not list {', '.join(map(repr, drawn))}: "

@@ -59,6 +59,10 @@ NUMPY_GLOBAL: np.random.RandomState = np.random.random_sample.__self__  # type: 
 #: ``seed`` of ``random.Random``'s C base class: the same seeding, without ``Random.seed``'s
 #: Python-level argument checks (about 0.5 µs instead of 3).
 C_RANDOM_SEED: Callable[..., None] = _random.Random.seed
+#: ``getstate``/``setstate`` of that C base class: the words and position (``random.Random``'s
+#: own add its version and ``gauss_next``, handled beside them here).
+_PY_GETSTATE: Callable[[random.Random], Any] = _random.Random.getstate
+_PY_SETSTATE: Callable[[random.Random, Any], None] = _random.Random.setstate
 
 _TORCH = torch.default_generator
 _MASK64 = (1 << 64) - 1
@@ -100,10 +104,11 @@ class CallerStreams:
         # the caller's streams go on where they were
     """
 
-    __slots__ = ("_numpy", "_python", "_torch")
+    __slots__ = ("_gauss", "_numpy", "_python", "_torch")
 
     def __enter__(self) -> None:
-        self._python = PY_RANDOM.getstate()
+        self._python = _PY_GETSTATE(PY_RANDOM)  # (what random.getstate() returns beside its version)
+        self._gauss = PY_RANDOM.gauss_next  # type: ignore[attr-defined]
         self._torch = _TORCH.get_state()
         self._numpy = _get_bit_generator()
         depth = _DEPTH[0]
@@ -112,7 +117,8 @@ class CallerStreams:
 
     def __exit__(self, *exc: object) -> None:
         _DEPTH[0] -= 1
-        PY_RANDOM.setstate(self._python)
+        _PY_SETSTATE(PY_RANDOM, self._python)
+        PY_RANDOM.gauss_next = self._gauss  # type: ignore[attr-defined]
         _TORCH.set_state(self._torch)
         _set_bit_generator(self._numpy)
 
@@ -121,13 +127,13 @@ class CallerStreams:
 
 
 def look_numpy(fixed: Any = None) -> Any:
-    """NumPy's global ``RandomState`` whole while it runs on ``fixed`` (the PCG64 of
-    :class:`FixedStates`: its state and the cached Gaussian, about 1 µs), else which bit
-    generator it runs on (another bit generator swapped in is a change)."""
+    """The state of the bit generator NumPy's global ``RandomState`` runs on while that is
+    ``fixed`` (the PCG64 of :class:`FixedStates`, about 1 µs), else which one it runs on
+    (another bit generator swapped in is a change)."""
     bit = _get_bit_generator()
     if bit is not fixed:
         return False, id(bit)
-    return True, NUMPY_GLOBAL.get_state(legacy=False)
+    return True, bit.state
 
 
 # -- the fixed state of the generators global_rngs= leaves out ---------------------------
@@ -147,8 +153,9 @@ class FixedStates:
       as much. The check draws, so :meth:`put` comes before every use.
     * NumPy's global ``RandomState``: given a PCG64 of this object's in the state the seed
       makes (a Mersenne Twister's state costs about 25 µs to read through NumPy's API, a
-      PCG64's about 1 µs); the check compares ``get_state()`` (with the cached Gaussian)
-      and that the ``RandomState`` still runs on it.
+      PCG64's about 1 µs); the check compares the PCG64's state, and that the
+      ``RandomState`` still runs on it. (The swap empties the cached Gaussian, so a
+      Gaussian taken during an item was made from the PCG64, which moved it.)
 
     Code that reads a generator without drawing (``torch.initial_seed``,
     ``torch.random.fork_rng``, ``np.random.get_state``) sees the same state in every worker
@@ -182,7 +189,8 @@ class FixedStates:
         if seed != self._seed:
             self._make(seed)
         if self._python:
-            PY_RANDOM.setstate(self._python_state)
+            _PY_SETSTATE(PY_RANDOM, self._python_state)
+            PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
         if self._torch:
             _TORCH.set_state(self._torch_state)  # type: ignore[arg-type]
         if self._numpy:
@@ -199,7 +207,7 @@ class FixedStates:
             gen = random.Random()
             C_RANDOM_SEED(gen, seed)
             gen.getrandbits(32)  # (the next draws then need no new block of words)
-            self._python_state = gen.getstate()
+            self._python_state = _PY_GETSTATE(gen)
             self._python_next = (gen.random(), gen.random())
         if self._torch:
             self._torch_state = torch.Generator().manual_seed(seed).get_state()

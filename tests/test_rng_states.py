@@ -159,13 +159,18 @@ def test_a_gaussian_taken_from_a_cache_put_in_by_set_state_is_seen() -> None:
     fixed.put(3)
     torch.set_rng_state(with_cache)
     assert fixed.changed() == ["torch"]
-    # NumPy: a state with a cached Gaussian put in with the fixed PCG64's words
+    # NumPy: the fixed state has no cached Gaussian (the swap empties it): one taken in an
+    # item was made from the PCG64, which moved; the state put back as it was is no change
     fixed = rs.FixedStates(("numpy",))
     fixed.put(3)
-    state = np.random.get_state(legacy=False)
-    state["has_gauss"], state["gauss"] = 1, 0.5
-    np.random.set_state(state)
+    assert np.random.get_state(legacy=False)["has_gauss"] == 0
+    np.random.randn()
     assert fixed.changed() == ["numpy"]
+    fixed.put(3)
+    kept = np.random.get_state(legacy=False)
+    np.random.randn(3)
+    np.random.set_state(kept)  # drawn and put back: the same state, the same data everywhere
+    assert fixed.changed() == []
 
 
 def test_no_module_reads_or_writes_another_librarys_memory() -> None:
