@@ -21,10 +21,11 @@ or ``global_rngs=()`` for one that draws from none (a reader, a tokenizer). Then
   (``torch.initial_seed()``) or draws and puts its state back (``torch.random.fork_rng``)
   sees the same state in every worker and after every restore. In the main process the
   caller's streams are set aside around each batch or item, as by default
-  (``_rng_states.CallerStreams``). The check compares each generator's state through
-  its public API (``_rng_states.FixedStates``): Python's ``getstate()`` (its position,
-  words and cached ``gauss_next``), NumPy's ``get_state()`` of the PCG64 (with the cached
-  Gaussian) and torch's ``get_state()`` (with its cached normals).
+  (``_rng_states.CallerStreams``). The check goes through each generator's public API
+  (``_rng_states.FixedStates``): NumPy's ``get_state()`` of the PCG64 (with the cached
+  Gaussian), torch's ``get_state()`` (with its cached normals), and for Python's the next
+  two doubles of the fixed state drawn and compared (a draw moves the position; reading
+  ``getstate()`` would cost ten times as much).
 
 Never silently inexact: a batch either drew only from re-seeded generators (exact, as
 by default) or raised. Draws outside batches and items (a ``worker_init_fn``, the main
@@ -118,9 +119,7 @@ class GlobalRngs:
         it did, as in the main process, where the caller's own states were put back)."""
         if not self.undeclared:
             return
-        if not changed and self._fixed == (seed, epoch) and not self._fixed_states.changed():
-            return
-        key = (seed, epoch)
+        key = (seed, epoch)  # (put in every time: cheaper than looking, and the look draws)
         if self._seeds[0] != key:
             self._seeds = (key, undeclared_rngs_seed(seed, epoch))
         self._fixed_states.put(self._seeds[1])
@@ -140,15 +139,18 @@ class GlobalRngs:
             "the dataset need not)"
         ) from error
 
-    def check(self, batch: str, where: str = "in the dataset or the collate function") -> None:
+    def check(self, batch: str | Callable[[], str], where: str = "in the dataset or the collate function") -> None:
         """After a batch or item: ``UndeclaredRngError`` if it drew from a generator left
-        out (``batch`` and ``where`` say what drew, for the message)."""
+        out (``batch`` and ``where`` say what drew, for the message; ``batch`` may be a
+        function making the text, called only for an error)."""
         if self._fixed is None:
             return
         drawn = self._fixed_states.changed()
         if not drawn:
             return
         self._fixed = None
+        if callable(batch):
+            batch = batch()
         fix = tuple(sorted({*self.names, *drawn, "torch"}))
         raise UndeclaredRngError(
             f"{batch} drew from {' and '.join(_SHOWN[n] for n in drawn)} ({where}), but the loader's global_rngs={self.names!r} does not list {', '.join(map(repr, drawn))}: "

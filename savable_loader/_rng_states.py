@@ -50,9 +50,6 @@ __all__ = [
     "FixedStates",
     "loader_bit_generator",
     "look_numpy",
-    "look_python",
-    "look_torch",
-    "same_torch",
 ]
 
 #: The hidden ``random.Random`` behind Python's module-level random functions.
@@ -62,6 +59,10 @@ NUMPY_GLOBAL: np.random.RandomState = np.random.random_sample.__self__  # type: 
 #: ``seed`` of ``random.Random``'s C base class: the same seeding, without ``Random.seed``'s
 #: Python-level argument checks (about 0.5 µs instead of 3).
 C_RANDOM_SEED: Callable[..., None] = _random.Random.seed
+#: ``getstate``/``setstate`` of that C base class: the words and position (``random.Random``'s
+#: own add its version and ``gauss_next``, handled beside them here).
+_PY_GETSTATE: Callable[[random.Random], Any] = _random.Random.getstate
+_PY_SETSTATE: Callable[[random.Random, Any], None] = _random.Random.setstate
 
 _TORCH = torch.default_generator
 _MASK64 = (1 << 64) - 1
@@ -103,10 +104,11 @@ class CallerStreams:
         # the caller's streams go on where they were
     """
 
-    __slots__ = ("_numpy", "_python", "_torch")
+    __slots__ = ("_gauss", "_numpy", "_python", "_torch")
 
     def __enter__(self) -> None:
-        self._python = PY_RANDOM.getstate()
+        self._python = _PY_GETSTATE(PY_RANDOM)  # (what random.getstate() returns beside its version)
+        self._gauss = PY_RANDOM.gauss_next  # type: ignore[attr-defined]
         self._torch = _TORCH.get_state()
         self._numpy = _get_bit_generator()
         depth = _DEPTH[0]
@@ -115,43 +117,23 @@ class CallerStreams:
 
     def __exit__(self, *exc: object) -> None:
         _DEPTH[0] -= 1
-        PY_RANDOM.setstate(self._python)
+        _PY_SETSTATE(PY_RANDOM, self._python)
+        PY_RANDOM.gauss_next = self._gauss  # type: ignore[attr-defined]
         _TORCH.set_state(self._torch)
         _set_bit_generator(self._numpy)
 
 
-# -- looking at a generator: a value equal exactly when the state is --------------------
-
-
-def look_python() -> Any:
-    """Python's global ``random``, for telling a changed state from an unchanged one:
-    its position, its first words and its cached ``gauss_next``. A draw moves the
-    position, or (a multiple of 624 words) regenerates every word; comparing 8 of the 624
-    is as good as comparing all of them (a 256-bit coincidence) and costs nothing beside
-    ``getstate()`` itself, where comparing the whole tuple costs as much again."""
-    _, words, gauss = PY_RANDOM.getstate()
-    return words[624], words[:8], gauss
-
-
-def look_torch() -> torch.Tensor:
-    """torch's CPU generator state (seed, words, position, cached normals); compare two
-    with :func:`same_torch`."""
-    return _TORCH.get_state()
-
-
-def same_torch(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two states from :func:`look_torch` are equal."""
-    return torch.equal(a, b)
+# -- looking at a generator ----------------------------------------------------------
 
 
 def look_numpy(fixed: Any = None) -> Any:
-    """NumPy's global ``RandomState`` whole while it runs on ``fixed`` (the PCG64 of
-    :class:`FixedStates`: its state and the cached Gaussian, about 1 µs), else which bit
-    generator it runs on (another bit generator swapped in is a change)."""
+    """The state of the bit generator NumPy's global ``RandomState`` runs on while that is
+    ``fixed`` (the PCG64 of :class:`FixedStates`, about 1 µs), else which one it runs on
+    (another bit generator swapped in is a change)."""
     bit = _get_bit_generator()
     if bit is not fixed:
         return False, id(bit)
-    return True, NUMPY_GLOBAL.get_state(legacy=False)
+    return True, bit.state
 
 
 # -- the fixed state of the generators global_rngs= leaves out ---------------------------
@@ -159,34 +141,47 @@ def look_numpy(fixed: Any = None) -> Any:
 
 class FixedStates:
     """Puts the global generators ``names`` (of ``"numpy"``, ``"random"``, ``"torch"``) in
-    the fixed state of a seed, and tells whether anything changed them since.
+    the fixed state of a seed, and tells whether anything drew from them since.
 
-    Python's and torch's generators are seeded with the seed; NumPy's global
-    ``RandomState`` is given a PCG64 of this object's, in the state the seed makes (its
-    state is cheap to read, which the check after every item does; a Mersenne Twister's
-    costs about 25 µs). Code that reads a generator without drawing (``torch.initial_seed``,
-    ``torch.random.fork_rng``, ``np.random.get_state``) sees the same state in every
-    worker and after every restore.
+    * torch's CPU generator: the state ``manual_seed(seed)`` gives, put back with
+      ``set_state``; the check compares ``get_state()``'s bytes (cached normals included).
+    * Python's ``random``: the state ``seed(seed)`` then one 32-bit draw gives, put back
+      with ``setstate``; the check draws the next two doubles and compares them with the
+      fixed state's (and ``gauss_next`` with None). Any draw moves the position, after
+      which the next two outputs of a Mersenne Twister differ from these (a 106-bit
+      coincidence); reading the state (``getstate``, 625 integers) would cost ten times
+      as much. The check draws, so :meth:`put` comes before every use.
+    * NumPy's global ``RandomState``: given a PCG64 of this object's in the state the seed
+      makes (a Mersenne Twister's state costs about 25 µs to read through NumPy's API, a
+      PCG64's about 1 µs); the check compares the PCG64's state, and that the
+      ``RandomState`` still runs on it. (The swap empties the cached Gaussian, so a
+      Gaussian taken during an item was made from the PCG64, which moved it.)
+
+    Code that reads a generator without drawing (``torch.initial_seed``,
+    ``torch.random.fork_rng``, ``np.random.get_state``) sees the same state in every worker
+    and after every restore.
 
     Example::
 
         fixed = FixedStates(("numpy", "random"))
-        fixed.put(1234)          # both in the state of seed 1234
+        fixed.put(1234)          # both in the fixed state of seed 1234
         ...                      # an item that must not draw from them
-        fixed.unchanged()        # False if it drew
+        fixed.changed()          # ["random"] if it drew from Python's random
     """
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
         self._python, self._numpy, self._torch = "random" in names, "numpy" in names, "torch" in names
         self._seed: int | None = None
+        self._python_state: Any = None
+        self._python_next: tuple[float, float] = (0.0, 0.0)
         self._bit: np.random.PCG64 | None = None
         self._bit_state: Any = None
+        self._numpy_look: Any = None
         self._torch_state: torch.Tensor | None = None
+        self._torch_bytes = b""
         #: the PCG64 is known to be in the seed's state (changed() found it so since put())
         self._pristine = False
-        #: what :meth:`look` gives in the fixed state of ``self._seed``
-        self._fingerprint: tuple[Any, ...] | None = None
 
     def put(self, seed: int) -> None:
         """Put the generators in the fixed state of ``seed`` (made once per seed)."""
@@ -194,7 +189,7 @@ class FixedStates:
         if seed != self._seed:
             self._make(seed)
         if self._python:
-            C_RANDOM_SEED(PY_RANDOM, seed)
+            _PY_SETSTATE(PY_RANDOM, self._python_state)
             PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
         if self._torch:
             _TORCH.set_state(self._torch_state)  # type: ignore[arg-type]
@@ -208,39 +203,41 @@ class FixedStates:
             self._pristine = False  # until changed() finds it unchanged
 
     def _make(self, seed: int) -> None:
+        if self._python:
+            gen = random.Random()
+            C_RANDOM_SEED(gen, seed)
+            gen.getrandbits(32)  # (the next draws then need no new block of words)
+            self._python_state = _PY_GETSTATE(gen)
+            self._python_next = (gen.random(), gen.random())
         if self._torch:
             self._torch_state = torch.Generator().manual_seed(seed).get_state()
+            self._torch_bytes = self._torch_state.numpy().tobytes()
         if self._numpy:
             self._bit = np.random.PCG64(seed)
             self._bit_state = self._bit.state
             self._pristine = True
+            held = _get_bit_generator()
+            _set_bit_generator(self._bit)
+            self._numpy_look = look_numpy(self._bit)
+            _set_bit_generator(held)
         self._seed = seed
-        self._fingerprint = None
-        self.put(seed)
-        self._fingerprint = self.look()
-
-    def look(self) -> tuple[Any, Any, Any]:
-        """The generators' states now (see :meth:`changed`)."""
-        return (
-            look_python() if self._python else None,
-            look_numpy(self._bit) if self._numpy else None,
-            look_torch() if self._torch else None,
-        )
 
     def changed(self) -> list[str]:
-        """The names of the generators not in the fixed state of the last :meth:`put`
-        (sorted)."""
-        fixed = self._fingerprint
-        if fixed is None:
+        """The names of the generators drawn from (or otherwise moved) since the last
+        :meth:`put`, sorted. Draws from Python's generator to tell."""
+        if self._seed is None:
             raise InternalError("FixedStates.changed before put")
         changed = []
         if self._numpy:
             # unchanged, on our PCG64: the next put() need not set its state again
-            self._pristine = look_numpy(self._bit) == fixed[1]
+            self._pristine = look_numpy(self._bit) == self._numpy_look
             if not self._pristine:
                 changed.append("numpy")
-        if self._python and look_python() != fixed[0]:
+        if self._python and (
+            PY_RANDOM.gauss_next is not None  # type: ignore[attr-defined]
+            or (PY_RANDOM.random(), PY_RANDOM.random()) != self._python_next
+        ):
             changed.append("random")
-        if self._torch and not same_torch(look_torch(), fixed[2]):
+        if self._torch and _TORCH.get_state().numpy().tobytes() != self._torch_bytes:
             changed.append("torch")
         return changed

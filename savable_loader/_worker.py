@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, NamedTuple, NoReturn, cast
 
 import cloudpickle
@@ -331,8 +332,9 @@ class WorkerRuntime:
         taken = 0  # snapshots of this run
         costs: list[float] = []
         iterator: Iterator[Any] | None = None
+        active = _ActiveWorker(worker_id, epoch, formula, names)  # (entered once per item)
         while True:
-            with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(self.in_process):
+            with active, _rng_scope(self.in_process):
                 if guard is not None:  # the generators left out in their fixed state
                     guard.begin(wc.seed, epoch, changed=self.in_process)  # (the caller's were put back)
                 if names:  # (global_rngs=(): nothing to re-seed)
@@ -384,7 +386,10 @@ class WorkerRuntime:
                     # streams are put back after this block
                     item = collate(item)
                 if guard is not None:  # a draw the loader did not seed: an error, never the item
-                    guard.check(f"item {index - 1} of worker {worker_id} in epoch {epoch}", "in the pipeline")
+                    guard.check(
+                        partial("item {} of worker {} in epoch {}".format, index - 1, worker_id, epoch),
+                        "in the pipeline",
+                    )
             if skip:
                 skip -= 1
                 continue

@@ -228,6 +228,11 @@ class _ActiveWorker:
         self.seed_formula = seed_formula
         self.global_rngs = global_rngs
         self._saved: tuple[Any, ...] = ()
+        #: the seeder, when both are given (it does not depend on the enclosing context):
+        #: looked up once, not at every entry (the runtime enters one per item)
+        self._seeder = (
+            None if seed_formula is None or global_rngs is None else (_seeder_for(global_rngs, seed_formula),)
+        )
 
     def __enter__(self) -> _ActiveWorker:  # noqa: PYI034 - typing.Self needs Python 3.11
         d = _active.__dict__
@@ -238,7 +243,9 @@ class _ActiveWorker:
             _active.seed_formula = self.seed_formula
         if self.global_rngs is not None:
             _active.global_rngs = self.global_rngs
-        if self.seed_formula is not None or self.global_rngs is not None:
+        if self._seeder is not None:
+            _active.seeder = self._seeder
+        elif self.seed_formula is not None or self.global_rngs is not None:
             _active.seeder = (_seeder_for(d.get("global_rngs", GLOBAL_RNG_NAMES), d.get("seed_formula", SEED_FORMULA)),)
         return self
 

@@ -104,8 +104,9 @@ def test_fixed_states_see_every_draw_and_only_draws(names: tuple[str, ...]) -> N
     fixed = rs.FixedStates(names)
     fixed.put(99)
     assert fixed.changed() == []
+    fixed.put(99)  # (the check draws from Python's: put it in again before each use)
     torch.initial_seed()
-    np.random.get_state()
+    np.random.get_state(legacy=False)
     random.getstate()  # reading is not a change
     assert fixed.changed() == []
     draws_by_name = {
@@ -137,6 +138,18 @@ def test_fixed_states_are_the_same_state_every_time() -> None:
     assert isinstance(np.random.get_bit_generator(), np.random.PCG64)
 
 
+def test_a_draw_of_a_whole_block_of_words_is_seen() -> None:
+    fixed = rs.FixedStates(("random",))
+    for words in (1, 623, 624, 625, 2 * 624):
+        fixed.put(5)
+        random.getrandbits(32 * words)
+        assert fixed.changed() == ["random"], words
+    fixed.put(5)
+    random.gauss(0, 1)
+    random.gauss(0, 1)  # an even number: gauss_next empty again, the words moved
+    assert fixed.changed() == ["random"]
+
+
 def test_a_gaussian_taken_from_a_cache_put_in_by_set_state_is_seen() -> None:
     # torch: a cached normal that set_state puts in and an item takes moves no words
     fixed = rs.FixedStates(("torch",))
@@ -146,13 +159,18 @@ def test_a_gaussian_taken_from_a_cache_put_in_by_set_state_is_seen() -> None:
     fixed.put(3)
     torch.set_rng_state(with_cache)
     assert fixed.changed() == ["torch"]
-    # NumPy: a state with a cached Gaussian put in with the fixed PCG64's words
+    # NumPy: the fixed state has no cached Gaussian (the swap empties it): one taken in an
+    # item was made from the PCG64, which moved; the state put back as it was is no change
     fixed = rs.FixedStates(("numpy",))
     fixed.put(3)
-    state = np.random.get_state(legacy=False)
-    state["has_gauss"], state["gauss"] = 1, 0.5
-    np.random.set_state(state)
+    assert np.random.get_state(legacy=False)["has_gauss"] == 0
+    np.random.randn()
     assert fixed.changed() == ["numpy"]
+    fixed.put(3)
+    kept = np.random.get_state(legacy=False)
+    np.random.randn(3)
+    np.random.set_state(kept)  # drawn and put back: the same state, the same data everywhere
+    assert fixed.changed() == []
 
 
 def test_no_module_reads_or_writes_another_librarys_memory() -> None:
