@@ -180,8 +180,6 @@ class FixedStates:
         self._numpy_look: Any = None
         self._torch_state: torch.Tensor | None = None
         self._torch_bytes = b""
-        #: the PCG64 is known to be in the seed's state (changed() found it so since put())
-        self._pristine = False
 
     def put(self, seed: int) -> None:
         """Put the generators in the fixed state of ``seed`` (made once per seed)."""
@@ -197,10 +195,8 @@ class FixedStates:
             bit = self._bit
             if bit is None:  # pragma: no cover - made with the seed
                 raise InternalError("FixedStates lost its bit generator")
-            if not self._pristine:  # drawn from since (or not known): back to the seed's state
-                bit.state = self._bit_state
+            bit.state = self._bit_state  # (about 1 µs: anything may have drawn from it since)
             _set_bit_generator(bit)  # (which also empties the cached Gaussian)
-            self._pristine = False  # until changed() finds it unchanged
 
     def _make(self, seed: int) -> None:
         if self._python:
@@ -215,7 +211,6 @@ class FixedStates:
         if self._numpy:
             self._bit = np.random.PCG64(seed)
             self._bit_state = self._bit.state
-            self._pristine = True
             held = _get_bit_generator()
             _set_bit_generator(self._bit)
             self._numpy_look = look_numpy(self._bit)
@@ -228,11 +223,8 @@ class FixedStates:
         if self._seed is None:
             raise InternalError("FixedStates.changed before put")
         changed = []
-        if self._numpy:
-            # unchanged, on our PCG64: the next put() need not set its state again
-            self._pristine = look_numpy(self._bit) == self._numpy_look
-            if not self._pristine:
-                changed.append("numpy")
+        if self._numpy and look_numpy(self._bit) != self._numpy_look:
+            changed.append("numpy")
         if self._python and (
             PY_RANDOM.gauss_next is not None  # type: ignore[attr-defined]
             or (PY_RANDOM.random(), PY_RANDOM.random()) != self._python_next

@@ -178,3 +178,16 @@ def test_no_module_reads_or_writes_another_librarys_memory() -> None:
 
     for path in Path(savable_loader.__file__).parent.rglob("*.py"):
         assert "ctypes" not in path.read_text(), path
+
+
+def test_draws_between_a_check_and_the_next_put_are_undone() -> None:
+    # the fixed state stays in NumPy's RandomState after a check (in a worker, between
+    # items): whatever draws from it then, the next put() starts from the seed's state
+    fixed = rs.FixedStates(("numpy", "random", "torch"))
+    fixed.put(4)
+    expected = draws()
+    fixed.put(4)
+    assert fixed.changed() == []
+    draws()  # between items
+    fixed.put(4)
+    assert draws() == expected
