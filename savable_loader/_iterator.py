@@ -34,7 +34,9 @@ The rules (docs/concepts.md, "What a state means"; torch's behaviour where users
 
 from __future__ import annotations
 
+import atexit
 import enum
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -53,6 +55,29 @@ T_co = TypeVar("T_co", covariant=True)
 #: the cycle collector, which could finalise them before our iterator's ``__del__`` sends
 #: the workers their stop signal (then each worker is killed after a 5 s timeout).
 RUNNING: dict[int, Any] = {}
+
+#: Iterators whose iteration has begun, closed at interpreter exit (:func:`_close_at_exit`).
+_BEGUN: weakref.WeakSet[SavableIterator[Any]] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """Abandon every live iteration while the interpreter is whole (``atexit`` runs
+    before modules are torn down).
+
+    An iterator still referenced at exit (a module global, as nanochat keeps its loader)
+    holds its iteration: in process, the pipeline's generators and the tensors in their
+    frames and buffers, reachable from :data:`RUNNING`. Left alone, all of it goes to the
+    interpreter's last cycle collection together with the modules, which clears objects
+    in no particular order; torch aborts the process (``THPVariable_clear``: ``INTERNAL
+    ASSERT FAILED``, exit code 134) when it clears a tensor whose C++ side another object
+    still shares. Closed here, the iteration is freed by reference counting, in order,
+    and worker processes are stopped as on any abandon.
+    """
+    for it in list(_BEGUN):
+        try:
+            it.close()
+        except Exception:  # noqa: BLE001, S112 - never raise at exit; close the others
+            continue
 
 
 class Fate(enum.Enum):
@@ -107,6 +132,7 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
             if self._closed:
                 raise StopIteration
             self._record = self._loader._begin()
+            _BEGUN.add(self)
         return self._record
 
     def __next__(self) -> T_co:
@@ -139,3 +165,6 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
                 self.close()
         except Exception:  # noqa: BLE001, S110 - never raise from a finaliser (or at shutdown)
             pass
+
+
+atexit.register(_close_at_exit)
