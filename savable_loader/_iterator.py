@@ -70,14 +70,20 @@ def _close_at_exit() -> None:
     interpreter's last cycle collection together with the modules, which clears objects
     in no particular order; torch aborts the process (``THPVariable_clear``: ``INTERNAL
     ASSERT FAILED``, exit code 134) when it clears a tensor whose C++ side another object
-    still shares. Closed here, the iteration is freed by reference counting, in order,
-    and worker processes are stopped as on any abandon.
+    still shares. Closed here (worker processes are stopped as on any abandon) and let go
+    of (the torch iterator, which holds the in-process generators), the iteration is
+    freed by reference counting, in order, its generators' ``finally`` clauses running
+    while the modules they use are still there.
     """
     for it in list(_BEGUN):
         try:
             it.close()
         except Exception:  # noqa: BLE001, S112 - never raise at exit; close the others
             continue
+        finally:
+            record = it._record
+            if record is not None:
+                record.torch_iter = None
 
 
 class Fate(enum.Enum):
