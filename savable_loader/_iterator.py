@@ -145,7 +145,11 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
         return self._loader._next(self._started())
 
     def close(self) -> None:
-        """Abandon the iteration: later ``next()`` calls raise StopIteration."""
+        """Abandon the iteration: later ``next()`` calls raise StopIteration. Closing
+        again does nothing (a generator wrapping the iterator may close it at exit,
+        after :func:`_close_at_exit` did)."""
+        if self._closed:
+            return
         self._closed = True
         if self._record is not None:
             self._loader._end(self._record, Fate.ABANDONED)

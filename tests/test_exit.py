@@ -97,6 +97,15 @@ for kind in kinds:
 for kind, it in zip(kinds, iterators):
     for _ in range(3):
         print(kind, next(it).tolist(), flush=True)
+
+
+def stream(loader):  # an endless stream of epochs, as a training script writes it
+    while True:
+        yield from loader
+
+
+batches = stream(sl.SavableDataLoader(pipeline(kinds[0], wc), batch_size=None, worker_config=wc))
+next(batches)
 """
 )
 
