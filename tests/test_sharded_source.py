@@ -612,3 +612,22 @@ def test_files_choose_what_is_read(parquet_folder):
     state = loader.save_state_rank()
     with pytest.raises(sl.errors.ConfigMismatchError, match="files"):
         make_loader(ShardedFileDataset(parquet_folder, wc, files=slice(None, -2))).restore_state_rank(state)
+
+
+def test_a_folder_with_held_out_files_read_whole_warns(tmp_path):
+    """Files named for validation are read only when chosen: reading the whole folder
+    warns, naming them; ``files=`` (or a folder of training files only) does not."""
+    import warnings
+
+    write_shards(tmp_path, [np.arange(4), np.arange(3)])
+    (tmp_path / "shard-00001.npy").rename(tmp_path / "val-00000.npy")
+    meta = json.loads((tmp_path / "metadata.json").read_text())
+    meta["shards"][1]["path"] = "val-00000.npy"
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match=r"val-00000.npy included, whose name says it is held out"):
+        ShardedFileDataset(tmp_path, wconf())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train = ShardedFileDataset(tmp_path, wconf(), files="shard-*")
+        assert [s.path for s in train.metadata.shards] == ["shard-00000.npy"]
+        ShardedFileDataset(tmp_path, wconf(), files=["val-00000.npy"])

@@ -61,6 +61,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -224,6 +226,8 @@ class ShardedFileDataset(SavableDataset):
         self.split = split
         self.metadata: Metadata = load_metadata(self.store, split=split)
         self.files = files
+        if files is None and split is None:
+            _warn_held_out(self.metadata, self.store.describe())
         if files is not None:
             paths = [s.path for s in self.metadata.shards]
             keep = choose_files(paths, files, f"ShardedFileDataset({self.store.describe()!r}) files")
@@ -536,6 +540,25 @@ class ShardedFileDataset(SavableDataset):
         if self.decode is not None and self.decode is not False:
             config["decode"] = self.decode
         return config
+
+
+#: Words that name a held-out file (``val-0.parquet``, ``test/part-3.tar``).
+_HELD_OUT = frozenset({"val", "valid", "validation", "test", "eval", "evaluation", "dev", "heldout"})
+
+
+def _warn_held_out(metadata: Metadata, where: str) -> None:
+    """Warn when every file is read (no ``files=``) and some are named for validation:
+    training on them would go unnoticed."""
+    named = [s.path for s in metadata.shards if _HELD_OUT & set(re.split(r"[^a-z]+", s.path.lower()))]
+    if named and len(named) < len(metadata.shards):
+        shown = ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
+        warnings.warn(
+            f"ShardedFileDataset({where!r}) reads every file of the folder, {shown} included, whose name says "
+            "it is held out (validation or test): pass files= to choose, e.g. files='train*' or "
+            "files=slice(None, -1) (all but the last)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_columns(columns: Sequence[str] | None) -> tuple[str, ...] | None:
