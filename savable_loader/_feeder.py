@@ -14,6 +14,7 @@ Installed by the worker init function of :class:`~savable_loader.SavableDataLoad
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import cloudpickle
 from torch.utils.data import get_worker_info
 
+from savable_loader._parent_watch import start_parent_watch
 from savable_loader._torch_internals import (
     ExceptionWrapper,
     queue_push_front,
@@ -76,16 +78,22 @@ class WorkerInit:
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
         self.user_fn = user_fn
+        self.main_pid: int | None = None  # None: a forked worker, whose parent is the main process
 
     def __getstate__(self) -> dict[str, Any]:
-        # cloudpickle carries a lambda or local function to spawn/forkserver workers
-        return {"user_fn": cloudpickle.dumps(self.user_fn)}
+        # cloudpickle carries a lambda or local function to spawn/forkserver workers;
+        # pickled in the main process as it starts them (a forkserver worker's parent is
+        # the fork server)
+        return {"user_fn": cloudpickle.dumps(self.user_fn), "main_pid": os.getpid()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.user_fn = cloudpickle.loads(state["user_fn"])
+        self.main_pid = state["main_pid"]
 
     def __call__(self, worker_id: int) -> None:
         install_feeder_hook()
+        # the worker ends when the main process is gone (_parent_watch.py)
+        start_parent_watch(os.getppid() if self.main_pid is None else self.main_pid)
         info = get_worker_info()
         engine_dataset = info.dataset if info is not None else None
         user_dataset = getattr(engine_dataset, "user_dataset", None)

@@ -34,7 +34,9 @@ The rules (docs/concepts.md, "What a state means"; torch's behaviour where users
 
 from __future__ import annotations
 
+import atexit
 import enum
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -53,6 +55,35 @@ T_co = TypeVar("T_co", covariant=True)
 #: the cycle collector, which could finalise them before our iterator's ``__del__`` sends
 #: the workers their stop signal (then each worker is killed after a 5 s timeout).
 RUNNING: dict[int, Any] = {}
+
+#: Iterators whose iteration has begun, closed at interpreter exit (:func:`_close_at_exit`).
+_BEGUN: weakref.WeakSet[SavableIterator[Any]] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """Abandon every live iteration while the interpreter is whole (``atexit`` runs
+    before modules are torn down).
+
+    An iterator still referenced at exit (a module global, as nanochat keeps its loader)
+    holds its iteration: in process, the pipeline's generators and the tensors in their
+    frames and buffers, reachable from :data:`RUNNING`. Left alone, all of it goes to the
+    interpreter's last cycle collection together with the modules, which clears objects
+    in no particular order; torch aborts the process (``THPVariable_clear``: ``INTERNAL
+    ASSERT FAILED``, exit code 134) when it clears a tensor whose C++ side another object
+    still shares. Closed here (worker processes are stopped as on any abandon) and let go
+    of (the torch iterator, which holds the in-process generators), the iteration is
+    freed by reference counting, in order, its generators' ``finally`` clauses running
+    while the modules they use are still there.
+    """
+    for it in list(_BEGUN):
+        try:
+            it.close()
+        except Exception:  # noqa: BLE001, S112 - never raise at exit; close the others
+            continue
+        finally:
+            record = it._record
+            if record is not None:
+                record.torch_iter = None
 
 
 class Fate(enum.Enum):
@@ -107,13 +138,18 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
             if self._closed:
                 raise StopIteration
             self._record = self._loader._begin()
+            _BEGUN.add(self)
         return self._record
 
     def __next__(self) -> T_co:
         return self._loader._next(self._started())
 
     def close(self) -> None:
-        """Abandon the iteration: later ``next()`` calls raise StopIteration."""
+        """Abandon the iteration: later ``next()`` calls raise StopIteration. Closing
+        again does nothing (a generator wrapping the iterator may close it at exit,
+        after :func:`_close_at_exit` did)."""
+        if self._closed:
+            return
         self._closed = True
         if self._record is not None:
             self._loader._end(self._record, Fate.ABANDONED)
@@ -139,3 +175,6 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
                 self.close()
         except Exception:  # noqa: BLE001, S110 - never raise from a finaliser (or at shutdown)
             pass
+
+
+atexit.register(_close_at_exit)

@@ -66,7 +66,6 @@ from savable_loader.errors import (
     RestoreKeyError,
     SavableLoaderError,
     StateError,
-    UsageTypeError,
     WorkerError,
     WorkerTimeoutError,
 )
@@ -634,24 +633,26 @@ class SavableDataLoader(DataLoader[T_co]):
         pending = self._pending
         return pending.epoch if pending is not None else self._next_epoch
 
-    def remaining(self) -> int:
+    def remaining(self) -> int | None:
         """Batches still to come: in the most recent live iteration, or else in the one
-        the next ``iter()`` starts (the rest of a restored epoch, or a whole epoch).
+        the next ``iter()`` starts (the rest of a restored epoch, or a whole epoch);
+        ``None`` where no end is known: a savable pipeline or an IterableDataset without
+        a length (an endless stream, such as an LLM pretraining pipeline).
 
         Use it where ``len(loader)`` would count a whole epoch, e.g. a progress bar after
-        a mid-epoch restore: ``tqdm(loader, total=loader.remaining())``.
+        a mid-epoch restore: ``tqdm(loader, total=loader.remaining())`` (no total for a
+        stream).
         """
         with self._state_lock:
             live = [r for r in self._records if r.fate is Fate.LIVE]
             if live:
-                left = live[-1].iteration.remaining()
-            elif self._pending is not None:
-                left = self._mode.remaining(self._pending)
-            else:
-                return len(self)
-        if left is None:
-            raise UsageTypeError(f"the number of batches left is unknown ({type(self._mode).__name__} has no length)")
-        return left
+                return live[-1].iteration.remaining()
+            if self._pending is not None:
+                return self._mode.remaining(self._pending)
+        try:
+            return len(self)
+        except TypeError:  # torch's: an IterableDataset without __len__
+            return None
 
     # -- state ------------------------------------------------------------------------
 

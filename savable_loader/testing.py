@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
@@ -123,6 +124,7 @@ def check_resume(
     variants: Iterable[str] = ("live",),
     check_live_next_epoch: bool = True,
     reference: list[list[Any]] | None = None,
+    max_batches: int | None = None,
 ) -> int:
     """Save at every step, restore into a fresh loader, compare with an uninterrupted
     run; the number of save points checked.
@@ -141,6 +143,9 @@ def check_resume(
     must start the next epoch, as torch's does (``check_live_next_epoch``).
     ``reference``: the uninterrupted run's epochs (lists of items), if the caller has
     them already (default: run ``factory()`` for ``epochs`` epochs).
+    ``max_batches``: check only the first ``max_batches`` items of the run (an endless
+    pipeline's epoch never ends): the reference stops there, saves are taken up to it
+    and each resumed run is compared up to it.
 
     Raises :class:`ResumeMismatchError` at the first difference.
 
@@ -148,23 +153,36 @@ def check_resume(
 
         wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=0)
         checked = check_resume(lambda: Lines(text, worker_config=wc), epochs=2, variants=("live", "break"))
+        check_resume(lambda: endless_pipeline(wc), epochs=1, max_batches=50)   # a stream without end
     """
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise LoaderUsageError(f"variants {sorted(unknown)} are not among {list(VARIANTS)}")
+    if max_batches is not None and (
+        not isinstance(max_batches, int) or isinstance(max_batches, bool) or max_batches < 1
+    ):
+        raise LoaderUsageError(f"check_resume max_batches must be None or an int >= 1, got {max_batches!r}")
     make = _loader_factory(factory)
     remake = make if restore_factory is None else _loader_factory(restore_factory)
+    cut = False  # the reference's last epoch was cut at max_batches (it goes on)
     if reference is None:
         uninterrupted = make()
-        reference = [list(uninterrupted) for _ in range(epochs)]
+        if max_batches is None:
+            reference = [list(uninterrupted) for _ in range(epochs)]
+        else:
+            reference, cut = _first_items(uninterrupted, epochs, max_batches)
         del uninterrupted
+    elif max_batches is not None:
+        flat_reference = [x for e in reference for x in e]
+        if len(flat_reference) > max_batches:
+            reference, cut = _cut(reference, max_batches), True
     lengths = [len(e) for e in reference]
     flat = [x for e in reference for x in e]
     if not flat:
         _fail(f"the uninterrupted run of {epochs} epochs yielded nothing: nothing to check")
     wanted = None if steps is None else set(steps)
     checked = 0
-    for k, between in _save_points(lengths):
+    for k, between in _save_points(lengths, cut):
         if wanted is not None and k not in wanted:
             continue
         for variant in tuple(variants) if (k and not between) else ("live",):
@@ -179,9 +197,58 @@ def check_resume(
                 between,
                 variant,
                 check_live_next_epoch,
+                cut,
             )
             checked += 1
     return checked
+
+
+def _first_items(loader: Any, epochs: int, most: int) -> tuple[list[list[Any]], bool]:
+    """The epochs of an uninterrupted run up to ``most`` items in all, and whether the
+    last one was cut (it had more)."""
+    out: list[list[Any]] = []
+    for _ in range(epochs):
+        it = iter(loader)
+        items = list(itertools.islice(it, most))
+        more = len(items) == most and next(it, _END) is not _END
+        _close(it)
+        out.append(items)
+        most -= len(items)
+        if more:
+            return out, True
+        if most == 0:
+            break
+    return out, False
+
+
+def _cut(reference: list[list[Any]], most: int) -> list[list[Any]]:
+    out = []
+    for epoch in reference:
+        out.append(epoch[:most])
+        most -= len(out[-1])
+        if most == 0:
+            break
+    return out
+
+
+def _take(loader: Any, count: int, cut: bool) -> list[Any]:
+    """An ``iter(loader)``'s items: all of them, or the first ``count`` of a cut epoch
+    (the iteration then abandoned)."""
+    if not cut:
+        return list(loader)
+    it = iter(loader)
+    items = list(itertools.islice(it, count))
+    _close(it)
+    return items
+
+
+def _close(it: Any) -> None:
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+
+
+_END = object()
 
 
 # -- internals ------------------------------------------------------------------------
@@ -220,13 +287,15 @@ def _loader_factory(factory: Callable[[], Any]) -> Callable[[], Any]:
     return make
 
 
-def _save_points(lengths: list[int]) -> list[tuple[int, bool]]:
-    """``(k, between)``: after ``k`` items; ``between``: after the epoch's StopIteration."""
+def _save_points(lengths: list[int], cut: bool = False) -> list[tuple[int, bool]]:
+    """``(k, between)``: after ``k`` items; ``between``: after the epoch's StopIteration
+    (``cut``: the last epoch has none)."""
     ends = set()
     acc = 0
-    for n in lengths:
+    for i, n in enumerate(lengths):
         acc += n
-        ends.add(acc)
+        if not (cut and i == len(lengths) - 1):
+            ends.add(acc)
     points = []
     for k in range(sum(lengths) + 1):
         points.append((k, False))
@@ -288,9 +357,11 @@ def _check_point(
     between: bool,
     variant: str,
     check_live_next_epoch: bool,
+    cut: bool = False,
 ) -> None:
     name = _point_name(lengths, k, between, variant)
     epochs = len(lengths)
+    last = epochs - 1  # with ``cut``, the epoch compared only up to its length here
     loader = factory()
     seen: list[Any] = []
     state = None
@@ -331,7 +402,7 @@ def _check_point(
     if stopped_in >= 0 and check_live_next_epoch and stopped_in + 1 < epochs:
         start = sum(lengths[: stopped_in + 1])
         _compare(
-            list(loader),
+            _take(loader, lengths[stopped_in + 1], cut and stopped_in + 1 == last),
             reference[stopped_in + 1],
             lengths,
             start,
@@ -345,7 +416,7 @@ def _check_point(
     if after.position != state.position or (same_factory and encode(after) != data):
         _fail(f"{name}: the state saved right after the restore differs from the restored one")
     chunks = expected_chunks(lengths, k, between)
-    got = [list(fresh) for _ in chunks]
+    got = [_take(fresh, c, cut and j == len(chunks) - 1) for j, c in enumerate(chunks)]
     flat_got = [x for c in got for x in c]
     _compare(flat_got, flat[k:], lengths, k, f"{name}: the resumed run")
     if [len(c) for c in got] != chunks:

@@ -255,3 +255,39 @@ def test_bad_arguments(tmp_path):
         index_folder(tmp_path, workers=0)
     with pytest.raises(sl.DataError, match="not a folder"):
         index_folder(tmp_path / "missing")
+
+
+def test_index_only_the_files_chosen(tmp_path):
+    """``files=slice(None, -1)`` indexes all but the last file (nanochat keeps its last
+    for validation): the manifest lists only those, and the dataset reads only them."""
+    from tests.shard_writers import write_parquet_folder
+
+    folder = write_parquet_folder(tmp_path / "data")
+    meta = index_folder(folder, files=slice(None, -1), progress=False)
+    assert [s.path for s in meta.shards] == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
+    assert [s.path for s in read_metadata(folder).shards] == [s.path for s in meta.shards]
+    wc = sl.WorkerConfig(num_workers=0, seed=0)
+    ds = ShardedFileDataset(folder, wc, shuffle=False)
+    assert [int(r["id"]) for r in sl.SavableDataLoader(ds, batch_size=None, worker_config=wc)] == list(range(15))
+    (folder / "metadata.json").unlink()
+    assert [s.path for s in index_folder(folder, files="*-3.parquet", progress=False).shards] == ["part-3.parquet"]
+    (folder / "metadata.json").unlink()
+    with pytest.raises(sl.errors.DataError, match=r"'val\.parquet' matches none"):
+        index_folder(folder, files=["part-0.parquet", "val.parquet"], progress=False)
+
+
+def test_metadata_is_readable_per_the_umask(tmp_path):
+    """``metadata.json`` (and a tar's index) get the mode open() gives: 0o666 less the
+    umask (they were 0o600, unreadable to the other users of a shared data folder)."""
+    write_shards(tmp_path / "npy", [np.arange(4)])
+    old = os.umask(0o022)
+    try:
+        (tmp_path / "npy" / "metadata.json").unlink()
+        index_folder(tmp_path / "npy", progress=False)
+        assert (tmp_path / "npy" / "metadata.json").stat().st_mode & 0o777 == 0o644
+        os.umask(0o002)
+        write_shards(tmp_path / "npy2", [np.arange(4)])
+        assert (tmp_path / "npy2" / "metadata.json").stat().st_mode & 0o777 == 0o664
+    finally:
+        os.umask(old)
+    assert not [p.name for p in (tmp_path / "npy").iterdir() if p.name.endswith(".tmp")]

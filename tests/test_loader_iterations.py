@@ -325,6 +325,43 @@ def test_len_and_remaining_after_a_restore():
     assert fresh.remaining() == N // 2
 
 
+def test_remaining_of_an_endless_stream_is_none():
+    """A pipeline has no length: ``remaining()`` says no end is known (``None``, which
+    ``tqdm(total=...)`` takes), before, during and after a restore, never a TypeError."""
+
+    class Endless(sl.SavableDataset):
+        _savable_fields = ("pos",)
+
+        def __init__(self, wc):
+            super().__init__(wc)
+            self.reset_state_own()
+
+        def reset_state_own(self):
+            self.pos = 0
+
+        def __iter__(self):
+            while True:
+                self.pos += 1
+                yield self.pos
+
+        def config(self):
+            return {}
+
+    wc = sl.WorkerConfig(num_workers=0, seed=0)
+    loader = sl.SavableDataLoader(Endless(wc), batch_size=None, worker_config=wc)
+    assert loader.remaining() is None
+    it = iter(loader)
+    assert [next(it) for _ in range(3)] == [1, 2, 3]
+    assert loader.remaining() is None
+    state = loader.save_state_rank()
+    it.close()
+    assert loader.remaining() is None
+    fresh = sl.SavableDataLoader(Endless(wc), batch_size=None, worker_config=wc)
+    fresh.restore_state_rank(state)
+    assert fresh.remaining() is None
+    assert next(iter(fresh)) == 4
+
+
 def test_set_epoch_after_a_restore():
     loader = dropin()
     it = iter(loader)

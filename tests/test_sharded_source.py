@@ -483,3 +483,151 @@ def test_loader_restore_sample(folders, num_workers):
     other = build()
     for batch, key in random.Random(3).sample(seen, 4) + [seen[-1]]:
         assert_same(other.restore_sample(key), batch, key)
+
+
+# -- rank layouts and file choice (porting nanochat's loader) ---------------------------
+
+
+@pytest.fixture(scope="module")
+def parquet_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.shard_writers import write_parquet_folder
+
+    folder = write_parquet_folder(tmp_path_factory.mktemp("strided"))  # 4 files, row groups of 2
+    sl.sources.index_folder(folder, progress=False)
+    return folder
+
+
+def _row_groups(folder: Path, names: list[str]) -> list[list[int]]:
+    """The ids of every row group of the named files, in file order (read with pyarrow)."""
+    import pyarrow.parquet as pq
+
+    out = []
+    for name in names:
+        f = pq.ParquetFile(folder / name)
+        out += [f.read_row_group(g, columns=["id"]).column("id").to_pylist() for g in range(f.num_row_groups)]
+    return out
+
+
+def _ids(loader: Any) -> list[int]:
+    return [int(row["id"]) for row in loader]
+
+
+@pytest.mark.parametrize("strategy", ["undersampling", "oversampling"])
+def test_strided_rank_layout_deals_row_groups_by_rank(parquet_folder, strategy):
+    """nanochat's layout: rank r of W reads row groups r, r + W, r + 2W, ... in file order;
+    every rank reads as many rows as the smallest (or the largest, wrapping around)."""
+    groups = _row_groups(parquet_folder, [f"part-{i}.parquet" for i in range(4)])
+    world = 2
+    mine = [[i for g in groups[r::world] for i in g] for r in range(world)]
+    length = (max if strategy == "oversampling" else min)(len(m) for m in mine)
+    for r in range(world):
+        wc = wconf(r, world, 0)
+        ds = ShardedFileDataset(parquet_folder, wc, rank_layout="strided", shuffle=False, strategy=strategy)
+        want = [mine[r][i % len(mine[r])] for i in range(length)]
+        assert _ids(sl.SavableDataLoader(ds, batch_size=None, worker_config=wc)) == want
+    contiguous = ShardedFileDataset(parquet_folder, wconf(0, 2, 0), shuffle=False, strategy=strategy)
+    assert (
+        _ids(sl.SavableDataLoader(contiguous, batch_size=None, worker_config=contiguous.worker_config))
+        != mine[0][:length]
+    )
+
+
+def test_strided_rank_layout_shuffled_reads_every_row_once(parquet_folder):
+    """Shuffled, every epoch deals other row groups: the ranks' epochs still cover the
+    corpus (undersampling drops at most what the largest rank holds beyond the smallest)."""
+    for epoch in range(2):
+        seen: Counter[int] = Counter()
+        for r in range(2):
+            wc = wconf(r, 2, 2)
+            ds = ShardedFileDataset(parquet_folder, wc, rank_layout="strided", strategy="undersampling")
+            loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=wc)
+            loader.set_epoch(epoch)
+            seen.update(_ids(loader))
+        assert max(seen.values()) == 1 and len(seen) >= 18
+
+
+def test_strided_rank_layout_resumes_exactly(parquet_folder, monkeypatch):
+    set_snapshot_policy(monkeypatch, "every")
+    wc = wconf(1, 2, 2)
+    factory = lambda: make_loader(
+        ShardedFileDataset(parquet_folder, wc, rank_layout="strided", strategy="oversampling")
+    )
+    assert check_resume_everywhere(factory, 2, steps=[0, 1, 3, 6, 9, 10, 13]) >= 7
+
+
+def test_a_state_of_one_rank_layout_is_refused_by_the_other(parquet_folder):
+    wc = wconf(0, 2, 0)
+    loader = make_loader(ShardedFileDataset(parquet_folder, wc, strategy="undersampling"))
+    it = iter(loader)
+    next(it)
+    state = loader.save_state_rank()
+    other = make_loader(ShardedFileDataset(parquet_folder, wc, strategy="undersampling", rank_layout="strided"))
+    with pytest.raises(sl.errors.ConfigMismatchError, match="rank_layout"):
+        other.restore_state_rank(state)
+
+
+def test_strided_rank_layout_refusals(parquet_folder):
+    with pytest.raises(DataError, match=r"strategy='exact'.*rank 0: \d+, rank 1: \d+"):
+        ShardedFileDataset(parquet_folder, wconf(0, 2, 0), rank_layout="strided", shuffle=False)
+    with pytest.raises(DataError, match="1 units .* world_size=2"):
+        ShardedFileDataset(_one_group_folder(parquet_folder), wconf(0, 2, 0), rank_layout="strided")
+    with pytest.raises(LoaderUsageError, match="rank_layout must be one of"):
+        ShardedFileDataset(parquet_folder, wconf(), rank_layout="interleaved")
+
+
+def _one_group_folder(folder: Path) -> Path:
+    single = folder.parent / "single"
+    if not single.exists():
+        write_shards(single, [np.arange(3)])
+    return single
+
+
+def test_files_choose_what_is_read(parquet_folder):
+    """``files=slice(None, -1)``: all but the last file (nanochat's validation file is
+    its last); globs and lists choose by name; a state is refused under another choice."""
+    groups = {
+        name: [i for g in _row_groups(parquet_folder, [name]) for i in g]
+        for name in [f"part-{i}.parquet" for i in range(4)]
+    }
+
+    def ids(files: Any) -> list[int]:
+        wc = wconf()
+        ds = ShardedFileDataset(parquet_folder, wc, shuffle=False, files=files)
+        return _ids(sl.SavableDataLoader(ds, batch_size=None, worker_config=wc))
+
+    train = [i for name in ["part-0.parquet", "part-1.parquet", "part-2.parquet"] for i in groups[name]]
+    assert ids(slice(None, -1)) == train
+    assert ids(slice(-1, None)) == groups["part-3.parquet"]
+    assert ids("part-[13].parquet") == groups["part-1.parquet"] + groups["part-3.parquet"]
+    assert ids(["part-2.parquet", "part-0*"]) == groups["part-0.parquet"] + groups["part-2.parquet"]
+    with pytest.raises(DataError, match=r"'val-\*' matches none of the 4 files \(part-0.parquet"):
+        ids("val-*")
+    with pytest.raises(DataError, match="chooses none"):
+        ids(slice(4, None))
+    with pytest.raises(LoaderUsageError, match="slice"):
+        ids(3)
+    wc = wconf()
+    loader = make_loader(ShardedFileDataset(parquet_folder, wc, files=slice(None, -1)))
+    next(iter(loader))
+    state = loader.save_state_rank()
+    with pytest.raises(sl.errors.ConfigMismatchError, match="files"):
+        make_loader(ShardedFileDataset(parquet_folder, wc, files=slice(None, -2))).restore_state_rank(state)
+
+
+def test_a_folder_with_held_out_files_read_whole_warns(tmp_path):
+    """Files named for validation are read only when chosen: reading the whole folder
+    warns, naming them; ``files=`` (or a folder of training files only) does not."""
+    import warnings
+
+    write_shards(tmp_path, [np.arange(4), np.arange(3)])
+    (tmp_path / "shard-00001.npy").rename(tmp_path / "val-00000.npy")
+    meta = json.loads((tmp_path / "metadata.json").read_text())
+    meta["shards"][1]["path"] = "val-00000.npy"
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match=r"val-00000.npy included, whose name says it is held out"):
+        ShardedFileDataset(tmp_path, wconf())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train = ShardedFileDataset(tmp_path, wconf(), files="shard-*")
+        assert [s.path for s in train.metadata.shards] == ["shard-00000.npy"]
+        ShardedFileDataset(tmp_path, wconf(), files=["val-00000.npy"])

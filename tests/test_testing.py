@@ -170,3 +170,57 @@ def test_expected_chunks() -> None:
     assert expected_chunks([3, 3], 4, False) == [2]
     assert expected_chunks([0, 1], 0, True) == [1]  # after an empty first epoch
     assert expected_chunks([2, 0, 3], 2, True) == [0, 3]
+
+
+class _Endless(sl.SavableDataset):
+    """An endless stream (an LLM pretraining source): token counts that never end."""
+
+    _savable_fields = ("pos",)
+
+    def __init__(self, worker_config: sl.WorkerConfig, forget: bool = False) -> None:
+        super().__init__(worker_config)
+        self.forget = forget
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        self.pos = self.worker_config.rank_worker_id()
+
+    def __iter__(self):
+        pos = self.pos
+        while True:
+            i, pos = pos, pos + self.worker_config.workers_per_rank
+            if not self.forget:
+                self.pos = pos
+            yield torch.arange(i % 5 + 1)
+
+    def config(self):
+        return {}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_max_batches_checks_an_endless_pipeline(workers: int) -> None:
+    wc = _wc(workers)
+
+    def factory():
+        packed = sl.wrappers.PackingDataset(_Endless(wc), 4, strategy="best_fit", buffer_size=3)
+        return sl.SavableDataLoader(sl.wrappers.BatchDataset(packed, 2), batch_size=None, worker_config=wc)
+
+    steps = None if workers == 0 else [0, 1, 5, 12]
+    # save points 0..12 (the epoch is cut at 12: no save between epochs)
+    assert check_resume(factory, 1, max_batches=12, steps=steps, variants=("live", "break")) == (
+        13 + 12 if workers == 0 else 4 + 3
+    )
+    assert check_resume(factory, 3, max_batches=5, steps=[2]) == 1  # more epochs asked for: the same
+
+
+def test_max_batches_still_finds_a_pipeline_that_does_not_resume() -> None:
+    with pytest.raises(ResumeMismatchError, match=r"save at step 1 \(live"):
+        check_resume(lambda: _Endless(_wc(), forget=True), 1, max_batches=6)
+
+
+def test_max_batches_on_finite_epochs_keeps_their_ends() -> None:
+    # 5 + 5 items cut at 7: both save points at the end of epoch 0 stay, none after 7
+    assert check_resume(lambda: RangeSource(5, _wc()), 2, max_batches=7) == 8 + 1
+    with pytest.raises(LoaderUsageError, match="max_batches"):
+        check_resume(lambda: RangeSource(5, _wc()), 1, max_batches=0)

@@ -30,8 +30,10 @@ Version 1 (``{"format": 1, "shards": [{"path": ..., "samples": ...}]}``, written
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
+from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Annotated, Any
 
@@ -388,3 +390,53 @@ def brace_expand(pattern: str, where: str) -> list[str]:
         options = body.split(",")
     head, tail = pattern[: m.start()], pattern[m.end() :]
     return [x for option in options for x in brace_expand(head + option + tail, where)]
+
+
+#: Which files of a folder to index or read: None (all), a glob (``"train-*.parquet"``),
+#: a list of paths and globs, or a ``slice`` of the files in their order
+#: (``slice(None, -1)``: all but the last; ``slice(-1, None)``: the last).
+FileChoice = str | Sequence[str] | slice | None
+
+
+def choose_files(paths: Sequence[str], files: FileChoice, where: str) -> list[int]:
+    """The positions in ``paths`` (in their order) that ``files`` chooses (see
+    :data:`FileChoice`). A glob matches the whole path relative to the folder
+    (``fnmatch``: ``*`` crosses ``/``). A pattern that matches nothing, or a choice of
+    no file, is an error naming the files there are. Example::
+
+        choose_files(["a.parquet", "b.parquet", "val.parquet"], slice(None, -1), "files")   # [0, 1]
+    """
+    if files is None:
+        return list(range(len(paths)))
+    shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
+    if isinstance(files, slice):
+        if not all(
+            v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (files.start, files.stop, files.step)
+        ):
+            raise LoaderUsageError(f"{where}: a slice of ints expected, got {files!r}")
+        keep = list(range(len(paths)))[files]
+    elif isinstance(files, str) or (isinstance(files, Sequence) and files and all(isinstance(f, str) for f in files)):
+        patterns = [files] if isinstance(files, str) else list(files)
+        chosen: set[int] = set()
+        for pattern in patterns:
+            hits = {i for i, p in enumerate(paths) if p == pattern or fnmatch.fnmatchcase(p, pattern)}
+            if not hits:
+                raise DataError(f"{where}: {pattern!r} matches none of the {len(paths)} files ({shown})")
+            chosen |= hits
+        keep = sorted(chosen)
+    else:
+        raise LoaderUsageError(
+            f"{where} must be None, a glob, a non-empty list of paths or globs, or a slice "
+            f"(slice(None, -1): all but the last), got {files!r}"
+        )
+    if not keep:
+        raise DataError(f"{where}: {files!r} chooses none of the {len(paths)} files ({shown})")
+    return keep
+
+
+def files_config(files: FileChoice) -> Any:
+    """``files`` as a plain value for a dataset's config (a slice as ``"[start:stop:step]"``)."""
+    if isinstance(files, slice):
+        parts = ["" if v is None else str(v) for v in (files.start, files.stop, files.step)]
+        return "[" + ":".join(parts if files.step is not None else parts[:2]) + "]"
+    return files if isinstance(files, str) or files is None else list(files)

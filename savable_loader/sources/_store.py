@@ -55,7 +55,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import tempfile
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
@@ -276,7 +276,10 @@ class LocalShardStore(ShardStore):
 
     def write_small(self, name: str, data: bytes) -> None:
         target = self._path(name)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}-", suffix=".tmp")
+        # created with mode 0o666 less the umask, as open() makes files (mkstemp's 0o600
+        # left a folder's metadata.json unreadable to the other users of a shared folder)
+        tmp = str(target.parent / f".{target.name}-{secrets.token_hex(6)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

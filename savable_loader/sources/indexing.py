@@ -15,6 +15,10 @@ Which shards, in which order:
 * else every ``.tar``, ``.parquet``, ``.npy``, ``.pt`` and ``.jsonl`` file under the
   folder (hidden files and folders excepted), sorted by path.
 
+``files=`` keeps some of them (a glob, a list of paths and globs, or a ``slice`` of that
+order: ``slice(None, -1)`` is all but the last, as nanochat keeps its last file for
+validation); the manifest then lists only those.
+
 Shards are indexed in parallel (``workers`` threads; reading headers and footers is I/O
 bound, and ``hashlib`` releases the GIL). Each finished shard is appended to a journal
 (``.savable_loader-index.jsonl``), so a run that is killed resumes where it stopped:
@@ -44,9 +48,11 @@ from savable_loader.sources._metadata import (
     INDEX_JSON,
     METADATA_NAME,
     SUFFIX_FORMATS,
+    FileChoice,
     Metadata,
     ShardEntry,
     SplitRequired,
+    choose_files,
     encode_metadata,
     foreign_metadata,
     parse_metadata,
@@ -264,6 +270,7 @@ def index_folder(
     force: bool = False,
     progress: bool | IndexProgress = True,
     on_shard: Callable[[ShardEntry], Any] | None = None,
+    files: FileChoice = None,
 ) -> Metadata:
     """Index ``folder`` (see the module docstring) and return the manifest it wrote.
 
@@ -274,17 +281,24 @@ def index_folder(
     every byte). ``force``: rebuild tar indexes and ignore the journal of an earlier run.
     ``progress``: a progress line on stderr (True), none (False), or an
     :class:`IndexProgress`. ``on_shard(entry)`` is called after each shard is journaled.
+    ``files``: index only these (a glob, a list of paths and globs, or a slice of the
+    files in order, ``slice(None, -1)`` for all but the last); ``metadata.json`` lists
+    only them.
 
     Example::
 
         meta = index_folder("data/wds", workers=16)
         print(sum(s.samples for s in meta.shards), "samples")
         ds = ShardedFileDataset("data/wds", wc)
+        index_folder("data/train", files=slice(None, -1))   # all files but the last
     """
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise LoaderUsageError(f"index_folder workers must be an int >= 1, got {workers!r}")
     store = store_for(folder, storage_options)
     entries, _, _ = _plan(store)
+    if files is not None:
+        keep = choose_files([e.path for e in entries], files, f"index_folder({store.describe()!r}) files")
+        entries = [entries[i] for i in keep]
     done = {} if force else _journal(store)
     if force:
         store.remove_small(JOURNAL)

@@ -61,6 +61,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -74,7 +76,10 @@ from savable_loader.config import WorkerConfig, active_repetition_limits, active
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import DataError, LoaderUsageError, RestoreKeyError
 from savable_loader.sources._metadata import (
+    FileChoice,
     Metadata,
+    choose_files,
+    files_config,
     load_metadata,
     order_digest_input,
     units_of,
@@ -85,22 +90,36 @@ from savable_loader.sources._store import LocalShardStore, ShardStore, store_for
 if TYPE_CHECKING:
     from savable_loader.storage import Storage
 
-__all__ = ["STRATEGIES", "ShardedFileDataset"]
+__all__ = ["RANK_LAYOUTS", "STRATEGIES", "ShardedFileDataset"]
 
 STRATEGIES = ("exact", "oversampling", "undersampling")
+RANK_LAYOUTS = ("contiguous", "strided")
 _MAX_OPEN = 2
 
 
 class _Layout:
-    """One epoch's unit order and where each unit starts in the global sequence."""
+    """One epoch's unit order and where each unit starts in the sequence ranks split:
+    the global one (``rank is None``), or rank ``rank``'s units ``[rank::world]`` of the
+    global order (the ``"strided"`` rank layout); ``rank_totals``: each rank's samples in
+    such a view."""
 
-    def __init__(self, counts: np.ndarray, seed: int, key: tuple[int, ...], shuffle: bool) -> None:
+    def __init__(
+        self,
+        counts: np.ndarray,
+        seed: int,
+        key: tuple[int, ...],
+        shuffle: bool,
+        rank: int | None = None,
+        world: int = 1,
+    ) -> None:
         self.seed, self.key, self.shuffle = seed, key, shuffle
         if shuffle:
             rng = np.random.Generator(np.random.PCG64(shard_order_seed(seed, tuple(key))))
-            self.order = rng.permutation(len(counts))
+            order = rng.permutation(len(counts))
         else:
-            self.order = np.arange(len(counts))
+            order = np.arange(len(counts))
+        self.rank_totals = [int(counts[order[r::world]].sum()) for r in range(world)] if rank is not None else []
+        self.order = order if rank is None else order[rank::world]
         self.starts = np.concatenate([[0], np.cumsum(counts[self.order])]).astype(np.int64)
         self.total = int(self.starts[-1])
 
@@ -139,6 +158,16 @@ class ShardedFileDataset(SavableDataset):
     a mapping from extension to decoder. ``split`` chooses a part (``"train"``) of an
     Energon dataset whose ``.nv-meta/split.yaml`` has several.
 
+    ``rank_layout``: how ranks split an epoch: ``"contiguous"`` ranges of its samples
+    (step 3 of the module docstring), or ``"strided"``: rank ``r`` of ``W`` reads the
+    units ``r, r + W, r + 2W, ...`` of the epoch's unit order (nanochat's layout), its
+    workers contiguous pieces of them; every rank reads as many samples as the smallest
+    (``"undersampling"``), the largest (``"oversampling"``, wrapping around its own
+    units) or, with ``"exact"``, all must hold the same. ``files`` chooses which of
+    the manifest's files are read: a glob, a list of paths and globs, or a ``slice`` of
+    them in order (``slice(None, -1)``: all but the last, as a folder whose last file is
+    for validation needs). Both are recorded in the config when not the default.
+
     Missing or malformed metadata raises :class:`~savable_loader.errors.DataError` here;
     a shard that is unreadable, truncated, of another size than the metadata says, or
     whose length disagrees with it raises it when the shard is first opened.
@@ -156,6 +185,7 @@ class ShardedFileDataset(SavableDataset):
         index_folder("data/wds")   # WebDataset tars, indexed where they are
         ds = ShardedFileDataset("data/wds", wc, decode=True, columns=["jpg", "cls"])
 
+        ds = ShardedFileDataset("data/pretrain", wc, files=slice(None, -1), rank_layout="strided")
         ds = ShardedFileDataset("s3://bucket/wds", wc, storage_options={"profile": "training"})
         ds = ShardedFileDataset(Storage("s3://bucket/wds", cache_dir="/local/cache", prefetch=4), wc)
     """
@@ -173,10 +203,15 @@ class ShardedFileDataset(SavableDataset):
         decode: bool | Mapping[str, Callable[[bytes], Any]] | None = None,
         split: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        rank_layout: str = "contiguous",
+        files: FileChoice = None,
     ) -> None:
         super().__init__(worker_config)
         if strategy not in STRATEGIES:
             raise LoaderUsageError(f"ShardedFileDataset strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if rank_layout not in RANK_LAYOUTS:
+            raise LoaderUsageError(f"ShardedFileDataset rank_layout must be one of {RANK_LAYOUTS}, got {rank_layout!r}")
+        self.rank_layout = rank_layout
         if not isinstance(shuffle, bool):
             raise LoaderUsageError(f"ShardedFileDataset shuffle must be a bool, got {shuffle!r}")
         self.store: ShardStore = store_for(folder, storage_options)
@@ -190,6 +225,13 @@ class ShardedFileDataset(SavableDataset):
             raise LoaderUsageError(f"ShardedFileDataset split must be a str, got {split!r}")
         self.split = split
         self.metadata: Metadata = load_metadata(self.store, split=split)
+        self.files = files
+        if files is None and split is None:
+            _warn_held_out(self.metadata, self.store.describe())
+        if files is not None:
+            paths = [s.path for s in self.metadata.shards]
+            keep = choose_files(paths, files, f"ShardedFileDataset({self.store.describe()!r}) files")
+            self.metadata = msgspec.structs.replace(self.metadata, shards=[self.metadata.shards[i] for i in keep])
         self.counts = np.array([s.samples for s in self.metadata.shards], dtype=np.int64)
         self.total = int(self.counts.sum())
         self.digest = hashlib.blake2b(
@@ -211,7 +253,9 @@ class ShardedFileDataset(SavableDataset):
 
             require_pyarrow(self.store.describe())
         world = worker_config.world_size
-        if strategy == "exact" and self.total % world:
+        if rank_layout == "strided":
+            self._check_strided()
+        elif strategy == "exact" and self.total % world:
             raise DataError(self._uneven_message())
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._whole: set[int] = set()
@@ -223,23 +267,58 @@ class ShardedFileDataset(SavableDataset):
 
     # -- layout -----------------------------------------------------------------------
 
-    def rank_length(self) -> int:
-        """Samples every rank reads per epoch."""
+    def rank_length(self, layout: _Layout | None = None) -> int:
+        """Samples every rank reads per epoch (with the ``"strided"`` rank layout, in the
+        epoch of ``layout``, by default the current one)."""
         world = self.worker_config.world_size
+        if self.rank_layout == "strided":
+            totals = (layout or self._get_layout(tuple(self.epoch))).rank_totals
+            return max(totals) if self.strategy == "oversampling" else min(totals)
         if self.strategy == "oversampling":
             return math.ceil(self.total / world)
         return self.total // world
 
-    def worker_range(self, worker: int | None = None) -> tuple[int, int]:
-        """``[start, end)`` of a worker's piece in the epoch's global sequence
-        (default: the calling worker); positions past the total wrap around."""
+    def worker_range(self, worker: int | None = None, layout: _Layout | None = None) -> tuple[int, int]:
+        """``[start, end)`` of a worker's piece in the epoch's sequence (default: the
+        calling worker): the global sequence, or the rank's own with the ``"strided"``
+        rank layout; positions past its total wrap around."""
         wc = self.worker_config
         w = wc.rank_worker_id() if worker is None else worker
         k = wc.workers_per_rank
-        length = self.rank_length()
+        length = self.rank_length(layout)
         base, extra = divmod(length, k)
-        start = wc.rank * length + w * base + min(w, extra)
+        start = (0 if self.rank_layout == "strided" else wc.rank * length) + w * base + min(w, extra)
         return start, start + base + (1 if w < extra else 0)
+
+    def _new_layout(self, key: tuple[int, ...]) -> _Layout:
+        wc = self.worker_config
+        if self.rank_layout == "strided":
+            return _Layout(self.unit_count, wc.seed, key, self.shuffle, wc.rank, wc.world_size)
+        return _Layout(self.unit_count, wc.seed, key, self.shuffle)
+
+    def _check_strided(self) -> None:
+        """Every rank has units, and with ``"exact"`` every epoch splits evenly."""
+        world, units = self.worker_config.world_size, len(self.unit_count)
+        where = f"ShardedFileDataset({self.store.describe()!r}) with rank_layout='strided'"
+        if units < world:
+            raise DataError(
+                f"{where}: {units} units (row groups of Parquet files, other shards) for world_size={world} "
+                f"ranks: expected at least {world}, one per rank (or use rank_layout='contiguous')"
+            )
+        if self.strategy != "exact":
+            return
+        totals = _Layout(self.unit_count, self.worker_config.seed, (0,), self.shuffle, 0, world).rank_totals
+        even = len(set(totals)) == 1
+        if self.shuffle:  # every epoch deals other units: even only if all are alike
+            even = len(set(self.unit_count.tolist())) == 1 and units % world == 0
+        if not even:
+            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(totals[:8]))
+            raise DataError(
+                f"{where} and strategy='exact': the ranks' units do not hold equal sample counts"
+                f"{' in every epoch' if self.shuffle else ''} (epoch 0: {shown}{', ...' if world > 8 else ''}). "
+                "Use strategy='undersampling' (every rank reads as many as the smallest) or 'oversampling' "
+                "(as many as the largest, wrapping around its units)"
+            )
 
     def _get_layout(self, key: tuple[int, ...]) -> _Layout:
         if self._layout is not None and self._layout.key == key:
@@ -247,7 +326,7 @@ class ShardedFileDataset(SavableDataset):
         if self._next_layout is not None and self._next_layout.key == key:  # the pass we prefetched for began
             self._layout, self._next_layout = self._next_layout, self._layout
             return self._layout
-        self._layout = _Layout(self.unit_count, self.worker_config.seed, key, self.shuffle)
+        self._layout = self._new_layout(key)
         return self._layout
 
     def _next_pass(self) -> tuple[int, ...]:
@@ -277,8 +356,11 @@ class ShardedFileDataset(SavableDataset):
         p = start + self.position
         for _ in range(2):  # this pass, then the next one from its start
             layout = self._get_layout(key) if key == tuple(self.epoch) else self._pass_layout(key)
+            if key != tuple(self.epoch) and self.rank_layout == "strided":
+                start, end = self.worker_range(worker, layout)
+                p = start
             while p < end and len(out) < limit:
-                q = p % self.total
+                q = p % layout.total
                 j, offset = layout.locate(q)
                 unit = int(layout.order[j])
                 shard = int(self.unit_shard[unit])
@@ -294,7 +376,7 @@ class ShardedFileDataset(SavableDataset):
         """The layout of another pass (kept beside the current one: a prefetch asks for it
         again at every shard of the pass's end)."""
         if self._next_layout is None or self._next_layout.key != key:
-            self._next_layout = _Layout(self.unit_count, self.worker_config.seed, key, self.shuffle)
+            self._next_layout = self._new_layout(key)
         return self._next_layout
 
     def _uneven_message(self) -> str:
@@ -375,15 +457,15 @@ class ShardedFileDataset(SavableDataset):
         self.position = 0
 
     def __iter__(self) -> Iterator[Any]:
-        start, end = self.worker_range()
-        if start >= end or self.total == 0:
-            return
         layout = self._get_layout(tuple(self.epoch))
+        start, end = self.worker_range(layout=layout)
+        if start >= end or layout.total == 0:
+            return
         previous = -1
         while start + self.position < end:
             # Seek: the unit and the offset in it follow from the position.
             p = start + self.position
-            lap, q = divmod(p, self.total)
+            lap, q = divmod(p, layout.total)
             j, offset = layout.locate(q)
             unit = int(layout.order[j])
             shard, first, count = int(self.unit_shard[unit]), int(self.unit_first[unit]), int(self.unit_count[unit])
@@ -451,9 +533,32 @@ class ShardedFileDataset(SavableDataset):
             config["columns"] = list(self.columns)
         if self.split is not None:
             config["split"] = self.split
+        if self.rank_layout != "contiguous":  # (absent by default: states made before it stay valid)
+            config["rank_layout"] = self.rank_layout
+        if self.files is not None:
+            config["files"] = files_config(self.files)
         if self.decode is not None and self.decode is not False:
             config["decode"] = self.decode
         return config
+
+
+#: Words that name a held-out file (``val-0.parquet``, ``test/part-3.tar``).
+_HELD_OUT = frozenset({"val", "valid", "validation", "test", "eval", "evaluation", "dev", "heldout"})
+
+
+def _warn_held_out(metadata: Metadata, where: str) -> None:
+    """Warn when every file is read (no ``files=``) and some are named for validation:
+    training on them would go unnoticed."""
+    named = [s.path for s in metadata.shards if _HELD_OUT & set(re.split(r"[^a-z]+", s.path.lower()))]
+    if named and len(named) < len(metadata.shards):
+        shown = ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
+        warnings.warn(
+            f"ShardedFileDataset({where!r}) reads every file of the folder, {shown} included, whose name says "
+            "it is held out (validation or test): pass files= to choose, e.g. files='train*' or "
+            "files=slice(None, -1) (all but the last)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_columns(columns: Sequence[str] | None) -> tuple[str, ...] | None:
