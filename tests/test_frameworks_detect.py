@@ -201,7 +201,7 @@ def test_while_lightning_is_imported_a_loader_without_len_mid_epoch_needs_a_hook
     claimed = _pipeline()
     hook = EveryRankState(claimed)
     it = iter(claimed)
-    first = next(it)
+    next(it)
     state = hook.state_dict()
     assert state == claimed.state_dict()
     want = list(it)

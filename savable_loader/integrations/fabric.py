@@ -44,7 +44,11 @@ def _unwrap(loader: Any) -> Any:
     raise LoaderUsageError(
         f"FabricLoaderState needs a SavableDataLoader or the loader fabric.setup_dataloaders() made of one, got "
         f"{type(loader).__qualname__}"
-        + (" (no _dataloader attribute: is this Lightning release's _FabricDataLoader another shape?)" if inner is None else "")
+        + (
+            " (no _dataloader attribute: is this Lightning release's _FabricDataLoader another shape?)"
+            if inner is None
+            else ""
+        )
     )
 
 

@@ -45,7 +45,7 @@ try:
     from lightning.fabric.utilities.types import _Stateful
 except ImportError:  # the standalone package
     import pytorch_lightning as pl  # type: ignore[no-redef]
-    from lightning_fabric.utilities.types import _Stateful  # type: ignore[no-redef]
+    from lightning_fabric.utilities.types import _Stateful
 
 __all__ = ["SavableLoaderCallback"]
 
@@ -66,7 +66,9 @@ def _fit_loop_parts(trainer: Any) -> tuple[Any, Any]:
 
 def _savable(combined: Any) -> list[tuple[int, SavableDataLoader]]:
     """``(index among the stateful loaders, loader)`` of the SavableDataLoaders."""
-    stateful = [loader for loader in (combined.flattened if combined is not None else ()) if isinstance(loader, _Stateful)]
+    stateful = [
+        loader for loader in (combined.flattened if combined is not None else ()) if isinstance(loader, _Stateful)
+    ]
     return [(i, loader) for i, loader in enumerate(stateful) if isinstance(loader, SavableDataLoader)]
 
 
