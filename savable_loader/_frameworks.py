@@ -16,11 +16,15 @@ left here is what holds whoever calls:
   pipeline's ``WorkerConfig`` (:func:`own`).
 * **Batches fetched ahead.** Lightning's training loop fetches one batch ahead of a
   loader without ``len()`` and asks for the state while that batch waits: a state that
-  counts it would skip it on resume. The loader cannot see that; so while Lightning's
-  Trainer is imported in the process, ``state_dict()`` of such a loader mid-epoch is
+  counts it would skip it on resume. The loader cannot see that. What it sees is the
+  epoch protocol Lightning's Trainer (and Fabric's loader wrapper) drive every loader
+  with: ``loader.sampler.set_epoch(e)`` before each epoch (a loader without ``len()``
+  shows a ``PipelineSampler`` there, which records the call: :func:`note_epochs_set`).
+  ``state_dict()`` of such a loader mid-epoch, once its epochs were set that way, is
   refused unless a hook claimed the loader (:func:`check_nothing_held`):
-  ``SavableLoaderCallback`` leaves the held batch out, ``EveryRankState`` (Fabric,
-  Accelerate, DCP) states that nothing is held.
+  ``SavableLoaderCallback`` leaves the held batch out, ``FabricLoaderState`` and
+  ``EveryRankState`` state that nothing is held. DCP, Accelerate and loops of one's own
+  do not call it, and are left alone.
 
 Example::
 
@@ -30,7 +34,6 @@ Example::
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Any
 
@@ -42,12 +45,10 @@ __all__ = [
     "check_nothing_held",
     "claim",
     "claimed_by",
+    "note_epochs_set",
     "own",
     "rebuild_error",
 ]
-
-#: Modules whose presence means Lightning's Trainer may be driving a loader in this process.
-LIGHTNING_TRAINERS = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer")
 
 #: What each framework's user adds (the docs' table, in the errors' advice).
 HOOKS = {
@@ -59,6 +60,7 @@ HOOKS = {
 
 _CLAIM = "_savable_hook"
 _OWNER = "_savable_owner"
+_EPOCHS_SET = "_savable_epochs_set"
 
 
 def claim(loader: Any, hook: str) -> None:
@@ -72,22 +74,26 @@ def claimed_by(loader: Any) -> str | None:
     return None if hook is None else str(hook)
 
 
+def note_epochs_set(loader: Any) -> None:
+    """``loader.sampler.set_epoch`` was called (Lightning's Trainer and Fabric's loader
+    wrapper do, before every epoch)."""
+    loader.__dict__[_EPOCHS_SET] = True
+
+
 def check_nothing_held(loader: Any, has_length: bool, mid_epoch: bool) -> None:
     """Refuse ``state_dict()`` of a loader without ``len()`` in the middle of an epoch
-    while Lightning's Trainer is imported and no hook claimed the loader (see the module
-    doc): Lightning may hold a batch fetched ahead that the state would count."""
-    if has_length or not mid_epoch or claimed_by(loader) is not None:
-        return
-    if not any(name in sys.modules for name in LIGHTNING_TRAINERS):
+    whose epochs a framework sets (``loader.sampler.set_epoch``: Lightning's Trainer,
+    Fabric) while no hook claimed the loader (see the module doc): Lightning's loop may
+    hold a batch fetched ahead that the state would count."""
+    if has_length or not mid_epoch or claimed_by(loader) is not None or not loader.__dict__.get(_EPOCHS_SET):
         return
     raise LoaderUsageError(
-        "state_dict() of a loader without len() in the middle of an epoch, in a process that imported Lightning's "
-        "Trainer: the Trainer fetches one batch ahead of such a loader, and a state that counted it would skip it on "
-        f"resume (nothing in the state tells). Under Lightning's Trainer add {HOOKS['Lightning']}, which leaves that "
-        f"batch out. Elsewhere (Fabric, Accelerate, torch.distributed.checkpoint, your own loop), where nothing is "
-        "fetched ahead, save through savable_loader.integrations.EveryRankState(loader) (Fabric: "
-        "savable_loader.integrations.fabric.FabricLoaderState(loader)) in place of the loader, or call "
-        "loader.save_state_rank()"
+        "state_dict() of a loader without len() in the middle of an epoch, after loader.sampler.set_epoch() was "
+        "called (Lightning's Trainer and Fabric do): Lightning's Trainer fetches one batch ahead of such a loader, "
+        "and a state that counted it would skip it on resume (nothing in the state tells). Under Lightning's Trainer "
+        f"add {HOOKS['Lightning']}, which leaves that batch out; under Fabric put "
+        "savable_loader.integrations.fabric.FabricLoaderState(loader) in the saved state in place of the loader; "
+        "elsewhere save through savable_loader.integrations.EveryRankState(loader), or call loader.save_state_rank()"
     )
 
 
@@ -120,10 +126,10 @@ def rebuild_error(what: str = "sampler", worker: bool = False) -> LoaderUsageErr
         "in a worker process of a torch DataLoader that no SavableDataLoader runs (its workers would all read the "
         "same data)"
         if worker
-        else "by something other than the SavableDataLoader that owns it"
+        else "by something other than the SavableDataLoader that owns it (or after that loader is gone)"
     )
     return LoaderUsageError(
-        f"the SavableDataLoader's {what} is iterated {where}: typically a plain DataLoader that "
+        f"the SavableDataLoader's {what} is used {where}: typically a plain DataLoader that "
         "accelerator.prepare(loader) or skip_first_batches(loader, n) rebuilt from the loader's attributes. That "
         "DataLoader can neither save nor restore the position, and its batches would differ from the loader's "
         "(other augmentations; on several processes, other samples). With Accelerate: do not pass the loader to "

@@ -71,7 +71,7 @@ from savable_loader.errors import (
     WorkerTimeoutError,
 )
 from savable_loader.rng import SEED_FORMULAS
-from savable_loader.sources.samplers import order_sampler
+from savable_loader.sources.samplers import PipelineSampler, order_sampler
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import PipelinePosition, RankState, RestoreKey
 
@@ -240,6 +240,8 @@ class SavableDataLoader(DataLoader[T_co]):
         self._start_bookkeeping()
         if isinstance(dataset, SavableDataset):  # iterated by this loader's workers only (_frameworks.py)
             own(dataset.worker_config, self)
+        if isinstance(self._mode, (PipelineMode, IterableMode)):  # torch's attribute is read-only after __init__
+            object.__setattr__(self, "sampler", PipelineSampler(self))
 
     # -- construction -------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ import torch
 from torch.utils.data import DistributedSampler
 
 import savable_loader as sl
-from savable_loader import _frameworks
 from tests.common import RandomMapDataset, RangeSource, assert_streams
 
 PACKAGE = Path(sl.__file__).resolve().parent
@@ -182,11 +181,17 @@ def test_a_pipeline_is_iterated_by_its_loader_only():
     assert [int(x) for x in IterableSource(_stream, wc)] == [int(x) for x in want]
 
 
-def test_while_lightning_is_imported_a_loader_without_len_mid_epoch_needs_a_hook(monkeypatch):
-    """Lightning's Trainer may hold a batch fetched ahead of a loader without len(): its
+def test_a_loader_without_len_whose_epochs_a_framework_sets_needs_a_hook_mid_epoch():
+    """Lightning's Trainer sets every loader's epoch through ``loader.sampler.set_epoch``
+    and holds a batch fetched ahead of a loader without len(): such a loader's
     state_dict() mid-epoch is refused unless a hook claimed it; never a silent skip."""
-    monkeypatch.setitem(__import__("sys").modules, _frameworks.LIGHTNING_TRAINERS[0], object())
+    plain = _pipeline()
+    it = iter(plain)
+    next(it)
+    assert list(plain.state_dict()) == ["dp_rank_0"]  # DCP, Accelerate, a loop of one's own: no set_epoch
+    it.close()
     loader = _pipeline()
+    loader.sampler.set_epoch(0)  # what Lightning's fit loop and Fabric's wrapper do
     it = iter(loader)
     next(it)
     with pytest.raises(sl.LoaderUsageError, match="SavableLoaderCallback"):
@@ -194,17 +199,23 @@ def test_while_lightning_is_imported_a_loader_without_len_mid_epoch_needs_a_hook
     it.close()
     loader.state_dict()  # no live iteration: nothing can be held
     own = _loader()
+    own.sampler.set_epoch(0)
     next(iter(own))
     own.state_dict()  # a loader with len(): Lightning fetches nothing ahead
     from savable_loader.integrations import EveryRankState
 
     claimed = _pipeline()
+    claimed.sampler.set_epoch(0)
     hook = EveryRankState(claimed)
     it = iter(claimed)
     next(it)
     state = hook.state_dict()
-    assert state == claimed.state_dict()
     want = list(it)
     resumed = _pipeline()
     EveryRankState(resumed).load_state_dict(state)
     assert_streams(list(resumed), want, "restored through EveryRankState")
+
+
+def test_a_pipeline_loaders_sampler_is_never_iterated():
+    with pytest.raises(sl.LoaderUsageError, match="register_for_checkpointing"):
+        iter(_pipeline().sampler)

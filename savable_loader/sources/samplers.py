@@ -57,9 +57,9 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from savable_loader._frameworks import rebuild_error
+from savable_loader._frameworks import note_epochs_set, rebuild_error
 from savable_loader._values import freeze, from_plain, to_plain
-from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StateError, UsageTypeError
+from savable_loader.errors import ConfigMismatchError, StateError, UsageTypeError
 from savable_loader.rng import (
     SEED_FORMULA,
     capture_generator,
@@ -77,6 +77,7 @@ __all__ = [
     "MAX_ITEMS",
     "DistributedOrderSampler",
     "OrderSampler",
+    "PipelineSampler",
     "PrivateRng",
     "RandomOrderSampler",
     "SequentialOrderSampler",
@@ -347,11 +348,8 @@ class OrderSampler(Sampler[int]):
 
     def _owner(self) -> Any:
         loader = self._loader()
-        if loader is None:
-            raise LoaderUsageError(
-                "this sampler belongs to a SavableDataLoader that no longer exists: it shows that loader's order and "
-                "works only while the loader does"
-            )
+        if loader is None:  # a sampler that outlives its loader: one rebuilt from its attributes uses it
+            raise rebuild_error("sampler")
         return loader
 
     def set_epoch(self, epoch: int) -> None:
@@ -432,6 +430,35 @@ class SequentialOrderSampler(OrderSampler, SequentialSampler):
     @property
     def data_source(self) -> Any:  # type: ignore[override]
         return self._owner().dataset
+
+
+class PipelineSampler(Sampler[None]):
+    """``loader.sampler`` of a loader over a savable pipeline or a plain IterableDataset:
+    the pipeline decides the order, there is nothing to sample.
+
+    ``set_epoch(e)`` leaves the loader's epochs alone (it counts them itself) and records
+    that something sets them this way: Lightning's Trainer and Fabric's loader wrapper call
+    it before every epoch, and Lightning's Trainer fetches a batch ahead of a loader without
+    ``len()``, so that ``state_dict()`` mid-epoch then needs a hook (see
+    ``savable_loader/_frameworks.py``). Iterating it raises :class:`LoaderUsageError`
+    (only a DataLoader rebuilt from the loader's attributes would).
+
+    Example::
+
+        loader.sampler.set_epoch(2)     # what Lightning does; the loader's epochs are its own
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = weakref.ref(loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        loader = self._loader()
+        if loader is None:
+            raise rebuild_error("sampler")
+        note_epochs_set(loader)
+
+    def __iter__(self) -> Iterator[None]:
+        raise rebuild_error("sampler")
 
 
 def order_sampler(loader: Any, shuffle: bool, world_size: int) -> OrderSampler:
