@@ -892,10 +892,11 @@ class SavableDataLoader(DataLoader[T_co]):
         Frameworks that write rank 0's answer only (Lightning's Trainer and Fabric,
         Accelerate's ``save_state``) resume the other ranks where their position derives
         from rank 0's (see :meth:`load_state_dict`); elsewhere an integration's hook
-        stores every rank's entry (``savable_loader/integrations/``). In a process that
-        imported Lightning's Trainer, a loader without ``len()`` refuses this call in the
-        middle of an epoch unless a hook claimed it (the Trainer may hold a batch fetched
-        ahead, which the state would count: see ``savable_loader/_frameworks.py``).
+        stores every rank's entry (``savable_loader/integrations/``). A loader without
+        ``len()`` whose epochs a framework sets (``loader.sampler.set_epoch``: Lightning's
+        Trainer, Fabric) refuses this call in the middle of an epoch unless a hook claimed
+        it (Lightning's loop may hold a batch fetched ahead, which the state would count:
+        see ``savable_loader/_frameworks.py``).
         """
         with self._state_lock:
             check_nothing_held(self, self._has_length(), self._mid_epoch())

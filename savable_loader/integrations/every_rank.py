@@ -18,9 +18,9 @@ With Accelerate, one line in place of ``accelerator.register_for_checkpointing(l
     accelerator.save_state(folder)        # every process, as usual
     accelerator.load_state(folder)        # the loader continues where it was saved
 
-It also states that nothing holds batches fetched ahead of the loader (the loader
-refuses a ``state_dict()`` of a loader without ``len()`` mid-epoch in a process that
-imported Lightning's Trainer unless a hook says so: see ``savable_loader/_frameworks.py``).
+It also states that nothing holds batches fetched ahead of the loader (a loader without
+``len()`` whose epochs a framework sets refuses ``state_dict()`` mid-epoch unless a hook
+says so: see ``savable_loader/_frameworks.py``).
 Call its ``state_dict()`` on every rank of the data-parallel group, or on none.
 """
 
