@@ -904,9 +904,13 @@ class SavableDataLoader(DataLoader[T_co]):
         return {self._state_key(): encode(state)}
 
     def _has_length(self) -> bool:
-        """Whether ``len(loader)`` answers (Lightning fetches ahead of a loader where it does not)."""
+        """Whether ``len(loader)`` answers (Lightning fetches ahead of a loader where it
+        does not), asked of the dataset: torch's ``len(loader)`` of an iterable dataset
+        records the length it reported, which a later iteration checks."""
+        if not isinstance(self._mode, (PipelineMode, IterableMode)):
+            return True
         try:
-            len(self)
+            len(self.dataset)  # type: ignore[arg-type]
         except (TypeError, NotImplementedError):
             return False
         return True
