@@ -1,196 +1,142 @@
-"""What the loader recognises of the training frameworks that drive it: the one place that
-knows their private parts.
+"""What the loader knows of the training frameworks that drive it, without asking who calls.
 
-Frameworks call the loader from their own internals; three of those calls need the
-loader to know who is calling, and this module answers by looking at the caller's stack
-frames (module and function names; no framework is imported):
+The loader never reads its caller's stack: a framework that needs more than torch's
+``state_dict()`` / ``load_state_dict()`` is given it by an explicit object the user adds
+(``savable_loader/integrations/``), which *claims* the loader (:func:`claim`). What is
+left here is what holds whoever calls:
 
-* **Fabric's per-process epoch count.** Lightning Fabric's loader wrapper
-  (``_FabricDataLoader.__iter__``) calls ``sampler.set_epoch(n)`` before every
-  ``iter()``, ``n`` counting the wrapper's iterations from 0 in each process. After a
-  resume that count starts again at 0 while the data continues in a later epoch:
-  :func:`fabric_iterating` tells the loader that the call or the iteration comes from
-  that wrapper, and the loader keeps its own (restored) epoch count instead.
-* **Checkpoints written from rank 0.** Lightning's Trainer and Fabric (DDP) and
-  Accelerate's ``save_state`` ask every rank for ``state_dict()`` and write rank 0's
-  answer: :func:`saving_framework` recognises those calls, so that the loader can gather
-  every rank's state into rank 0's answer where another rank's position cannot be
-  derived from rank 0's (``_rank_zero.py``). Lightning's training loop also fetches one
-  batch ahead of a loader without ``len()`` (``_PrefetchDataFetcher``) and asks for the
-  state while that batch waits: the answer counts it, so that the state leaves it out.
-* **Rebuilds that bypass the loader.** Accelerate's ``prepare()`` and
-  ``skip_first_batches`` build a plain ``DataLoader`` from the loader's attributes, which
-  iterates the loader's sampler: :func:`rebuilt_by` names the framework (and whether the
-  Hugging Face ``Trainer`` drove it) so that the loader can raise a clear error.
-
-Each check is tested against the installed frameworks (``tests/test_frameworks.py``,
-``tests/test_frameworks_detect.py``); a framework release that renames these parts makes
-those tests fail rather than the loader silently misbehave.
+* **Rebuilt loaders.** Accelerate's ``prepare()`` and ``skip_first_batches`` (which the
+  Hugging Face ``Trainer`` calls when it resumes mid-epoch) build a plain ``DataLoader``
+  from a loader's attributes. The loader never iterates its own batch sampler (nor
+  ``loader.sampler``): a DataLoader built from them is the only thing that does, and its
+  first batch raises :func:`rebuild_error`. A savable pipeline is iterated by the loader
+  only inside the loader's worker context (``config._ActiveWorker``):
+  :func:`check_not_rebuilt` refuses a pipeline iterated outside it in a worker process of
+  a torch DataLoader, or in the main process while a SavableDataLoader owns the
+  pipeline's ``WorkerConfig`` (:func:`own`).
+* **Batches fetched ahead.** Lightning's training loop fetches one batch ahead of a
+  loader without ``len()`` and asks for the state while that batch waits: a state that
+  counts it would skip it on resume. The loader cannot see that. What it sees is the
+  epoch protocol Lightning's Trainer (and Fabric's loader wrapper) drive every loader
+  with: ``loader.sampler.set_epoch(e)`` before each epoch (a loader without ``len()``
+  shows a ``PipelineSampler`` there, which records the call: :func:`note_epochs_set`).
+  ``state_dict()`` of such a loader mid-epoch, once its epochs were set that way, is
+  refused unless a hook claimed the loader (:func:`check_nothing_held`):
+  ``SavableLoaderCallback`` leaves the held batch out, ``FabricLoaderState`` and
+  ``EveryRankState`` state that nothing is held. DCP, Accelerate and loops of one's own
+  do not call it, and are left alone.
 
 Example::
 
-    if fabric_iterating():          # inside OrderSampler.set_epoch
-        return                      # the loader counts its epochs itself
-    saving_framework(loader)        # inside state_dict: FrameworkSave("Lightning", held=1)
+    claim(loader, "SavableLoaderCallback")   # an integration's hook takes the saves
+    check_not_rebuilt(worker_config)         # a pipeline's source, outside a loader's worker
 """
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
-from types import FrameType
+import weakref
 from typing import Any
 
 from savable_loader.errors import LoaderUsageError
 
 __all__ = [
-    "FABRIC_WRAPPERS",
-    "FrameworkSave",
+    "HOOKS",
     "check_not_rebuilt",
-    "fabric_iterating",
+    "check_nothing_held",
+    "claim",
+    "claimed_by",
+    "note_epochs_set",
+    "own",
     "rebuild_error",
-    "rebuilt_by",
-    "saving_framework",
 ]
 
-#: Modules of Fabric's ``_FabricDataLoader`` (``lightning`` and the standalone package).
-FABRIC_WRAPPERS = ("lightning.fabric.wrappers", "lightning_fabric.wrappers")
-#: How many frames up a check looks (the framework's frame is a few calls away; a
-#: rebuilt loader's, below torch's iterator and a pipeline's wrappers, more).
-_DEPTH = 12
-_REBUILD_DEPTH = 40
-
-
-def _frames(skip: int, depth: int = _DEPTH) -> list[FrameType]:
-    """The ``depth`` frames above the caller of the caller of this function."""
-    frames: list[FrameType] = []
-    try:
-        frame: FrameType | None = sys._getframe(skip + 1)
-    except ValueError:  # pragma: no cover - a stack shallower than skip
-        return frames
-    while frame is not None and len(frames) < depth:
-        frames.append(frame)
-        frame = frame.f_back
-    return frames
-
-
-def _module(frame: FrameType) -> str:
-    return str(frame.f_globals.get("__name__", ""))
-
-
-def fabric_iterating() -> bool:
-    """Whether Fabric's loader wrapper (``_FabricDataLoader.__iter__``) is on the stack:
-    the caller is its ``set_epoch`` call or its ``iter()`` of the loader."""
-    return any(_module(f) in FABRIC_WRAPPERS and f.f_code.co_name == "__iter__" for f in _frames(2))
-
-
-@dataclass(frozen=True)
-class FrameworkSave:
-    """A framework asking for the loader's state while it writes a checkpoint.
-
-    ``name``: which one; ``held``: batches the loader yielded that the training loop
-    fetched ahead and has not trained on yet (Lightning's prefetch of a loader without
-    ``len()``); ``every_rank``: the framework asks every data-parallel rank at this point
-    (so a collective is safe there) and writes the answer of global rank 0 only.
-    """
-
-    name: str
-    held: int = 0
-    every_rank: bool = True
-
-
-#: Framework functions that ask every rank for ``state_dict()`` and write rank 0's answer:
-#: ``(module, function) -> framework``.
-_SAVES = {
-    ("lightning.pytorch.loops.fit_loop", "on_save_checkpoint"): "Lightning",
-    ("pytorch_lightning.loops.fit_loop", "on_save_checkpoint"): "Lightning",
-    ("lightning.fabric.strategies.strategy", "_convert_stateful_objects_in_state"): "Fabric",
-    ("lightning_fabric.strategies.strategy", "_convert_stateful_objects_in_state"): "Fabric",
-    ("accelerate.checkpointing", "save_custom_state"): "Accelerate",
+#: What each framework's user adds (the docs' table, in the errors' advice).
+HOOKS = {
+    "Lightning": "Trainer(callbacks=[savable_loader.integrations.lightning.SavableLoaderCallback()])",
+    "Fabric": 'state["loader"] = savable_loader.integrations.fabric.FabricLoaderState(loader) for fabric.save/load',
+    "Accelerate": "accelerator.register_for_checkpointing(savable_loader.integrations.EveryRankState(loader))",
+    "HF Trainer": "savable_loader.integrations.transformers.SavableTrainer in place of Trainer",
 }
 
-
-def saving_framework(loader: Any) -> FrameworkSave | None:
-    """The framework whose checkpoint asks for ``loader``'s state, if one is recognised.
-
-    Raises ``LookupError`` when Lightning's loop holds batches fetched ahead from a
-    combination of loaders (a ``CombinedLoader`` of several), which cannot be told apart."""
-    for frame in _frames(2):
-        name = _SAVES.get((_module(frame), frame.f_code.co_name))
-        if name is None:
-            continue
-        if name != "Lightning":
-            return FrameworkSave(name)
-        loop = frame.f_locals.get("self")
-        held = len(getattr(getattr(loop, "_data_fetcher", None), "batches", None) or ())
-        if held:
-            flattened = list(getattr(getattr(loop, "_combined_loader", None), "flattened", None) or ())
-            if not (len(flattened) == 1 and flattened[0] is loader):
-                raise LookupError(
-                    f"Lightning's training loop holds {held} batch(es) fetched ahead from {len(flattened)} combined "
-                    "loaders"
-                )
-        return FrameworkSave(name, held)
-    return None
+_CLAIM = "_savable_hook"
+_OWNER = "_savable_owner"
+_EPOCHS_SET = "_savable_epochs_set"
 
 
-def rebuilt_by() -> tuple[str, bool] | None:
-    """``(framework, under_hf_trainer)`` if a loader that a framework rebuilt from a
-    SavableDataLoader's attributes is iterating (Accelerate's ``prepare()`` or
-    ``skip_first_batches``), else None. ``under_hf_trainer``: the Hugging Face
-    ``Trainer`` drove it (its resume skips batches with ``skip_first_batches``)."""
-    frames = _frames(1, _REBUILD_DEPTH)
-    if not any(_module(f) == "accelerate.data_loader" for f in frames):
-        return None
-    frame: FrameType | None = frames[0]
-    while frame is not None:  # the Trainer's frame may be anywhere further up
-        if _module(frame) == "transformers.trainer":
-            return "Accelerate", True
-        frame = frame.f_back
-    return "Accelerate", False
+def claim(loader: Any, hook: str) -> None:
+    """Record that ``hook`` (an integration's object) takes ``loader``'s framework saves."""
+    loader.__dict__[_CLAIM] = hook
 
 
-def check_not_rebuilt() -> None:
-    """Raise :class:`LoaderUsageError` if a savable pipeline is iterated by a loader a
-    framework rebuilt (in its worker processes, or in the main process by Accelerate):
-    called where a pipeline asks which worker it runs in, outside a SavableDataLoader."""
-    rebuilt = rebuilt_by()
-    if rebuilt is not None:
-        raise rebuild_error(*rebuilt, what="dataset")
-    from torch.utils.data import (
-        get_worker_info,  # torch is imported by whoever iterates
+def claimed_by(loader: Any) -> str | None:
+    """The hook that claimed ``loader`` (None: none)."""
+    hook = loader.__dict__.get(_CLAIM)
+    return None if hook is None else str(hook)
+
+
+def note_epochs_set(loader: Any) -> None:
+    """``loader.sampler.set_epoch`` was called (Lightning's Trainer and Fabric's loader
+    wrapper do, before every epoch)."""
+    loader.__dict__[_EPOCHS_SET] = True
+
+
+def check_nothing_held(loader: Any, has_length: bool, mid_epoch: bool) -> None:
+    """Refuse ``state_dict()`` of a loader without ``len()`` in the middle of an epoch
+    whose epochs a framework sets (``loader.sampler.set_epoch``: Lightning's Trainer,
+    Fabric) while no hook claimed the loader (see the module doc): Lightning's loop may
+    hold a batch fetched ahead that the state would count."""
+    if has_length or not mid_epoch or claimed_by(loader) is not None or not loader.__dict__.get(_EPOCHS_SET):
+        return
+    raise LoaderUsageError(
+        "state_dict() of a loader without len() in the middle of an epoch, after loader.sampler.set_epoch() was "
+        "called (Lightning's Trainer and Fabric do): Lightning's Trainer fetches one batch ahead of such a loader, "
+        "and a state that counted it would skip it on resume (nothing in the state tells). Under Lightning's Trainer "
+        f"add {HOOKS['Lightning']}, which leaves that batch out; under Fabric put "
+        "savable_loader.integrations.fabric.FabricLoaderState(loader) in the saved state in place of the loader; "
+        "elsewhere save through savable_loader.integrations.EveryRankState(loader), or call loader.save_state_rank()"
     )
 
+
+def own(worker_config: Any, loader: Any) -> None:
+    """Mark ``worker_config`` (a pipeline's) as iterated by ``loader`` only."""
+    worker_config.__dict__[_OWNER] = weakref.ref(loader)
+
+
+def check_not_rebuilt(worker_config: Any) -> None:
+    """Raise :class:`LoaderUsageError` if a savable pipeline is iterated outside the
+    worker context of a SavableDataLoader (``worker_config.rank_worker_id()`` found none):
+    in a worker process of a torch DataLoader (each worker would read the same data), or
+    in the main process while a SavableDataLoader owns the pipeline's ``worker_config``
+    (a DataLoader rebuilt from the loader's attributes, or the pipeline iterated by hand)."""
+    from torch.utils.data import get_worker_info  # torch is imported by whoever iterates
+
     if get_worker_info() is not None:
-        raise LoaderUsageError(
-            "a SavableDataset is iterated in a worker process of a torch DataLoader that no SavableDataLoader runs "
-            "(for example one that accelerator.prepare(loader) or skip_first_batches(loader, n) rebuilt from a "
-            "SavableDataLoader's attributes): its workers would all read the same data, and no position can be "
-            "saved. Iterate the pipeline with a SavableDataLoader (with Accelerate: "
-            "accelerator.register_for_checkpointing(loader) in place of prepare())"
-        )
+        raise rebuild_error("dataset", worker=True)
+    owner = worker_config.__dict__.get(_OWNER)
+    if owner is not None and owner() is not None:
+        raise rebuild_error("dataset")
 
 
-def rebuild_error(framework: str, hf_trainer: bool, what: str = "sampler") -> LoaderUsageError:
-    """The error a SavableDataLoader's sampler (or pipeline: ``what="dataset"``) raises
-    when a loader ``framework`` rebuilt from the SavableDataLoader's attributes uses it
-    (see :func:`rebuilt_by`)."""
-    if hf_trainer:
-        advice = (
-            "the Hugging Face Trainer skips the resumed epoch's first batches that way. Use "
-            "savable_loader.integrations.transformers.SavableTrainer in place of Trainer (and let it build the "
-            "loader): it restores the loader instead of skipping batches"
-        )
-    else:
-        advice = (
-            "Do not pass the loader to accelerator.prepare() nor to skip_first_batches(): it splits the data over "
-            "the processes itself. Register it with accelerator.register_for_checkpointing(loader) so that "
-            "save_state()/load_state() carry its position; after load_state() iterate it as it is (it continues "
-            "where it was saved, no batch to skip)"
-        )
+def rebuild_error(what: str = "sampler", worker: bool = False) -> LoaderUsageError:
+    """The error a SavableDataLoader's batch sampler (or pipeline: ``what="dataset"``)
+    raises when something other than the loader iterates it: a plain DataLoader that
+    Accelerate's ``prepare()`` or ``skip_first_batches`` built from the loader's
+    attributes (the Hugging Face Trainer calls the latter when it resumes mid-epoch)."""
+    where = (
+        "in a worker process of a torch DataLoader that no SavableDataLoader runs (its workers would all read the "
+        "same data)"
+        if worker
+        else "by something other than the SavableDataLoader that owns it (or after that loader is gone)"
+    )
     return LoaderUsageError(
-        f"a DataLoader that {framework} rebuilt from a SavableDataLoader's attributes (accelerator.prepare(loader) "
-        f"or skip_first_batches(loader, n)) is using the SavableDataLoader's {what}: that plain DataLoader can "
-        "neither save nor restore the position, and its batches would differ from the SavableDataLoader's (other "
-        f"augmentations; on several processes, other samples). {advice}"
+        f"the SavableDataLoader's {what} is used {where}: typically a plain DataLoader that "
+        "accelerator.prepare(loader) or skip_first_batches(loader, n) rebuilt from the loader's attributes. That "
+        "DataLoader can neither save nor restore the position, and its batches would differ from the loader's "
+        "(other augmentations; on several processes, other samples). With Accelerate: do not pass the loader to "
+        "accelerator.prepare() nor to skip_first_batches() (it splits the data over the processes itself); register "
+        f"it with {HOOKS['Accelerate']} (or accelerator.register_for_checkpointing(loader) for a loader with its own "
+        "order or a DistributedSampler) and after load_state() iterate it as it is: it continues where it was "
+        f"saved, no batch to skip. With the Hugging Face Trainer (which skips a resumed epoch's first batches "
+        f"that way): use {HOOKS['HF Trainer']} and let it build the loader. To iterate a pipeline by hand, iterate "
+        "the loader, or build the pipeline with a WorkerConfig of its own"
     )

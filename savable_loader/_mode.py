@@ -60,7 +60,7 @@ class Iteration(ABC):
     def position(self, held: int = 0) -> Position:
         """Where the iteration is: everything yielded so far counts as consumed, except
         the last ``held`` items, which the caller fetched ahead and still holds (a
-        framework's prefetch: see ``_frameworks.batches_held_by_caller``). Never waits
+        framework's prefetch: see ``integrations/lightning.py``). Never waits
         on a worker. Raises ``StateError`` if the position before the ``held`` items is
         not known."""
 
@@ -144,6 +144,10 @@ class Mode(ABC):
     def restored(self) -> None:
         """A state was restored: forget the item yielded last."""
 
+    def show_restored(self, position: Any) -> None:
+        """A state was restored at ``position``: let the objects the caller sees (a
+        sampler's ``epoch``) show it before the next ``iter()``."""
+
     @abstractmethod
     def remaining(self, position: Any) -> int | None:
         """Items an iteration resumed from ``position`` yields (None if unknown)."""
@@ -152,11 +156,12 @@ class Mode(ABC):
         """Take the seed and seed formula of a restored state."""
         self.seed_formula = seed_formula
 
-    def reconcile(self, position: Any, fabric: bool) -> tuple[Any, int]:
+    def reconcile(self, position: Any, own_epochs: bool) -> tuple[Any, int]:
         """Before the first iteration after a restore: the position to resume (None: start
         the epoch afresh) and the epoch to run, given what the caller set since the
-        restore (a sampler of the user's may have been moved to another epoch; ``fabric``:
-        Lightning Fabric's per-process count did it)."""
+        restore (a sampler of the user's may have been moved to another epoch;
+        ``own_epochs``: an integration said that a framework's count of its own did it,
+        e.g. Fabric's per-process one)."""
         return position, position.epoch
 
     def finish_rest(self, position: Any) -> None:

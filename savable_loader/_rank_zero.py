@@ -22,8 +22,11 @@ to the same count, and the digest a restore checks is recomputed for it.
 
 Everything else is refused with :class:`~savable_loader.StateError` naming the way out:
 a savable pipeline's per-worker states, and samplers whose order on another rank the
-state cannot tell, need every rank's state in the checkpoint (``save_state_global``, or
-``torch.distributed.checkpoint``, which keeps each rank's entry).
+state cannot tell, need every rank's state in the checkpoint. The integrations' hooks
+put it there (:func:`entries_of_every_rank`, a collective they run where the framework
+asks every rank: ``SavableLoaderCallback``, ``FabricLoaderState``, ``EveryRankState``);
+``torch.distributed.checkpoint`` keeps each rank's entry anyway; in a loop of one's own,
+``save_state_global``.
 
 Example::
 
@@ -53,9 +56,13 @@ __all__ = ["RECIPE", "derivable", "derive_state", "entries_of_every_rank"]
 
 #: Where the docs show how to keep every rank's state in a checkpoint.
 RECIPE = (
-    "keep every rank's state in the checkpoint: states = loader.save_state_global(0) on every rank, stored from "
-    'rank 0, and loader.restore_state_global(states) on every rank (docs/recipes.md, "Checkpoints written by '
-    "rank 0\"), or torch.distributed.checkpoint, which stores each rank's entry"
+    "keep every rank's state in the checkpoint: with Lightning's Trainer, "
+    "Trainer(callbacks=[savable_loader.integrations.lightning.SavableLoaderCallback()]); with Fabric, "
+    'state["loader"] = savable_loader.integrations.fabric.FabricLoaderState(loader); with Accelerate, '
+    "accelerator.register_for_checkpointing(savable_loader.integrations.EveryRankState(loader)); in a loop of "
+    "your own, states = loader.save_state_global(0) on every rank, stored from rank 0, and "
+    'loader.restore_state_global(states) on every rank (docs/recipes.md, "Checkpoints written by rank 0"), or '
+    "torch.distributed.checkpoint, which stores each rank's entry"
 )
 
 
@@ -69,9 +76,10 @@ def derivable(loader: Any) -> bool:
 
 
 def entries_of_every_rank(loader: Any, state: RankState) -> dict[str, bytes]:
-    """``state_dict()`` entries when a framework asks every rank and writes rank 0's
-    answer: on global rank 0, every rank's entry (gathered; a collective), if this
-    loader's position cannot be derived from rank 0's; else this rank's entry."""
+    """``state_dict()`` entries for a framework that asks every rank and writes rank 0's
+    answer (called by the integrations' hooks, on every rank): on global rank 0, every
+    rank's entry (gathered; a collective), if this loader's position cannot be derived
+    from rank 0's; else this rank's entry."""
     own = {loader._state_key(): encode(state)}
     wc = loader.worker_config
     if (

@@ -194,7 +194,15 @@ class SamplerMode(IndexMode):
         super().restored()
         self.epochs_at_restore = capture_epochs(self.index_sampler)
 
-    def reconcile(self, position: Any, fabric: bool) -> tuple[Any, int]:
+    def show_restored(self, position: Any) -> None:
+        """The sampler's ``epoch`` attributes show the restored ones at once, so that a
+        ``set_epoch`` to another value before the next ``iter()`` is seen (Fabric's
+        per-process count sets 0 in a resumed process: :meth:`reconcile`)."""
+        record = position.sampler if isinstance(position, IndexPosition) else None
+        if record is not None and record.epochs:
+            apply(self.index_sampler, SamplerState(epochs=dict(record.epochs)))
+
+    def reconcile(self, position: Any, own_epochs: bool) -> tuple[Any, int]:
         """A restored position meets a sampler whose ``epoch`` the caller changed since the
         restore (``sampler.set_epoch(e)``, which the loader does not see):
 
@@ -204,12 +212,12 @@ class SamplerMode(IndexMode):
           restored epoch is played through first, so that the sampler's generators are
           where the uninterrupted run had them;
         * in the middle of an epoch: the caller would get another order than the saved
-          one: :class:`LoaderUsageError`, as ``loader.set_epoch`` gives. Lightning Fabric's
-          count (``fabric``), which starts again at 0 in a resumed process, is overridden
-          by the restored epoch instead.
+          one: :class:`LoaderUsageError`, as ``loader.set_epoch`` gives. A framework's own
+          count (``own_epochs``, set by an integration: Lightning Fabric's, which starts
+          again at 0 in a resumed process) is overridden by the restored epoch instead.
         """
         record = position.sampler if isinstance(position, IndexPosition) else None
-        if record is None or fabric:
+        if record is None or own_epochs:
             return position, position.epoch
         now = capture_epochs(self.index_sampler)
         changed = {  # moved since the restore, to another value than the state's
@@ -232,7 +240,9 @@ class SamplerMode(IndexMode):
             f"the sampler's epoch was set to {changed} after the restore, but the restored state continues epoch "
             f"{position.epoch} of the sampler at {dict(record.epochs)} "
             f"({'an unknown number of' if left is None else left} items left): set it back (or do not set it) to "
-            "continue, or build a new loader to start another epoch"
+            "continue, or build a new loader to start another epoch. Under Lightning Fabric, whose loader wrapper "
+            "sets its per-process count (0 again in a resumed process), save and load the loader through "
+            "savable_loader.integrations.fabric.FabricLoaderState(loader): the loader's count is used then"
         )
 
     def finish_rest(self, position: Any) -> None:

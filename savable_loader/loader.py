@@ -37,14 +37,14 @@ from savable_loader._arguments import (
 )
 from savable_loader._failures import terminate_worker, translate_worker_error
 from savable_loader._feeder import WorkerInit
-from savable_loader._frameworks import fabric_iterating, saving_framework
+from savable_loader._frameworks import check_nothing_held, own
 from savable_loader._global_rngs import global_rngs_setting
 from savable_loader._index_mode import OrderMode
 from savable_loader._iterable_mode import IterableMode
 from savable_loader._iterator import RUNNING, Fate, Record, SavableIterator
 from savable_loader._mode import SKIP, Mode
 from savable_loader._pipeline_mode import PipelineMode
-from savable_loader._rank_zero import derive_state, entries_of_every_rank
+from savable_loader._rank_zero import derive_state
 from savable_loader._sampler_mode import SamplerMode
 from savable_loader._seeds import engine_generator_seed
 from savable_loader._sigchld import install, loader_call
@@ -70,7 +70,7 @@ from savable_loader.errors import (
     WorkerTimeoutError,
 )
 from savable_loader.rng import SEED_FORMULAS
-from savable_loader.sources.samplers import order_sampler
+from savable_loader.sources.samplers import PipelineSampler, order_sampler
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import PipelinePosition, RankState, RestoreKey
 
@@ -237,6 +237,10 @@ class SavableDataLoader(DataLoader[T_co]):
         self._mode: Mode = make_mode()
         self._engine = self._make_engine(worker_init_fn, pin_memory, timeout, prefetch_factor, pin_memory_device)
         self._start_bookkeeping()
+        if isinstance(dataset, SavableDataset):  # iterated by this loader's workers only (_frameworks.py)
+            own(dataset.worker_config, self)
+        if isinstance(self._mode, (PipelineMode, IterableMode)):  # torch's attribute is read-only after __init__
+            object.__setattr__(self, "sampler", PipelineSampler(self))
 
     # -- construction -------------------------------------------------------------------
 
@@ -288,6 +292,10 @@ class SavableDataLoader(DataLoader[T_co]):
         self._started = 0  # iter() calls
         self._next_epoch = 0
         self._pending: Any = None  # a restored position the next iter() continues
+        self._restored = False  # a state was restored: its epoch count is the loader's from then on
+        #: Set by an integration whose framework calls the samplers' ``set_epoch`` with a
+        #: count of its own (Fabric's per-process one): the loader's count is used instead.
+        self._own_epochs = False
 
     def _choose_path(
         self,
@@ -450,12 +458,12 @@ class SavableDataLoader(DataLoader[T_co]):
                 live = [r for r in self._records if r.fate is Fate.LIVE]
             resume = self._pending
             if resume is not None:
-                resume, epoch = mode.reconcile(resume, fabric_iterating())
+                resume, epoch = mode.reconcile(resume, self._own_epochs)
             else:
                 epoch = self._next_epoch
-            if resume is None and self._user_samplers() and fabric_iterating():
-                # Fabric set its per-process count (0 again after a resume): use the epoch
-                # an uninterrupted run has here, as the loader's own order does
+            if resume is None and self._user_samplers() and self._own_epochs:
+                # the framework set its own count (Fabric's, 0 again after a resume): use the
+                # epoch an uninterrupted run has here, as the loader's own order does
                 self._set_sampler_epochs(epoch)
             reuse = self._persistent and loader_iterator(self._engine) is not None
             if reuse and not mode.workers_reusable():  # (see PipelineMode.workers_reusable)
@@ -776,7 +784,9 @@ class SavableDataLoader(DataLoader[T_co]):
             mode.adopt(self.seed, formula)
             self._records = []
             self._pending = position
+            self._restored = True
             self._next_epoch = position.epoch + 1
+            mode.show_restored(position)
             mode.restored()
             if loader_iterator(self._engine) is not None:  # persistent workers start anew
                 self._shutdown(loader_iterator(self._engine))
@@ -877,26 +887,38 @@ class SavableDataLoader(DataLoader[T_co]):
 
         Keyed by data-parallel rank so that ``torch.distributed.checkpoint`` stores each
         rank's entry (values under one key would be de-duplicated as replicated); safe with
-        ``torch.load(weights_only=True)``. Makes the loader a DCP ``Stateful``.
+        ``torch.load(weights_only=True)``. Makes the loader a DCP ``Stateful``. Never a
+        collective, whoever calls it.
 
-        Frameworks that ask every rank and write rank 0's answer (Lightning's Trainer and
-        Fabric, Accelerate's ``save_state``) get every rank's entry from rank 0 where
-        another rank cannot derive its position from rank 0's (savable pipelines, most
-        samplers of the user's; see ``savable_loader/_rank_zero.py``). Called by
-        Lightning's training loop, the state leaves out the batch the loop fetched ahead
-        of a loader without ``len()`` (it has not trained on it yet).
+        Frameworks that write rank 0's answer only (Lightning's Trainer and Fabric,
+        Accelerate's ``save_state``) resume the other ranks where their position derives
+        from rank 0's (see :meth:`load_state_dict`); elsewhere an integration's hook
+        stores every rank's entry (``savable_loader/integrations/``). A loader without
+        ``len()`` whose epochs a framework sets (``loader.sampler.set_epoch``: Lightning's
+        Trainer, Fabric) refuses this call in the middle of an epoch unless a hook claimed
+        it (Lightning's loop may hold a batch fetched ahead, which the state would count:
+        see ``savable_loader/_frameworks.py``).
         """
-        try:
-            saving = saving_framework(self)
-        except LookupError as e:
-            raise LoaderUsageError(
-                f"cannot save exactly: {e}, and the state of each loader cannot leave its own out; give the loaders "
-                "a length (Lightning then fetches nothing ahead) or train from one loader"
-            ) from None
-        state = self._save(saving.held if saving is not None else 0)
-        if saving is not None and saving.every_rank:
-            return entries_of_every_rank(self, state)  # rank 0's answer is written
+        with self._state_lock:
+            check_nothing_held(self, self._has_length(), self._mid_epoch())
+            state = self._save(0)
         return {self._state_key(): encode(state)}
+
+    def _has_length(self) -> bool:
+        """Whether ``len(loader)`` answers (Lightning fetches ahead of a loader where it
+        does not), asked of the dataset: torch's ``len(loader)`` of an iterable dataset
+        records the length it reported, which a later iteration checks."""
+        if not isinstance(self._mode, (PipelineMode, IterableMode)):
+            return True
+        try:
+            len(self.dataset)  # type: ignore[arg-type]
+        except (TypeError, NotImplementedError):
+            return False
+        return True
+
+    def _mid_epoch(self) -> bool:
+        """Whether an iteration is live (a framework may hold a batch it fetched ahead)."""
+        return any(r.fate is Fate.LIVE for r in self._records)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (this rank's entry).

@@ -275,12 +275,18 @@ def test_lightning_trainer_and_fabric(tmp_path, procs):
     * ``module``: the loader from ``train_dataloader()``; on 2 devices it is already split
       (its sampler is a DistributedSampler) and Lightning keeps it; rank 1 resumes from
       rank 0's checkpoint entry;
-    * ``pipeline``: a savable pipeline (no ``len()``): Lightning fetches a batch ahead, the
-      state leaves it out; on 2 devices every rank's state is gathered into rank 0's
-      checkpoint;
-    * ``fabric``: Fabric's ``setup_dataloaders`` keeps the loader; its per-process
-      ``set_epoch`` count (0 again after a resume) does not move the loader's epochs."""
-    scenarios = ("before-fit", "module", "pipeline", "fabric") if procs > 1 else ("module", "pipeline", "fabric")
+    * ``pipeline``: a savable pipeline (no ``len()``) with ``SavableLoaderCallback``:
+      Lightning fetches a batch ahead, the state leaves it out; on 2 devices every rank's
+      state is gathered into rank 0's checkpoint;
+    * ``fabric``: Fabric's ``setup_dataloaders`` keeps the loader (its own order, nothing
+      added); its per-process ``set_epoch`` count (0 again after a resume) does not move
+      the loader's epochs;
+    * ``fabric-sampler``: a DistributedSampler of the user's, saved as
+      ``FabricLoaderState(loader)``: the sampler's epochs follow the loader's count;
+    * ``fabric-pipeline``: a savable pipeline saved as ``FabricLoaderState(loader)``: on 2
+      devices every rank's state is gathered into rank 0's checkpoint."""
+    fabric = ("fabric", "fabric-sampler", "fabric-pipeline")
+    scenarios = ("before-fit", "module", "pipeline", *fabric) if procs > 1 else ("module", "pipeline", *fabric)
     check_scenarios(tmp_path, "lightning_scenarios.py", procs, False, str(procs), *scenarios, scenarios=scenarios)
 
 
@@ -290,19 +296,23 @@ def test_lightning_trainer_and_fabric(tmp_path, procs):
 @_requires("accelerate")
 @pytest.mark.parametrize("procs", [1, 2])
 def test_accelerate(tmp_path, procs):
-    """``register_for_checkpointing(loader)`` resumes exactly; ``accelerator.prepare(loader)``
-    (run last in the reference's processes) rebuilds a plain DataLoader from the loader's
-    attributes: its first batch says so, and what to do."""
-    done = _run([_command("accelerate_loop.py", tmp_path, "ref", procs, procs > 1, "register", "prepare")], tmp_path)[0]
+    """``register_for_checkpointing(loader)`` (the loader's own order) and
+    ``register_for_checkpointing(EveryRankState(loader))`` (a savable pipeline) resume
+    exactly; ``accelerator.prepare(loader)`` (run last in the reference's processes)
+    rebuilds a plain DataLoader from the loader's attributes: its first batch says so, and
+    what to do."""
+    hows = ("register", "every-rank")
+    done = _run([_command("accelerate_loop.py", tmp_path, "ref", procs, procs > 1, *hows, "prepare")], tmp_path)[0]
     assert done.returncode != 0
     assert "LoaderUsageError" in done.stderr and "register_for_checkpointing" in done.stderr, done.stderr[-3000:]
     assert not (tmp_path / "prepare" / "ref.rank0.jsonl").exists()
     runs = [f"resume-{s}" for s in SAVE_STEPS]
     for resumed in _run(
-        [_command("accelerate_loop.py", tmp_path, run, procs, procs > 1, "register") for run in runs], tmp_path
+        [_command("accelerate_loop.py", tmp_path, run, procs, procs > 1, *hows) for run in runs], tmp_path
     ):
         _ok(resumed)
-    assert_resumes(tmp_path / "register", procs, "register")
+    for how in hows:
+        assert_resumes(tmp_path / how, procs, how)
 
 
 # -- Hugging Face Trainer ------------------------------------------------------------

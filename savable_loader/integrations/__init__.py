@@ -1,13 +1,22 @@
-"""Integrations with training frameworks, one module per framework.
+"""Integrations with training frameworks: explicit objects a user adds, one module per
+framework.
 
 Importing ``savable_loader`` or this package imports no framework: each module imports
-its framework when it is itself imported.
+its framework when it is itself imported, and the loader never looks at who calls it.
+What a user adds, per framework (docs/lightning.md, docs/accelerate.md,
+docs/transformers.md):
 
+* :mod:`savable_loader.integrations.lightning`: ``SavableLoaderCallback``, for Lightning's
+  Trainer with a savable pipeline, a sampler of the user's or a loader without ``len()``;
+* :mod:`savable_loader.integrations.fabric`: ``FabricLoaderState``, the loader in
+  Fabric's checkpoint state, for the same loaders;
+* :class:`EveryRankState` (:mod:`savable_loader.integrations.every_rank`), for
+  Accelerate's ``register_for_checkpointing``, for the same loaders;
 * :mod:`savable_loader.integrations.transformers`: ``SavableTrainer``, the Hugging Face
   ``Trainer`` with exact data resume.
 
-Lightning (Trainer and Fabric), Accelerate and ``torch.distributed.checkpoint`` need no
-module here: the loader goes where the ``DataLoader`` goes (see ``docs/``).
+A loader with its own order (or torch's ``DistributedSampler``) needs none of them under
+Lightning, Fabric and Accelerate; ``torch.distributed.checkpoint`` needs none for any.
 
 Example::
 
@@ -17,4 +26,16 @@ Example::
     trainer.train(resume_from_checkpoint=True)
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["EveryRankState"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EveryRankState":
+        from savable_loader.integrations.every_rank import EveryRankState
+
+        return EveryRankState
+    raise AttributeError(f"module 'savable_loader.integrations' has no attribute {name!r}")

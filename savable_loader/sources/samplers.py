@@ -27,7 +27,8 @@ on anything else (time, a generator the search cannot reach) is refused with
 ``ConfigMismatchError`` instead of resuming with other data.
 
 **The loader's own order** shows as ``loader.sampler``: :class:`OrderSampler`
-(``len``, ``set_epoch``, the indices of an epoch).
+(``len``, ``set_epoch``, ``indices()`` of an epoch; iterating it is refused, since only a
+DataLoader rebuilt from the loader's attributes does that).
 
 Example::
 
@@ -56,9 +57,9 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from savable_loader._frameworks import fabric_iterating, rebuild_error, rebuilt_by
+from savable_loader._frameworks import note_epochs_set, rebuild_error
 from savable_loader._values import freeze, from_plain, to_plain
-from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StateError, UsageTypeError
+from savable_loader.errors import ConfigMismatchError, StateError, UsageTypeError
 from savable_loader.rng import (
     SEED_FORMULA,
     capture_generator,
@@ -76,6 +77,7 @@ __all__ = [
     "MAX_ITEMS",
     "DistributedOrderSampler",
     "OrderSampler",
+    "PipelineSampler",
     "PrivateRng",
     "RandomOrderSampler",
     "SequentialOrderSampler",
@@ -320,9 +322,12 @@ class OrderSampler(Sampler[int]):
     """``loader.sampler`` of a loader that builds its own order (shuffle without a sampler).
 
     ``len(sampler)`` is this rank's number of samples per epoch (read from
-    ``len(dataset)`` when asked), ``set_epoch(e)`` is ``loader.set_epoch(e)``, ``epoch``
-    the epoch the next ``iter(loader)`` starts, and iterating it gives the dataset
-    indices of that epoch for this rank (the loader itself never iterates it).
+    ``len(dataset)`` when asked), ``set_epoch(e)`` is ``loader.set_epoch(e)`` (except
+    after a restore, see :meth:`set_epoch`), ``epoch`` the epoch the next ``iter(loader)``
+    starts, and ``indices()`` the dataset indices of that epoch for this rank. The loader
+    never iterates it (nor ``loader.batch_sampler``): ``iter(sampler)`` is what a plain
+    DataLoader rebuilt from the loader's attributes does (Accelerate's ``prepare()`` and
+    ``skip_first_batches``), and raises :class:`LoaderUsageError` saying what to do.
 
     The loader shows one of its subclasses, each an instance of the torch sampler a
     ``DataLoader`` with the same arguments would have, so that frameworks that inspect
@@ -335,6 +340,7 @@ class OrderSampler(Sampler[int]):
 
         loader.sampler.set_epoch(3)      # as with DistributedSampler
         len(loader.sampler)              # samples of this rank per epoch
+        loader.sampler.indices()         # the dataset indices of that epoch, this rank's
     """
 
     def __init__(self, loader: Any) -> None:
@@ -342,29 +348,23 @@ class OrderSampler(Sampler[int]):
 
     def _owner(self) -> Any:
         loader = self._loader()
-        if loader is None:
-            rebuilt = rebuilt_by()
-            if rebuilt is not None:
-                raise rebuild_error(*rebuilt)
-            raise LoaderUsageError(
-                "this sampler belongs to a SavableDataLoader that no longer exists: it shows that loader's order and "
-                "works only while the loader does"
-            )
+        if loader is None:  # a sampler that outlives its loader: one rebuilt from its attributes uses it
+            raise rebuild_error("sampler")
         return loader
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter(loader)`` starts (see ``SavableDataLoader.set_epoch``).
 
-        Lightning Fabric's loader wrapper calls it before every ``iter()`` with its count
-        of iterations in this process, which starts again at 0 in a resumed process: that
-        call is ignored, the loader counting (and restoring) its epochs itself, as an
-        uninterrupted run would number them."""
-        if fabric_iterating():
+        After a restore the loader's epoch count is the restored one: an ``epoch`` below
+        the epoch the loader runs next is ignored. Lightning Fabric's loader wrapper calls
+        it before every ``iter()`` with its count of iterations in this process, which
+        starts again at 0 in a resumed process; an uninterrupted run numbers them as the
+        loader does, and a resumed one continues the loader's numbering. A count of one's
+        own that goes back after a restore: ``loader.set_epoch(e)``."""
+        owner = self._owner()
+        if owner._own_epochs or (owner._restored and epoch < owner._upcoming_epoch()):
             return
-        rebuilt = rebuilt_by()
-        if rebuilt is not None:
-            raise rebuild_error(*rebuilt)
-        self._owner().set_epoch(epoch)
+        owner.set_epoch(epoch)
 
     @property
     def epoch(self) -> int:
@@ -374,12 +374,14 @@ class OrderSampler(Sampler[int]):
     def __len__(self) -> int:
         return int(self._owner()._mode.sample_count())
 
-    def __iter__(self) -> Iterator[int]:
-        rebuilt = rebuilt_by()
-        if rebuilt is not None:
-            raise rebuild_error(*rebuilt)
+    def indices(self) -> list[int]:
+        """The dataset indices of the epoch the next ``iter(loader)`` starts, this rank's
+        share, in the order the loader loads them."""
         owner = self._owner()
-        return iter(owner._mode.epoch_indices(owner._upcoming_epoch()))
+        return [int(i) for i in owner._mode.epoch_indices(owner._upcoming_epoch())]
+
+    def __iter__(self) -> Iterator[int]:
+        raise rebuild_error("sampler")
 
 
 class RandomOrderSampler(OrderSampler, RandomSampler):
@@ -406,9 +408,6 @@ class RandomOrderSampler(OrderSampler, RandomSampler):
 
     @property
     def data_source(self) -> Any:  # type: ignore[override]
-        rebuilt = rebuilt_by()  # Accelerate's prepare() builds its own RandomSampler from it
-        if rebuilt is not None:
-            raise rebuild_error(*rebuilt)
         return self._owner().dataset
 
     @property
@@ -431,6 +430,35 @@ class SequentialOrderSampler(OrderSampler, SequentialSampler):
     @property
     def data_source(self) -> Any:  # type: ignore[override]
         return self._owner().dataset
+
+
+class PipelineSampler(Sampler[None]):
+    """``loader.sampler`` of a loader over a savable pipeline or a plain IterableDataset:
+    the pipeline decides the order, there is nothing to sample.
+
+    ``set_epoch(e)`` leaves the loader's epochs alone (it counts them itself) and records
+    that something sets them this way: Lightning's Trainer and Fabric's loader wrapper call
+    it before every epoch, and Lightning's Trainer fetches a batch ahead of a loader without
+    ``len()``, so that ``state_dict()`` mid-epoch then needs a hook (see
+    ``savable_loader/_frameworks.py``). Iterating it raises :class:`LoaderUsageError`
+    (only a DataLoader rebuilt from the loader's attributes would).
+
+    Example::
+
+        loader.sampler.set_epoch(2)     # what Lightning does; the loader's epochs are its own
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = weakref.ref(loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        loader = self._loader()
+        if loader is None:
+            raise rebuild_error("sampler")
+        note_epochs_set(loader)
+
+    def __iter__(self) -> Iterator[None]:
+        raise rebuild_error("sampler")
 
 
 def order_sampler(loader: Any, shuffle: bool, world_size: int) -> OrderSampler:

@@ -8,6 +8,9 @@ optimizer; a resume calls ``accelerator.load_state`` and, mid-epoch,
 ``accelerator.skip_first_batches`` (Accelerate's documented way).
 ``register``: the loader is not prepared; ``accelerator.register_for_checkpointing(loader)``
 makes ``save_state`` / ``load_state`` carry it.
+``every-rank``: a savable pipeline, registered as
+``accelerator.register_for_checkpointing(EveryRankState(loader))`` (on 2 processes every
+process's state goes in the main process's checkpoint).
 RUN is ``ref`` (saves at steps 6 and 9) or ``resume-<S>``. The HOWs run one after the
 other in this process (they share its start-up), each writing to ``OUT/<how>/``; an
 exception ends the process.
@@ -24,6 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 import savable_loader as sl
+from savable_loader.integrations import EveryRankState
 
 EPOCHS = 3
 
@@ -42,21 +46,29 @@ class Progress:
 
 
 def main(out: Path, run: str, how: str) -> None:
-    if how not in ("prepare", "register"):
-        raise ValueError(f"HOW must be 'prepare' or 'register', got {how!r}")
+    if how not in ("prepare", "register", "every-rank"):
+        raise ValueError(f"HOW must be 'prepare', 'register' or 'every-rank', got {how!r}")
     accelerator = Accelerator(cpu=True)
     set_seed(0)
     model, opt = c.make_model()
-    loader = sl.SavableDataLoader(
-        c.Augmented(c.dataset_len(accelerator.num_processes)), batch_size=c.BATCH, shuffle=True, num_workers=c.WORKERS
-    )
+    if how == "every-rank":
+        from _pipeline import pipeline_loader
+
+        loader = pipeline_loader(accelerator.num_processes)
+    else:
+        loader = sl.SavableDataLoader(
+            c.Augmented(c.dataset_len(accelerator.num_processes)),
+            batch_size=c.BATCH,
+            shuffle=True,
+            num_workers=c.WORKERS,
+        )
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     if how == "prepare":
         model, opt, loader = accelerator.prepare(model, opt, loader)
     else:
         model, opt = accelerator.prepare(model, opt)
-        accelerator.register_for_checkpointing(loader)
+        accelerator.register_for_checkpointing(EveryRankState(loader) if how == "every-rank" else loader)
     skip = 0
     if run.startswith("resume-"):
         accelerator.load_state(out / "ckpt" / f"step-{run.split('-')[1]}")

@@ -3,7 +3,8 @@
     python lightning_scenarios.py OUT RUN DEVICES SCENARIO [SCENARIO ...]
 
 SCENARIO is a Trainer scenario of ``lightning_trainer.py`` (``before-fit``, ``module``,
-``pipeline``) or ``fabric`` (``fabric_loop.py``); each writes its steps and checkpoints
+``pipeline``) or a Fabric one of ``fabric_loop.py`` (``fabric``, ``fabric-sampler``,
+``fabric-pipeline``); each writes its steps and checkpoints
 to ``OUT/<scenario>/``. They share what costs the most here: starting Python and
 importing Lightning, and on 2 devices the DDP process group, which the first scenario
 creates (Lightning starts rank 1, which runs this script with the same arguments) and
@@ -26,7 +27,7 @@ if "before-fit" in SCENARIOS[1:]:
 for scenario in SCENARIOS:
     out = OUT / scenario
     out.mkdir(exist_ok=True)
-    if scenario == "fabric":
-        fabric_loop.run(out, RUN, DEVICES)
+    if scenario in fabric_loop.HOWS:
+        fabric_loop.run(out, RUN, DEVICES, scenario)
     else:
         lightning_trainer.run(out, RUN, DEVICES, scenario)

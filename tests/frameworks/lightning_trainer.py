@@ -6,7 +6,9 @@
 (gloo) with its default settings. HOW is where the loader comes from:
 
 * ``module``: the map-style loader from ``train_dataloader()``;
-* ``pipeline``: a savable pipeline (no ``len()``) from ``train_dataloader()``;
+* ``pipeline``: a savable pipeline (no ``len()``) from ``train_dataloader()``, with the
+  ``SavableLoaderCallback`` it needs (Lightning fetches a batch ahead of it; on 2 devices
+  every rank's state goes in rank 0's checkpoint);
 * ``before-fit``: the loader is built before ``trainer.fit(model, loader)`` (before the
   process group exists, so on 2 devices Lightning rebuilds it with a ``DistributedSampler``).
 """
@@ -19,6 +21,7 @@ import _common as c
 import lightning as L
 
 import savable_loader as sl
+from savable_loader.integrations.lightning import SavableLoaderCallback
 
 HOWS = ("module", "pipeline", "before-fit")
 
@@ -62,7 +65,7 @@ def run(out: Path, run: str, devices: int, how: str) -> None:
         accelerator="cpu",
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",
-        callbacks=[checkpoints],
+        callbacks=[checkpoints, SavableLoaderCallback()] if how == "pipeline" else [checkpoints],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
