@@ -196,7 +196,9 @@ class SamplerMode(IndexMode):
 
     def reconcile(self, position: Any, fabric: bool) -> tuple[Any, int]:
         """A restored position meets a sampler whose ``epoch`` the caller changed since the
-        restore (``sampler.set_epoch(e)``, which the loader does not see):
+        restore (``sampler.set_epoch(e)``, which the loader does not see), or set before
+        the restore to a value other than the state's and other than 0 (a new sampler's
+        epoch: the value of a program that does not call ``set_epoch`` before the restore):
 
         * at an epoch's start, or after an epoch's last batch (nothing left of it): the
           caller starts the next epoch its way, as in an uninterrupted run (Lightning's
@@ -212,10 +214,10 @@ class SamplerMode(IndexMode):
         if record is None or fabric:
             return position, position.epoch
         now = capture_epochs(self.index_sampler)
-        changed = {  # moved since the restore, to another value than the state's
+        changed = {  # moved since the restore (or set before it), to another value than the state's
             path: value
             for path, value in now.items()
-            if self.epochs_at_restore.get(path) != value and record.epochs.get(path) != value
+            if record.epochs.get(path) != value and (self.epochs_at_restore.get(path) != value or value != 0)
         }
         if not changed:
             return position, position.epoch
@@ -286,6 +288,8 @@ class SamplerMode(IndexMode):
             )
         if position.stages:
             raise ConfigMismatchError("position.stages", len(position.stages), 0, "a sampler's state has no stages")
+        if position.sampler is not None:
+            apply(self.index_sampler, position.sampler, check_only=True)
         if position.sampler is None and (position.consumed or position.epoch):
             raise ConfigMismatchError(
                 "position.sampler",
