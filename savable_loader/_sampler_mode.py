@@ -144,11 +144,17 @@ class SamplerMode(IndexMode):
         index_sampler: Any,
         auto_collation: bool,
         generator: torch.Generator | None,
+        persistent: bool = False,
         **kwargs: Any,
     ) -> None:
         self.index_sampler = index_sampler
         self.auto_collation = auto_collation
         self.generator = generator
+        #: persistent workers: torch draws the workers' base seed from ``generator`` once
+        #: per iterator (at its first epoch), not at every epoch
+        self.persistent = persistent
+        #: the persistent iterator of this run has drawn its base seed (see :meth:`begin`)
+        self.base_seed_drawn = False
         #: the samplers' ``epoch`` attributes when a state was restored last
         self.epochs_at_restore: dict[str, int] = {}
         super().__init__(dataset, salt=("sampler-sample", kwargs["rank"]), batched=auto_collation, **kwargs)
@@ -165,6 +171,11 @@ class SamplerMode(IndexMode):
 
     def begin(self, epoch: int, resume: Any, reuse_workers: bool = False) -> IndexIteration:
         sampler = self.index_sampler
+        if resume is not None:
+            # the run that saved had iterated (and drawn its persistent iterator's base
+            # seed) unless the state is the start of its first epoch
+            at_start = resume.sampler is None or resume.sampler.at_start
+            self.base_seed_drawn = not at_start or resume.epoch > 0
         if resume is not None and resume.sampler is not None and resume.sampler.at_start:
             apply(sampler, resume.sampler)  # saved between epochs: start this one as usual
             resume = None
@@ -172,10 +183,12 @@ class SamplerMode(IndexMode):
             resume = None  # saved before the loader ever iterated
         if resume is None:
             self.refresh()
-            if self.generator is not None:
+            if self.generator is not None and not (self.persistent and self.base_seed_drawn):
                 # torch's iterator draws its base seed from `generator=` before the sampler
-                # draws: the same batches as torch's DataLoader for the same generator
+                # draws (once per iterator: at every epoch, or at the first with persistent
+                # workers): the same batches as torch's DataLoader for the same generator
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            self.base_seed_drawn = True
             record = capture(sampler, private_regime(sampler))
         else:
             self.check_resume_length(resume)

@@ -421,3 +421,30 @@ def test_a_distributed_sampler_state_into_a_plain_sequence_sampler_is_refused_na
     other = sl.SavableDataLoader(list(range(12)), batch_size=2, sampler=plain)
     with pytest.raises(ConfigMismatchError, match=r"sampler epoch at 'sampler'.*DistributedSampler"):
         other.restore_state_rank(state)
+
+
+# -- generator= with persistent workers (issue 31, item 12) -------------------------------
+
+
+def _generator_loader(cls: type, persistent: bool) -> DataLoader:
+    return cls(
+        list(range(10)),
+        batch_size=3,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+        num_workers=2,
+        persistent_workers=persistent,
+    )
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent"])
+def test_generator_gives_torchs_batches_with_workers_persistent_or_not(persistent: bool) -> None:
+    """torch draws the workers' base seed from ``generator=`` once per iterator: at every
+    epoch, or once with persistent workers (it used to be drawn at every epoch here)."""
+    theirs = epochs_of(_generator_loader(DataLoader, persistent), 3)
+    ours = epochs_of(_generator_loader(sl.SavableDataLoader, persistent), 3)
+    assert [[b.tolist() for b in e] for e in ours] == [[b.tolist() for b in e] for e in theirs]
+
+
+def test_generator_with_persistent_workers_resumes_at_every_step() -> None:
+    check_resume_everywhere(lambda: _generator_loader(sl.SavableDataLoader, True), epochs=3, steps=[0, 2, 4, 5, 8])
