@@ -1,4 +1,4 @@
-"""Random generators a map-style dataset owns: found once per epoch, re-seeded per sample.
+"""Random generators a map-style dataset owns: found per epoch, re-seeded per sample.
 
 A dataset that makes ``np.random.default_rng(0)``, ``torch.Generator()``,
 ``random.Random(0)`` or ``np.random.RandomState(0)`` in ``__init__`` and draws its
@@ -27,10 +27,17 @@ through attributes (``__dict__`` and ``__slots__``), list and tuple items, dict 
 :data:`MAX_DEPTH` steps (``dataset.transforms[0].rng`` is three steps,
 ``dataset.base.transform.transforms[0].rng`` five). Lists, tuples and dicts of more than
 :data:`MAX_ITEMS` entries are data, not walked; modules, classes, functions, tensors and
-arrays are not walked either. Found once per epoch in each worker (after
-``worker_init_fn``), not per sample. A generator inside a closure, a C extension or a
-set cannot be reached: its draws are not exact, and only comparing a resumed run with
-an uninterrupted one finds it (:func:`savable_loader.testing.check_resume`).
+arrays are not walked either. Found once per epoch in each process (after
+``worker_init_fn``), not per sample, and looked for again after the first batch the
+process builds in the epoch: a generator made on first use (``if self.rng is None:
+self.rng = np.random.default_rng(get_worker_info().seed)`` in ``__getitem__``) is found
+there, and that batch is built again with it re-seeded (one batch loaded twice per
+process and epoch where this happens), so its draws are exact too. Later looks (after
+batches 2, 4, 8, ...) find a generator made later still: re-seeded from then on, with an
+:class:`~savable_loader.errors.UnsavedRngWarning` (the samples before were not exact).
+A generator inside a closure, a C extension or a set cannot be reached: its draws are
+not exact, and only comparing a resumed run with an uninterrupted one finds it
+(:func:`savable_loader.testing.check_resume`).
 
 Example::
 

@@ -375,3 +375,56 @@ def test_unlisted_pipeline_generators_are_left_alone() -> None:
     # pipeline's job: list it in _savable_fields).
     draws = torch.cat(list(pipeline(0, listed=False)))[:, -1].tolist()
     assert draws == np.random.default_rng(0).integers(0, 2**30, size=13).tolist()
+
+
+# -- generators made on first use (issue 31, item 1) -----------------------------------------
+
+
+class LazyRng:
+    """torch's documented idiom: the generator is made on the first ``__getitem__`` in each
+    process, from ``get_worker_info().seed`` (0 in the main process)."""
+
+    def __init__(self, n: int = 10) -> None:
+        self.n = n
+        self.rng: np.random.Generator | None = None
+        self.flip: Any = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.rng is None:
+            info = get_worker_info()
+            self.rng = np.random.default_rng(info.seed if info is not None else 0)
+            self.flip = Jitter(torch.Generator().manual_seed(info.seed if info is not None else 1))
+        return torch.tensor([i, int(self.rng.integers(0, 2**30)), self.flip(i)])
+
+
+@pytest.mark.parametrize(
+    "num_workers, persistent", [(0, False), (2, False), (2, True)], ids=["0-workers", "2-workers", "2-persistent"]
+)
+def test_a_generator_made_on_first_use_resumes_at_every_step(num_workers: int, persistent: bool) -> None:
+    check_resume_everywhere(lambda: loader(num_workers, persistent, dataset=LazyRng()), epochs=2)
+
+
+def test_a_generator_made_on_first_use_gives_the_same_stream_with_any_num_workers() -> None:
+    reference = epochs_of(loader(0, dataset=LazyRng()), 2)
+    for other in (loader(2, dataset=LazyRng()), loader(3, persistent=True, dataset=LazyRng())):
+        for got, want in zip(epochs_of(other, 2), reference):
+            assert_streams(got, want, f"num_workers={other.num_workers}")
+    live = loader(2, dataset=LazyRng())
+    run = [(live.restore_key, batch) for batch in live]
+    fresh = loader(0, dataset=LazyRng())
+    for key, batch in run:
+        assert_streams([fresh.restore_sample(str(key))], [batch], str(key))
+
+
+def test_a_generator_made_after_the_first_batch_is_said() -> None:
+    class Late(LazyRng):
+        def __getitem__(self, i: int) -> torch.Tensor:
+            if i >= 8 and self.rng is None:
+                self.rng = np.random.default_rng(0)
+            return torch.tensor([i, int(self.rng.integers(0, 2**30)) if self.rng is not None else 0])
+
+    with pytest.warns(sl.errors.UnsavedRngWarning, match=r"dataset\.rng appeared .* after its first batch"):
+        list(sl.SavableDataLoader(Late(20), batch_size=2, seed=0))  # made in batch 5, seen at batch 8
