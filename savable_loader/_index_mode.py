@@ -29,6 +29,7 @@ from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKey
 from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA, SEED_FORMULAS
 from savable_loader.sources.index import (
     BatchKey,
+    own_getitems,
     IndexedDataset,
     IndexPlan,
     IndexSampler,
@@ -258,6 +259,15 @@ class IndexMode(Mode):
                 saved.batch_size,
                 current.batch_size,
                 'with reseed="batch" a sample\'s random draws depend on its batch: restore with the same batch size',
+            )
+        if saved.batch_size != current.batch_size and self.torch_dataset.batched and own_getitems(self.dataset):
+            raise ConfigMismatchError(
+                "batch_size",
+                saved.batch_size,
+                current.batch_size,
+                f"{type(self.dataset).__qualname__} loads a batch in one __getitems__ call (a Hugging Face dataset "
+                'with a transform), re-seeded once per batch as with reseed="batch": a sample\'s random draws '
+                "depend on its batch: restore with the same batch size",
             )
         return current
 

@@ -46,7 +46,7 @@ from savable_loader.rng import (
 )
 from savable_loader.state.schema import IndexStage
 
-__all__ = ["BatchKey", "IndexPlan", "IndexSampler", "IndexedDataset"]
+__all__ = ["BatchKey", "IndexPlan", "IndexSampler", "IndexedDataset", "own_getitems"]
 
 
 @dataclass(frozen=True)
@@ -273,7 +273,7 @@ class IndexedDataset(Dataset):
         if formula is None:
             formula = self.seed_formula
         owned = OwnedRngs.cached(self.__dict__, dataset, self.collate_fn, self._owned_seed(), key.epoch)
-        many = _own_getitems(dataset) if self.batched else None
+        many = own_getitems(dataset) if self.batched else None
         guard = self._guard(formula)
         reseed = global_seeder(GLOBAL_RNG_NAMES, formula) if guard is None else guard.seed
         if guard is not None:
@@ -342,7 +342,7 @@ class IndexedDataset(Dataset):
             return self.build(key, formula)
 
 
-def _own_getitems(dataset: Any) -> Callable[[list[Any]], Any] | None:
+def own_getitems(dataset: Any) -> Callable[[list[Any]], Any] | None:
     """The dataset's batched ``__getitems__`` if its class defines one outside torch
     (torch's wrappers forward per sample: keep the per-sample seeds then)."""
     method = getattr(type(dataset), "__getitems__", None)
