@@ -29,10 +29,10 @@ from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKey
 from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA, SEED_FORMULAS
 from savable_loader.sources.index import (
     BatchKey,
-    own_getitems,
     IndexedDataset,
     IndexPlan,
     IndexSampler,
+    own_getitems,
 )
 from savable_loader.state.schema import (
     IndexPosition,
