@@ -62,7 +62,7 @@ import torch
 
 from savable_loader._seeds import owned_rng_base, pcg_increment
 from savable_loader._torch_internals import C_RANDOM_SEED, PY_RANDOM, numpy_global_randomstate
-from savable_loader.errors import LoaderUsageError
+from savable_loader.errors import LoaderUsageError, UnsavedRngWarning
 from savable_loader.rng import counter_seed
 
 __all__ = ["MAX_DEPTH", "MAX_ITEMS", "MAX_OBJECTS", "OwnedRngs", "find_generators"]
@@ -293,9 +293,17 @@ class OwnedRngs:
     """
 
     def __init__(self, dataset: Any, collate_fn: Any, seed: int, epoch: int) -> None:
-        in_dataset = find_generators(dataset, "dataset")
-        in_collate = find_generators(collate_fn, "collate_fn", frozenset(id(g) for _, g in in_dataset))
+        self._adopt(*_find_all(dataset, collate_fn), seed, epoch)
+        #: batches built with these generators (see :meth:`look_again`)
+        self.built = 0
+
+    def _adopt(
+        self, in_dataset: list[tuple[str, Any]], in_collate: list[tuple[str, Any]], seed: int, epoch: int
+    ) -> None:
         self.paths = [path for path, _ in in_dataset + in_collate]
+        self.ids = [id(g) for _, g in in_dataset + in_collate]
+        self.seed = seed
+        self.epoch = epoch
         self._sample = self._prepare(in_dataset, seed, epoch)
         self._collate = self._prepare(in_collate, seed, epoch)
 
@@ -322,6 +330,43 @@ class OwnedRngs:
         for reseed, base in self._collate:
             reseed(counter_seed(base, position))
 
+    def look_again(self, dataset: Any, collate_fn: Any) -> OwnedRngs | None:
+        """After a batch was built with these generators: the generators found now, if the
+        dataset or the collate function made or replaced one while loading (a generator
+        made on first use: ``if self.rng is None: self.rng = np.random.default_rng(...)``
+        in ``__getitem__``); None if nothing changed or no look is due.
+
+        The first batch a process builds in an epoch is always looked at (the caller then
+        builds it again, so that its draws come from the re-seeded generators, as every
+        later batch's do); after that, batches 2, 4, 8, ... only (a walk costs tens of
+        microseconds, more for a large object graph), and a generator that appears there
+        is re-seeded from then on, but the batches before it were not exact:
+        :class:`~savable_loader.errors.UnsavedRngWarning`, once per process and path.
+        """
+        self.built += 1
+        if self.built & (self.built - 1):  # not a power of two: no look
+            return None
+        in_dataset, in_collate = _find_all(dataset, collate_fn)
+        if [id(g) for _, g in in_dataset + in_collate] == self.ids:
+            return None
+        fresh = OwnedRngs.__new__(OwnedRngs)
+        fresh._adopt(in_dataset, in_collate, self.seed, self.epoch)
+        fresh.built = self.built
+        if self.built > 1:
+            new = sorted(set(fresh.paths) - set(self.paths)) or fresh.paths
+            key = (os.getpid(), tuple(new))
+            if key not in _LATE_WARNED:
+                _LATE_WARNED.add(key)
+                warnings.warn(
+                    f"{', '.join(new)} appeared (or was replaced) while batch {self.built} of epoch {self.epoch} was "
+                    "loaded in this process, after its first batch: the loader re-seeds it from now on, but the "
+                    "samples drawn from it before were not, and a resumed run draws other values there. Make the "
+                    "generator in __init__, in worker_init_fn or on the dataset's first use",
+                    UnsavedRngWarning,
+                    stacklevel=4,
+                )
+        return fresh
+
     @classmethod
     def cached(cls, cache: dict[str, Any], dataset: Any, collate_fn: Any, seed: int, epoch: int) -> OwnedRngs:
         """The generators for ``epoch``, found again only when the epoch or the process
@@ -333,3 +378,21 @@ class OwnedRngs:
             entry = (key, cls(dataset, collate_fn, seed, epoch))
             cache["_owned_rngs"] = entry
         return entry[1]
+
+    @staticmethod
+    def replace_cached(cache: dict[str, Any], fresh: OwnedRngs) -> None:
+        """Keep ``fresh`` (from :meth:`look_again`) for the rest of its epoch in this process."""
+        entry = cache.get("_owned_rngs")
+        if entry is not None:
+            cache["_owned_rngs"] = (entry[0], fresh)
+
+
+#: (process, paths) of generators that appeared late, already warned about.
+_LATE_WARNED: set[tuple[int, tuple[str, ...]]] = set()
+
+
+def _find_all(dataset: Any, collate_fn: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """The generators of ``dataset`` and those ``collate_fn`` holds besides them."""
+    in_dataset = find_generators(dataset, "dataset")
+    in_collate = find_generators(collate_fn, "collate_fn", frozenset(id(g) for _, g in in_dataset))
+    return in_dataset, in_collate

@@ -268,11 +268,20 @@ class IndexedDataset(Dataset):
     def build(self, key: BatchKey, formula: int | None = None) -> Any:
         """The batch (or sample, when unbatched) that ``key`` names, under the loader's
         seed formula (or ``formula``: a restore key's own)."""
-        base = self._sample_base(key.epoch)
-        dataset = self.dataset
         if formula is None:
             formula = self.seed_formula
-        owned = OwnedRngs.cached(self.__dict__, dataset, self.collate_fn, self._owned_seed(), key.epoch)
+        owned = OwnedRngs.cached(self.__dict__, self.dataset, self.collate_fn, self._owned_seed(), key.epoch)
+        batch = self._build(key, formula, owned)
+        fresh = owned.look_again(self.dataset, self.collate_fn)
+        if fresh is not None:  # a generator made on first use: build the batch with it re-seeded
+            OwnedRngs.replace_cached(self.__dict__, fresh)
+            if fresh.built == 1:
+                batch = self._build(key, formula, fresh)
+        return batch
+
+    def _build(self, key: BatchKey, formula: int, owned: OwnedRngs) -> Any:
+        base = self._sample_base(key.epoch)
+        dataset = self.dataset
         many = own_getitems(dataset) if self.batched else None
         guard = self._guard(formula)
         reseed = global_seeder(GLOBAL_RNG_NAMES, formula) if guard is None else guard.seed
