@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from savable_loader._mode import Iteration, Mode
+from savable_loader._owned_rng import warn_overridden_seeds
 from savable_loader._permutation import ORDER_ALGORITHMS, ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.dataset import config_fingerprint, current_names, plain_config, type_name
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
@@ -179,6 +180,7 @@ class IndexMode(Mode):
             reseed=reseed,
             global_rngs=global_rngs,
         )
+        warn_overridden_seeds(dataset, collate_fn)  # once per process, class and path
         #: (iteration, key) of the batch yielded last
         self.last: tuple[IndexIteration, BatchKey] | None = None
         self.dataset_len = -1

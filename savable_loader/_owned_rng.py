@@ -65,7 +65,7 @@ from savable_loader._torch_internals import C_RANDOM_SEED, PY_RANDOM, numpy_glob
 from savable_loader.errors import LoaderUsageError, UnsavedRngWarning
 from savable_loader.rng import counter_seed
 
-__all__ = ["MAX_DEPTH", "MAX_ITEMS", "MAX_OBJECTS", "OwnedRngs", "find_generators"]
+__all__ = ["MAX_DEPTH", "MAX_ITEMS", "MAX_OBJECTS", "OwnedRngs", "find_generators", "warn_overridden_seeds"]
 
 #: Steps (an attribute, an item, a partial's argument) from the dataset to a generator.
 MAX_DEPTH = 6
@@ -387,6 +387,39 @@ class OwnedRngs:
             cache["_owned_rngs"] = (entry[0], fresh)
 
 
+def warn_overridden_seeds(dataset: Any, collate_fn: Any) -> list[str]:
+    """Say once per process and place (the dataset's class and the generator's path) that
+    the loader re-seeds the generators ``dataset`` and ``collate_fn`` hold: the seed (or
+    state) each was made with does not reach the data, so two datasets that differ only
+    in it give the same data (torch's ``DataLoader`` would give other data). The paths
+    found. Called in the main process when a drop-in loader is built.
+
+    Why the user's seed is not kept in the seed derivation: ``random.Random`` and
+    ``np.random.RandomState`` do not tell their seed, and a generator made without one
+    (``np.random.default_rng()``, ``random.Random()``) holds fresh operating-system
+    entropy in every run, so a derivation from their state would make every resume draw
+    other values; and a generator replaced in ``worker_init_fn`` is seeded per worker.
+    """
+    in_dataset, in_collate = _find_all(dataset, collate_fn)
+    for path, gen in in_dataset + in_collate:
+        key = (os.getpid(), type(dataset).__qualname__, path)
+        if key in _SEED_WARNED:
+            continue
+        _SEED_WARNED.add(key)
+        warnings.warn(
+            f"{path} ({type(gen).__module__}.{type(gen).__qualname__}) is re-seeded by savable_loader before every "
+            f"{'sample' if path.startswith('dataset') else 'batch'} from the loader's seed, the epoch and the "
+            "position, so that a resume draws the same values: the seed or state it was made with is not used, and "
+            "datasets that differ only in it give the same data. Pass another seed= to SavableDataLoader to draw "
+            "other values",
+            UnsavedRngWarning,
+            stacklevel=6,
+        )
+    return [path for path, _ in in_dataset + in_collate]
+
+
+#: (process, dataset class, path) of generators whose overridden seed was said.
+_SEED_WARNED: set[tuple[int, str, str]] = set()
 #: (process, paths) of generators that appeared late, already warned about.
 _LATE_WARNED: set[tuple[int, tuple[str, ...]]] = set()
 

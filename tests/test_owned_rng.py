@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import random
+import warnings
 from typing import Any
 
 import numpy as np
@@ -428,3 +429,35 @@ def test_a_generator_made_after_the_first_batch_is_said() -> None:
 
     with pytest.warns(sl.errors.UnsavedRngWarning, match=r"dataset\.rng appeared .* after its first batch"):
         list(sl.SavableDataLoader(Late(20), batch_size=2, seed=0))  # made in batch 5, seen at batch 8
+
+
+# -- the seed a generator was made with (issue 31, item 2) -------------------------------------
+
+
+def test_the_seed_a_generator_was_made_with_is_said_to_be_overridden_once() -> None:
+    """Under torch, datasets holding ``default_rng(1)`` and ``default_rng(2)`` give other
+    data; here both are re-seeded from the loader's seed (exact resume) and give the
+    same: said once per process and place, naming the attribute and the way out."""
+    from torch.utils.data import DataLoader
+
+    class Seeded:
+        def __init__(self, seed: int) -> None:
+            self.rng = np.random.default_rng(seed)
+
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> float:
+            return float(self.rng.random())
+
+    def values(cls: type, seed: int) -> list[float]:
+        extra = {"seed": 0} if cls is sl.SavableDataLoader else {}
+        return torch.cat(list(cls(Seeded(seed), batch_size=2, **extra))).tolist()
+
+    assert values(DataLoader, 1) != values(DataLoader, 2)
+    with pytest.warns(sl.errors.UnsavedRngWarning, match=r"dataset\.rng .*seed or state it was made with is not used"):
+        ours = [values(sl.SavableDataLoader, 1)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: not again for the same class and path
+        ours.append(values(sl.SavableDataLoader, 2))
+    assert ours[0] == ours[1]
