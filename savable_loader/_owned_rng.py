@@ -23,11 +23,13 @@ microseconds per generator and sample and changes no state format.
 **Where generators are found.** :func:`find_generators` walks from the dataset (and from
 the collate function, whose generators are re-seeded before each batch is collated)
 through attributes (``__dict__`` and ``__slots__``), list and tuple items, dict values,
-``functools.partial`` arguments and the object of a bound method, up to
+``functools.partial`` arguments and the object of a bound method, and through what the
+code of the user's classes and functions refers to (module globals their methods read,
+closure cells, default arguments: ``savable_loader/_code_refs.py``), up to
 :data:`MAX_DEPTH` steps (``dataset.transforms[0].rng`` is three steps,
-``dataset.base.transform.transforms[0].rng`` five). Lists, tuples and dicts of more than
-:data:`MAX_ITEMS` entries are data, not walked; modules, classes, functions, tensors and
-arrays are not walked either. Found once per epoch in each process (after
+``dataset.base.transform.transforms[0].rng`` five, ``dataset<global RNG>`` one). Lists,
+tuples and dicts of more than :data:`MAX_ITEMS` entries are data, not walked; modules,
+classes, libraries' functions, tensors and arrays are not walked either. Found once per epoch in each process (after
 ``worker_init_fn``), not per sample, and looked for again after the first batch the
 process builds in the epoch: a generator made on first use (``if self.rng is None:
 self.rng = np.random.default_rng(get_worker_info().seed)`` in ``__getitem__``) is found
@@ -35,8 +37,8 @@ there, and that batch is built again with it re-seeded (one batch loaded twice p
 process and epoch where this happens), so its draws are exact too. Later looks (after
 batches 2, 4, 8, ...) find a generator made later still: re-seeded from then on, with an
 :class:`~savable_loader.errors.UnsavedRngWarning` (the samples before were not exact).
-A generator inside a closure, a C extension or a set cannot be reached: its draws are
-not exact, and only comparing a resumed run with an uninterrupted one finds it
+A generator inside a C extension, a set or an installed library's code cannot be
+reached: its draws are not exact, and only comparing a resumed run with an uninterrupted one finds it
 (:func:`savable_loader.testing.check_resume`).
 
 Example::
@@ -60,6 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from savable_loader._code_refs import code_children, is_user_function
 from savable_loader._seeds import owned_rng_base, pcg_increment
 from savable_loader._torch_internals import C_RANDOM_SEED, PY_RANDOM, numpy_global_randomstate
 from savable_loader.errors import LoaderUsageError, UnsavedRngWarning
@@ -129,7 +132,8 @@ def find_generators(root: Any, name: str, skip: frozenset[int] = frozenset()) ->
             if id(obj) not in _GLOBAL_IDS and id(obj) not in skip:
                 found.append((path, obj))
             continue
-        if depth >= MAX_DEPTH or isinstance(obj, _OPAQUE):
+        function = is_user_function(obj)
+        if depth >= MAX_DEPTH or (isinstance(obj, _OPAQUE) and not function):
             continue
         visited += 1
         if visited > MAX_OBJECTS:
@@ -142,13 +146,21 @@ def find_generators(root: Any, name: str, skip: frozenset[int] = frozenset()) ->
             )
             break
         try:
-            for sub, child in _children(path, obj, classes):
-                if id(child) not in seen and _walkable(child):
+            kids = code_children(path, obj) if function else _all_children(path, obj, classes)
+            for sub, child in kids:
+                if id(child) not in seen and (_walkable(child) or is_user_function(child)):
                     seen.add(id(child))
                     queue.append((sub, child, depth + 1))
         except Exception:  # noqa: BLE001, S112 - an object that fails to be inspected (a container
             continue  # whose items() raises) is skipped: looking must never break loading
     return found
+
+
+def _all_children(path: str, obj: Any, classes: dict[type, _ClassInfo]) -> Iterator[tuple[str, Any]]:
+    """What ``obj`` holds (:func:`_children`), then what its methods' code reads."""
+    yield from _children(path, obj, classes)
+    if not isinstance(obj, (list, tuple, dict)):
+        yield from code_children(path, obj)
 
 
 class _ClassInfo:

@@ -235,13 +235,17 @@ def test_what_is_not_walked() -> None:
 
     class Holder:
         def __init__(self) -> None:
-            self.closure = lambda: rng.random()  # inside a closure: cannot be reached
+            self.closure = lambda: rng.random()  # inside a closure: reached through the cell
             self.data = [None] * MAX_ITEMS + [np.random.default_rng(1)]  # a large list is data
             self.globals = [torch.default_generator, np.random.mtrand._rand, random.seed.__self__]
             self.partial = functools.partial(draw, torch.Generator())
             self.method = Jitter(random.Random(0)).__call__
 
-    assert [p for p, _ in find_generators(Holder(), "d")] == ["d.partial.args[0]", "d.method.__self__.gen"]
+    assert [p for p, _ in find_generators(Holder(), "d")] == [
+        "d.closure<closure rng>",
+        "d.partial.args[0]",
+        "d.method.__self__.gen",
+    ]
 
 
 def test_objects_that_resist_inspection_are_skipped() -> None:
@@ -461,3 +465,58 @@ def test_the_seed_a_generator_was_made_with_is_said_to_be_overridden_once() -> N
         warnings.simplefilter("error")  # said once: not again for the same class and path
         ours.append(values(sl.SavableDataLoader, 2))
     assert ours[0] == ours[1]
+
+
+# -- generators the dataset's code reaches (module globals, closures, defaults) ----------------
+
+MODULE_RNG = np.random.default_rng(0)
+
+
+def module_jitter(x: int) -> int:
+    """A module function drawing from a module-global generator."""
+    return x + int(MODULE_RNG.integers(0, 2**30))
+
+
+def default_jitter(x: int, rng: np.random.Generator = np.random.default_rng(0)) -> int:  # noqa: B008
+    return x + int(rng.integers(0, 2**30))
+
+
+def closure_jitter() -> Any:
+    gen = torch.Generator().manual_seed(0)
+    return lambda x: x + int(torch.randint(0, 2**30, (), generator=gen))
+
+
+class CodeRngs:
+    """Draws from a module global read in ``__getitem__``, one read by a module function
+    it calls, a default argument and a closure: none of them an attribute."""
+
+    def __init__(self) -> None:
+        self.transform = closure_jitter()
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(
+            [i, int(MODULE_RNG.integers(0, 2**30)), module_jitter(i), default_jitter(i), self.transform(i)]
+        )
+
+
+def test_generators_reached_through_code_are_found() -> None:
+    assert [p for p, _ in find_generators(CodeRngs(), "dataset")] == [
+        "dataset<global MODULE_RNG>",
+        "dataset.transform<closure gen>",
+        "dataset<global default_jitter><default 0>",
+    ]
+
+
+@pytest.mark.parametrize(
+    "num_workers, persistent", [(0, False), (2, False), (2, True)], ids=["0-workers", "2-workers", "2-persistent"]
+)
+def test_generators_reached_through_code_resume_at_every_step(num_workers: int, persistent: bool) -> None:
+    check_resume_everywhere(lambda: loader(num_workers, persistent, dataset=CodeRngs()), epochs=2)
+
+
+def test_generators_reached_through_code_give_one_stream_with_spawn() -> None:
+    reference = epochs_of(loader(0, dataset=CodeRngs()), 1)
+    assert_streams(epochs_of(loader(2, context="spawn", dataset=CodeRngs()), 1)[0], reference[0], "spawn")
