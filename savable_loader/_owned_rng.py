@@ -128,7 +128,7 @@ def find_generators(root: Any, name: str, skip: frozenset[int] = frozenset()) ->
     visited = 0
     while queue:
         path, obj, depth = queue.popleft()
-        if _is_rng(obj):
+        if _is_rng(obj) or _is_bit_generator(obj):
             if id(obj) not in _GLOBAL_IDS and id(obj) not in skip:
                 found.append((path, obj))
             continue
@@ -184,6 +184,14 @@ def _is_rng(obj: Any) -> bool:
     try:
         return isinstance(obj, _RNG_TYPES)
     except ReferenceError:  # a dead weak proxy
+        return False
+
+
+def _is_bit_generator(obj: Any) -> bool:
+    """A NumPy bit generator held alone (``Generator(self.bits)`` made per sample)."""
+    try:
+        return isinstance(obj, np.random.BitGenerator)
+    except ReferenceError:
         return False
 
 
@@ -258,7 +266,7 @@ def _reseeder(path: str, gen: Any, base: int) -> Callable[[int], object]:
             return lambda s: gen.seed(s & 0xFFFFFFFF)
         bit_type = _bit_generator_type(path, getattr(np.random, kind, None))
         return lambda s: gen.set_state(bit_type(s).state)
-    bit = gen.bit_generator
+    bit = gen if isinstance(gen, np.random.BitGenerator) else gen.bit_generator
     if type(bit) in _PCG:
         # A PCG state set directly (the stream's increment fixed per generator and epoch):
         # about 2-3 µs in all, where building a new PCG64 through a SeedSequence takes about 7 µs.

@@ -520,3 +520,22 @@ def test_generators_reached_through_code_resume_at_every_step(num_workers: int, 
 def test_generators_reached_through_code_give_one_stream_with_spawn() -> None:
     reference = epochs_of(loader(0, dataset=CodeRngs()), 1)
     assert_streams(epochs_of(loader(2, context="spawn", dataset=CodeRngs()), 1)[0], reference[0], "spawn")
+
+
+@pytest.mark.parametrize("kind", [np.random.PCG64, np.random.Philox, np.random.MT19937], ids=lambda k: k.__name__)
+def test_a_bit_generator_held_alone_resumes_at_every_step(kind: Any) -> None:
+    """``np.random.Generator(self.bits)`` made per sample over a bit generator the dataset
+    holds: the bit generator is re-seeded in place like a Generator."""
+
+    class Bits:
+        def __init__(self) -> None:
+            self.bits = kind(0)
+
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.tensor([i, int(np.random.Generator(self.bits).integers(0, 2**30))])
+
+    assert [p for p, _ in find_generators(Bits(), "dataset")] == ["dataset.bits"]
+    check_resume_everywhere(lambda: loader(dataset=Bits()), epochs=2)
