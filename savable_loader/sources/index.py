@@ -37,6 +37,7 @@ from savable_loader._global_rngs import GlobalRngs
 from savable_loader._owned_rng import OwnedRngs
 from savable_loader._permutation import ORDER_FEISTEL, EpochOrder
 from savable_loader._seeds import collate_seed, owned_stream_seed, sample_base, sample_item, sample_items
+from savable_loader._torch_internals import worker_seed_setter
 from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import (
     GLOBAL_RNG_NAMES,
@@ -285,6 +286,9 @@ class IndexedDataset(Dataset):
         many = own_getitems(dataset) if self.batched else None
         guard = self._guard(formula)
         reseed = global_seeder(GLOBAL_RNG_NAMES, formula) if guard is None else guard.seed
+        set_info_seed = worker_seed_setter()
+        if set_info_seed is not None:  # in a worker: get_worker_info().seed follows torch.initial_seed()
+            reseed = _both(reseed, set_info_seed)
         if guard is not None:
             guard.begin(self.seed, key.epoch)
         if many is not None or self.reseed == "batch":
@@ -349,6 +353,14 @@ class IndexedDataset(Dataset):
         key's), the caller's RNG streams left as they were."""
         with preserve_global_rng():
             return self.build(key, formula)
+
+
+def _both(first: Callable[[int], None], second: Callable[[int], None]) -> Callable[[int], None]:
+    def both(seed: int) -> None:
+        first(seed)
+        second(seed)
+
+    return both
 
 
 def own_getitems(dataset: Any) -> Callable[[list[Any]], Any] | None:
