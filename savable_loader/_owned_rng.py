@@ -29,17 +29,17 @@ closure cells, default arguments: ``savable_loader/_code_refs.py``), up to
 :data:`MAX_DEPTH` steps (``dataset.transforms[0].rng`` is three steps,
 ``dataset.base.transform.transforms[0].rng`` five, ``dataset<global RNG>`` one). Lists,
 tuples and dicts of more than :data:`MAX_ITEMS` entries are data, not walked; modules,
-classes, libraries' functions, tensors and arrays are not walked either. Found once per epoch in each process (after
-``worker_init_fn``), not per sample, and looked for again after the first batch the
-process builds in the epoch: a generator made on first use (``if self.rng is None:
+classes, libraries' functions, tensors and arrays are not walked either. Found once per
+epoch in each process (after ``worker_init_fn``), not per sample, and looked for again
+after the first batch the process builds in the epoch: a generator made on first use (``if self.rng is None:
 self.rng = np.random.default_rng(get_worker_info().seed)`` in ``__getitem__``) is found
 there, and that batch is built again with it re-seeded (one batch loaded twice per
 process and epoch where this happens), so its draws are exact too. Later looks (after
 batches 2, 4, 8, ...) find a generator made later still: re-seeded from then on, with an
 :class:`~savable_loader.errors.UnsavedRngWarning` (the samples before were not exact).
 A generator inside a C extension, a set or an installed library's code cannot be
-reached: its draws are not exact, and only comparing a resumed run with an uninterrupted one finds it
-(:func:`savable_loader.testing.check_resume`).
+reached: its draws are not exact, and only comparing a resumed run with an uninterrupted
+one finds it (:func:`savable_loader.testing.check_resume`).
 
 Example::
 
