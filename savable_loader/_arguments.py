@@ -92,6 +92,14 @@ def check_torch_arguments(
             raise refused("batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and drop_last")
     elif batch_size is None and drop_last:
         raise refused("batch_size=None option disables auto-batching and is mutually exclusive with drop_last")
+    if shuffle and sampler is None and batch_sampler is None and not isinstance(dataset, IterableDataset):
+        # torch builds RandomSampler(dataset) here, which refuses an empty dataset
+        try:
+            size = len(dataset)
+        except TypeError:
+            size = None
+        if size == 0:
+            raise refused(f"num_samples should be a positive integer value, but got num_samples={size}")
 
 
 def check_our_arguments(

@@ -13,7 +13,10 @@ the full batches of the smallest share, so all take the same number of steps). A
 same epoch adds another stage the same way; the next epoch is an ordinary ``W'``-rank
 epoch. A rank that had finished the epoch when the others were saved (its state says
 the next epoch, nothing consumed) counts as having consumed what it yields of a whole
-epoch (with ``drop_last`` the dropped tail is left to the new ranks).
+epoch (with ``drop_last`` the dropped tail is left to the new ranks). States saved
+right after the epoch's last batch leave nothing: the restored position is the epoch's
+empty rest, then the next epoch, as at the same world size (states saved after the loop
+all point at the next epoch's start).
 
 **Arithmetic, not arrays.** What a stage consumed is one arithmetic progression per
 rank, so the positions left (:class:`Remaining`) and a rank's part of them
@@ -385,8 +388,9 @@ def elastic_position(states: Sequence[RankState], new_world_size: int) -> IndexP
     if not any(consumed):  # nothing consumed in this stage: it leaves what it was given
         return IndexPosition(epoch=epoch, consumed=0, dataset_len=n, stages=stages)
     stages.append(IndexStage(world_size=old_world, consumed=consumed))
-    if len(remaining_positions(n, stages)) == 0:
-        return IndexPosition(epoch=epoch + 1, consumed=0, dataset_len=n)
+    # Nothing left (a save right after the epoch's last batch): the epoch's empty rest,
+    # then the next epoch, as at the same world size (torchdata's rule): a loop that
+    # counts its epochs runs as many on any world size.
     return IndexPosition(epoch=epoch, consumed=0, dataset_len=n, stages=stages)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from savable_loader._mode import Iteration, Mode
+from savable_loader._owned_rng import warn_overridden_seeds
 from savable_loader._permutation import ORDER_ALGORITHMS, ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.dataset import config_fingerprint, current_names, plain_config, type_name
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
@@ -32,6 +33,7 @@ from savable_loader.sources.index import (
     IndexedDataset,
     IndexPlan,
     IndexSampler,
+    own_getitems,
 )
 from savable_loader.state.schema import (
     IndexPosition,
@@ -178,6 +180,7 @@ class IndexMode(Mode):
             reseed=reseed,
             global_rngs=global_rngs,
         )
+        warn_overridden_seeds(dataset, collate_fn)  # once per process, class and path
         #: (iteration, key) of the batch yielded last
         self.last: tuple[IndexIteration, BatchKey] | None = None
         self.dataset_len = -1
@@ -258,6 +261,15 @@ class IndexMode(Mode):
                 saved.batch_size,
                 current.batch_size,
                 'with reseed="batch" a sample\'s random draws depend on its batch: restore with the same batch size',
+            )
+        if saved.batch_size != current.batch_size and self.torch_dataset.batched and own_getitems(self.dataset):
+            raise ConfigMismatchError(
+                "batch_size",
+                saved.batch_size,
+                current.batch_size,
+                f"{type(self.dataset).__qualname__} loads a batch in one __getitems__ call (a Hugging Face dataset "
+                'with a transform), re-seeded once per batch as with reseed="batch": a sample\'s random draws '
+                "depend on its batch: restore with the same batch size",
             )
         return current
 

@@ -1,4 +1,4 @@
-"""Random generators a map-style dataset owns: found once per epoch, re-seeded per sample.
+"""Random generators a map-style dataset owns: found per epoch, re-seeded per sample.
 
 A dataset that makes ``np.random.default_rng(0)``, ``torch.Generator()``,
 ``random.Random(0)`` or ``np.random.RandomState(0)`` in ``__init__`` and draws its
@@ -23,14 +23,23 @@ microseconds per generator and sample and changes no state format.
 **Where generators are found.** :func:`find_generators` walks from the dataset (and from
 the collate function, whose generators are re-seeded before each batch is collated)
 through attributes (``__dict__`` and ``__slots__``), list and tuple items, dict values,
-``functools.partial`` arguments and the object of a bound method, up to
+``functools.partial`` arguments and the object of a bound method, and through what the
+code of the user's classes and functions refers to (module globals their methods read,
+closure cells, default arguments: ``savable_loader/_code_refs.py``), up to
 :data:`MAX_DEPTH` steps (``dataset.transforms[0].rng`` is three steps,
-``dataset.base.transform.transforms[0].rng`` five). Lists, tuples and dicts of more than
-:data:`MAX_ITEMS` entries are data, not walked; modules, classes, functions, tensors and
-arrays are not walked either. Found once per epoch in each worker (after
-``worker_init_fn``), not per sample. A generator inside a closure, a C extension or a
-set cannot be reached: its draws are not exact, and only comparing a resumed run with
-an uninterrupted one finds it (:func:`savable_loader.testing.check_resume`).
+``dataset.base.transform.transforms[0].rng`` five, ``dataset<global RNG>`` one). Lists,
+tuples and dicts of more than :data:`MAX_ITEMS` entries are data, not walked; modules,
+classes, libraries' functions, tensors and arrays are not walked either. Found once per
+epoch in each process (after ``worker_init_fn``), not per sample, and looked for again
+after the first batch the process builds in the epoch: a generator made on first use (``if self.rng is None:
+self.rng = np.random.default_rng(get_worker_info().seed)`` in ``__getitem__``) is found
+there, and that batch is built again with it re-seeded (one batch loaded twice per
+process and epoch where this happens), so its draws are exact too. Later looks (after
+batches 2, 4, 8, ...) find a generator made later still: re-seeded from then on, with an
+:class:`~savable_loader.errors.UnsavedRngWarning` (the samples before were not exact).
+A generator inside a C extension, a set or an installed library's code cannot be
+reached: its draws are not exact, and only comparing a resumed run with an uninterrupted
+one finds it (:func:`savable_loader.testing.check_resume`).
 
 Example::
 
@@ -53,12 +62,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from savable_loader._code_refs import code_children, is_user_function
 from savable_loader._rng_states import C_RANDOM_SEED, NUMPY_GLOBAL, PY_RANDOM
 from savable_loader._seeds import owned_rng_base, pcg_increment
-from savable_loader.errors import LoaderUsageError
+from savable_loader.errors import LoaderUsageError, UnsavedRngWarning
 from savable_loader.rng import counter_seed
 
-__all__ = ["MAX_DEPTH", "MAX_ITEMS", "MAX_OBJECTS", "OwnedRngs", "find_generators"]
+__all__ = ["MAX_DEPTH", "MAX_ITEMS", "MAX_OBJECTS", "OwnedRngs", "find_generators", "warn_overridden_seeds"]
 
 #: Steps (an attribute, an item, a partial's argument) from the dataset to a generator.
 MAX_DEPTH = 6
@@ -118,11 +128,12 @@ def find_generators(root: Any, name: str, skip: frozenset[int] = frozenset()) ->
     visited = 0
     while queue:
         path, obj, depth = queue.popleft()
-        if _is_rng(obj):
+        if _is_rng(obj) or _is_bit_generator(obj):
             if id(obj) not in _GLOBAL_IDS and id(obj) not in skip:
                 found.append((path, obj))
             continue
-        if depth >= MAX_DEPTH or isinstance(obj, _OPAQUE):
+        function = is_user_function(obj)
+        if depth >= MAX_DEPTH or (isinstance(obj, _OPAQUE) and not function):
             continue
         visited += 1
         if visited > MAX_OBJECTS:
@@ -135,13 +146,21 @@ def find_generators(root: Any, name: str, skip: frozenset[int] = frozenset()) ->
             )
             break
         try:
-            for sub, child in _children(path, obj, classes):
-                if id(child) not in seen and _walkable(child):
+            kids = code_children(path, obj) if function else _all_children(path, obj, classes)
+            for sub, child in kids:
+                if id(child) not in seen and (_walkable(child) or is_user_function(child)):
                     seen.add(id(child))
                     queue.append((sub, child, depth + 1))
         except Exception:  # noqa: BLE001, S112 - an object that fails to be inspected (a container
             continue  # whose items() raises) is skipped: looking must never break loading
     return found
+
+
+def _all_children(path: str, obj: Any, classes: dict[type, _ClassInfo]) -> Iterator[tuple[str, Any]]:
+    """What ``obj`` holds (:func:`_children`), then what its methods' code reads."""
+    yield from _children(path, obj, classes)
+    if not isinstance(obj, (list, tuple, dict)):
+        yield from code_children(path, obj)
 
 
 class _ClassInfo:
@@ -165,6 +184,14 @@ def _is_rng(obj: Any) -> bool:
     try:
         return isinstance(obj, _RNG_TYPES)
     except ReferenceError:  # a dead weak proxy
+        return False
+
+
+def _is_bit_generator(obj: Any) -> bool:
+    """A NumPy bit generator held alone (``Generator(self.bits)`` made per sample)."""
+    try:
+        return isinstance(obj, np.random.BitGenerator)
+    except ReferenceError:
         return False
 
 
@@ -239,7 +266,7 @@ def _reseeder(path: str, gen: Any, base: int) -> Callable[[int], object]:
             return lambda s: gen.seed(s & 0xFFFFFFFF)
         bit_type = _bit_generator_type(path, getattr(np.random, kind, None))
         return lambda s: gen.set_state(bit_type(s).state)
-    bit = gen.bit_generator
+    bit = gen if isinstance(gen, np.random.BitGenerator) else gen.bit_generator
     if type(bit) in _PCG:
         # A PCG state set directly (the stream's increment fixed per generator and epoch):
         # about 2-3 µs in all, where building a new PCG64 through a SeedSequence takes about 7 µs.
@@ -286,9 +313,17 @@ class OwnedRngs:
     """
 
     def __init__(self, dataset: Any, collate_fn: Any, seed: int, epoch: int) -> None:
-        in_dataset = find_generators(dataset, "dataset")
-        in_collate = find_generators(collate_fn, "collate_fn", frozenset(id(g) for _, g in in_dataset))
+        self._adopt(*_find_all(dataset, collate_fn), seed, epoch)
+        #: batches built with these generators (see :meth:`look_again`)
+        self.built = 0
+
+    def _adopt(
+        self, in_dataset: list[tuple[str, Any]], in_collate: list[tuple[str, Any]], seed: int, epoch: int
+    ) -> None:
         self.paths = [path for path, _ in in_dataset + in_collate]
+        self.ids = [id(g) for _, g in in_dataset + in_collate]
+        self.seed = seed
+        self.epoch = epoch
         self._sample = self._prepare(in_dataset, seed, epoch)
         self._collate = self._prepare(in_collate, seed, epoch)
 
@@ -315,6 +350,43 @@ class OwnedRngs:
         for reseed, base in self._collate:
             reseed(counter_seed(base, position))
 
+    def look_again(self, dataset: Any, collate_fn: Any) -> OwnedRngs | None:
+        """After a batch was built with these generators: the generators found now, if the
+        dataset or the collate function made or replaced one while loading (a generator
+        made on first use: ``if self.rng is None: self.rng = np.random.default_rng(...)``
+        in ``__getitem__``); None if nothing changed or no look is due.
+
+        The first batch a process builds in an epoch is always looked at (the caller then
+        builds it again, so that its draws come from the re-seeded generators, as every
+        later batch's do); after that, batches 2, 4, 8, ... only (a walk costs tens of
+        microseconds, more for a large object graph), and a generator that appears there
+        is re-seeded from then on, but the batches before it were not exact:
+        :class:`~savable_loader.errors.UnsavedRngWarning`, once per process and path.
+        """
+        self.built += 1
+        if self.built & (self.built - 1):  # not a power of two: no look
+            return None
+        in_dataset, in_collate = _find_all(dataset, collate_fn)
+        if [id(g) for _, g in in_dataset + in_collate] == self.ids:
+            return None
+        fresh = OwnedRngs.__new__(OwnedRngs)
+        fresh._adopt(in_dataset, in_collate, self.seed, self.epoch)
+        fresh.built = self.built
+        if self.built > 1:
+            new = sorted(set(fresh.paths) - set(self.paths)) or fresh.paths
+            key = (os.getpid(), tuple(new))
+            if key not in _LATE_WARNED:
+                _LATE_WARNED.add(key)
+                warnings.warn(
+                    f"{', '.join(new)} appeared (or was replaced) while batch {self.built} of epoch {self.epoch} was "
+                    "loaded in this process, after its first batch: the loader re-seeds it from now on, but the "
+                    "samples drawn from it before were not, and a resumed run draws other values there. Make the "
+                    "generator in __init__, in worker_init_fn or on the dataset's first use",
+                    UnsavedRngWarning,
+                    stacklevel=4,
+                )
+        return fresh
+
     @classmethod
     def cached(cls, cache: dict[str, Any], dataset: Any, collate_fn: Any, seed: int, epoch: int) -> OwnedRngs:
         """The generators for ``epoch``, found again only when the epoch or the process
@@ -326,3 +398,54 @@ class OwnedRngs:
             entry = (key, cls(dataset, collate_fn, seed, epoch))
             cache["_owned_rngs"] = entry
         return entry[1]
+
+    @staticmethod
+    def replace_cached(cache: dict[str, Any], fresh: OwnedRngs) -> None:
+        """Keep ``fresh`` (from :meth:`look_again`) for the rest of its epoch in this process."""
+        entry = cache.get("_owned_rngs")
+        if entry is not None:
+            cache["_owned_rngs"] = (entry[0], fresh)
+
+
+def warn_overridden_seeds(dataset: Any, collate_fn: Any) -> list[str]:
+    """Say once per process and place (the dataset's class and the generator's path) that
+    the loader re-seeds the generators ``dataset`` and ``collate_fn`` hold: the seed (or
+    state) each was made with does not reach the data, so two datasets that differ only
+    in it give the same data (torch's ``DataLoader`` would give other data). The paths
+    found. Called in the main process when a drop-in loader is built.
+
+    Why the user's seed is not kept in the seed derivation: ``random.Random`` and
+    ``np.random.RandomState`` do not tell their seed, and a generator made without one
+    (``np.random.default_rng()``, ``random.Random()``) holds fresh operating-system
+    entropy in every run, so a derivation from their state would make every resume draw
+    other values; and a generator replaced in ``worker_init_fn`` is seeded per worker.
+    """
+    in_dataset, in_collate = _find_all(dataset, collate_fn)
+    for path, gen in in_dataset + in_collate:
+        key = (os.getpid(), type(dataset).__qualname__, path)
+        if key in _SEED_WARNED:
+            continue
+        _SEED_WARNED.add(key)
+        warnings.warn(
+            f"{path} ({type(gen).__module__}.{type(gen).__qualname__}) is re-seeded by savable_loader before every "
+            f"{'sample' if path.startswith('dataset') else 'batch'} from the loader's seed, the epoch and the "
+            "position, so that a resume draws the same values: the seed or state it was made with is not used, and "
+            "datasets that differ only in it give the same data. Pass another seed= to SavableDataLoader to draw "
+            "other values",
+            UnsavedRngWarning,
+            stacklevel=6,
+        )
+    return [path for path, _ in in_dataset + in_collate]
+
+
+#: (process, dataset class, path) of generators whose overridden seed was said.
+_SEED_WARNED: set[tuple[int, str, str]] = set()
+#: (process, paths) of generators that appeared late, already warned about.
+_LATE_WARNED: set[tuple[int, tuple[str, ...]]] = set()
+
+
+def _find_all(dataset: Any, collate_fn: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """The generators of ``dataset`` and those ``collate_fn`` holds besides them."""
+    in_dataset = find_generators(dataset, "dataset")
+    in_collate = find_generators(collate_fn, "collate_fn", frozenset(id(g) for _, g in in_dataset))
+    return in_dataset, in_collate

@@ -144,11 +144,17 @@ class SamplerMode(IndexMode):
         index_sampler: Any,
         auto_collation: bool,
         generator: torch.Generator | None,
+        persistent: bool = False,
         **kwargs: Any,
     ) -> None:
         self.index_sampler = index_sampler
         self.auto_collation = auto_collation
         self.generator = generator
+        #: persistent workers: torch draws the workers' base seed from ``generator`` once
+        #: per iterator (at its first epoch), not at every epoch
+        self.persistent = persistent
+        #: the persistent iterator of this run has drawn its base seed (see :meth:`begin`)
+        self.base_seed_drawn = False
         #: the samplers' ``epoch`` attributes when a state was restored last
         self.epochs_at_restore: dict[str, int] = {}
         super().__init__(dataset, salt=("sampler-sample", kwargs["rank"]), batched=auto_collation, **kwargs)
@@ -165,6 +171,11 @@ class SamplerMode(IndexMode):
 
     def begin(self, epoch: int, resume: Any, reuse_workers: bool = False) -> IndexIteration:
         sampler = self.index_sampler
+        if resume is not None:
+            # the run that saved had iterated (and drawn its persistent iterator's base
+            # seed) unless the state is the start of its first epoch
+            at_start = resume.sampler is None or resume.sampler.at_start
+            self.base_seed_drawn = not at_start or resume.epoch > 0
         if resume is not None and resume.sampler is not None and resume.sampler.at_start:
             apply(sampler, resume.sampler)  # saved between epochs: start this one as usual
             resume = None
@@ -172,10 +183,12 @@ class SamplerMode(IndexMode):
             resume = None  # saved before the loader ever iterated
         if resume is None:
             self.refresh()
-            if self.generator is not None:
+            if self.generator is not None and not (self.persistent and self.base_seed_drawn):
                 # torch's iterator draws its base seed from `generator=` before the sampler
-                # draws: the same batches as torch's DataLoader for the same generator
+                # draws (once per iterator: at every epoch, or at the first with persistent
+                # workers): the same batches as torch's DataLoader for the same generator
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            self.base_seed_drawn = True
             record = capture(sampler, private_regime(sampler))
         else:
             self.check_resume_length(resume)
@@ -204,7 +217,9 @@ class SamplerMode(IndexMode):
 
     def reconcile(self, position: Any, own_epochs: bool) -> tuple[Any, int]:
         """A restored position meets a sampler whose ``epoch`` the caller changed since the
-        restore (``sampler.set_epoch(e)``, which the loader does not see):
+        restore (``sampler.set_epoch(e)``, which the loader does not see), or set before
+        the restore to a value other than the state's and other than 0 (a new sampler's
+        epoch: the value of a program that does not call ``set_epoch`` before the restore):
 
         * at an epoch's start, or after an epoch's last batch (nothing left of it): the
           caller starts the next epoch its way, as in an uninterrupted run (Lightning's
@@ -220,10 +235,10 @@ class SamplerMode(IndexMode):
         if record is None or own_epochs:
             return position, position.epoch
         now = capture_epochs(self.index_sampler)
-        changed = {  # moved since the restore, to another value than the state's
+        changed = {  # moved since the restore (or set before it), to another value than the state's
             path: value
             for path, value in now.items()
-            if self.epochs_at_restore.get(path) != value and record.epochs.get(path) != value
+            if record.epochs.get(path) != value and (self.epochs_at_restore.get(path) != value or value != 0)
         }
         if not changed:
             return position, position.epoch
@@ -296,6 +311,8 @@ class SamplerMode(IndexMode):
             )
         if position.stages:
             raise ConfigMismatchError("position.stages", len(position.stages), 0, "a sampler's state has no stages")
+        if position.sampler is not None:
+            apply(self.index_sampler, position.sampler, check_only=True)
         if position.sampler is None and (position.consumed or position.epoch):
             raise ConfigMismatchError(
                 "position.sampler",

@@ -56,6 +56,7 @@ __all__ = [
     "torch_worker_id",
     "worker_done_event",
     "worker_processes",
+    "worker_seed_setter",
 ]
 
 #: (pid, id torch gave the worker process), recorded before the first replacement.
@@ -168,6 +169,32 @@ def replace_worker_info(**changes: Any) -> None:
     if not _original or _original[0][0] != os.getpid():
         _original[:] = [(os.getpid(), info.id)]
     _torch_worker._worker_info = dataclasses.replace(info, **changes)
+
+
+def worker_seed_setter() -> Callable[[int], None] | None:
+    """In a DataLoader worker: a function that sets what ``get_worker_info().seed`` says
+    (the info object is frozen: its field is set in place, ~0.1 µs); None outside one.
+
+    The drop-in path sets it to each sample's seed, the value ``torch.initial_seed()``
+    gives while the sample loads (torch's invariant: the two are equal in a worker), so
+    that a dataset seeding from it (``np.random.default_rng(get_worker_info().seed + i)``)
+    draws what the sample's position decides, not what the worker that loads it does.
+
+    Example::
+
+        set_seed = worker_seed_setter()
+        if set_seed is not None:
+            set_seed(s)          # get_worker_info().seed == s
+    """
+    info = _torch_worker._worker_info if hasattr(_torch_worker, "_worker_info") else None
+    if info is None or not hasattr(info, "seed"):
+        return None
+    setter = object.__setattr__
+
+    def set_seed(seed: int) -> None:
+        setter(info, "seed", seed)
+
+    return set_seed
 
 
 _DONE_EVENT: tuple[int, Any] | None = None

@@ -381,6 +381,7 @@ class SavableDataLoader(DataLoader[T_co]):
                 index_sampler=self.batch_sampler if batching else self.sampler,
                 auto_collation=batching,
                 generator=generator,
+                persistent=self._persistent,
                 batch_size=self.batch_size,
                 collate_fn=self.collate_fn,
                 **common,

@@ -564,3 +564,32 @@ def test_every_old_save_step_leaves_each_sample_once(old, new):
             loader.restore_state_global(states)
             streams.append(keyed_epoch(loader) if loader.save_state_rank().position.epoch == 0 else [])
         check_remainder(old, consumed, streams)
+
+
+@pytest.mark.parametrize("new", [2, 3, 1])
+def test_a_save_after_the_last_batch_resumes_with_the_empty_rest_on_any_world_size(new):
+    """A loop that counts its epochs (``for epoch in range(start, E): for batch in loader``)
+    runs as many epochs after a resize as at the same world size: the first ``iter()``
+    after a restore is the saved epoch's (empty) rest, the next one the next epoch."""
+
+    def small(rank, world):
+        wc = sl.WorkerConfig(rank=rank, world_size=world, num_workers=0, seed=SEED)
+        return sl.SavableDataLoader(RandomMapDataset(12), batch_size=2, shuffle=True, worker_config=wc)
+
+    states = []
+    for rank in range(2):
+        loader = small(rank, 2)
+        it = iter(loader)
+        for _ in range(3):  # each rank's 6 samples: its last batch
+            next(it)
+        states.append(loader.save_state_rank())
+    for rank in range(new):
+        loader = small(rank, new)
+        if new == 2:
+            loader.restore_state_rank(states[rank])
+        else:
+            loader.restore_state_global(states)
+        assert list(loader) == [], f"rank {rank} of {new}: the rest of epoch 0 is empty"
+        reference = small(rank, new)
+        list(reference)
+        assert_streams(list(loader), list(reference), f"rank {rank} of {new}: epoch 1")

@@ -329,3 +329,36 @@ def test_check_dataset_config_passes_on_equal_fingerprints():
     a = mode(Configured(10, {"a": [1, 2]}))
     b = mode(Configured(10, {"a": [1, 2]}))
     check_dataset_config(a.loader_config(0), b.loader_config(5))
+
+
+# -- a dataset loading a batch in one __getitems__ call (issue 31, item 3) -------------------
+
+
+def _augmented_hf(batch_size: int) -> object:
+    """A Hugging Face dataset with a transform that draws, as users write it."""
+    import savable_loader as sl
+
+    datasets = pytest.importorskip("datasets")
+
+    def augment(batch: dict) -> dict:
+        noise = torch.rand(len(batch["x"]))
+        return {"x": torch.tensor(batch["x"], dtype=torch.float32) + noise}
+
+    ds = datasets.Dataset.from_dict({"x": list(range(16))}).with_transform(augment)
+    return sl.SavableDataLoader(ds, batch_size=batch_size, shuffle=True, seed=3)
+
+
+def test_a_batched_getitems_dataset_refuses_a_divided_batch_size_and_resumes_the_same_one() -> None:
+    reference = torch.cat([b["x"] for b in _augmented_hf(4)])
+    live = _augmented_hf(4)
+    it = iter(live)
+    head = [next(it)["x"] for _ in range(2)]
+    state = decode_part(encode_part(live.save_state_rank()), type(live.save_state_rank()))
+    del it
+    smaller = _augmented_hf(2)
+    with pytest.raises(ConfigMismatchError, match=r"batch_size.*__getitems__.*same batch size"):
+        smaller.restore_state_rank(state)
+    same = _augmented_hf(4)
+    same.restore_state_rank(state)
+    got = torch.cat(head + [b["x"] for b in same])
+    assert torch.equal(got, reference)

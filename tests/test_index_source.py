@@ -6,16 +6,18 @@ from __future__ import annotations
 import math
 import pickle
 import random
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, get_worker_info
 
 from savable_loader._permutation import ORDER_LEGACY, FeistelPermutation
 from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import counter_seed, derive_seed, item_seed, seed_global
 from savable_loader.sources.index import BatchKey, IndexedDataset, IndexPlan, IndexSampler
+from savable_loader.testing import check_resume
 from tests.common import RandomMapDataset, assert_same
 
 pytestmark = pytest.mark.timeout(60)
@@ -331,3 +333,41 @@ def test_pickle_with_lambda_collate_fn():
     got = loaded.build(key)
     assert_same(got, ds.build(key), "unpickled build")
     assert got[:, 0].tolist() == [105, 106]
+
+
+# -- get_worker_info().seed in a worker follows the sample (issue 31, "next ones") ------------
+
+
+class WorkerSeeded:
+    """Seeds its augmentation from ``get_worker_info().seed`` and the index, as torch's docs
+    suggest; also reports whether ``info.seed == torch.initial_seed()`` (torch's invariant)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        info = get_worker_info()
+        seed = info.seed if info is not None else 0
+        draw = int(np.random.default_rng(seed + i).integers(0, 2**30))
+        return torch.tensor([i, draw, int(seed == torch.initial_seed())])
+
+
+def _worker_seeded(num_workers: int, persistent: bool = False) -> Any:
+    from savable_loader import SavableDataLoader
+
+    return SavableDataLoader(
+        WorkerSeeded(), batch_size=2, shuffle=True, seed=5, num_workers=num_workers, persistent_workers=persistent
+    )
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent"])
+def test_a_dataset_seeding_from_get_worker_info_seed_resumes_at_every_step(persistent: bool) -> None:
+    check_resume(lambda: _worker_seeded(2, persistent), 2, steps=[0, 1, 2, 3, 7, 9])
+
+
+@pytest.mark.timeout(600)
+def test_get_worker_info_seed_is_the_sample_s_and_not_the_worker_s() -> None:
+    two, three = (torch.cat(list(_worker_seeded(n))) for n in (2, 3))
+    assert torch.equal(two, three)  # which worker loaded a sample does not matter
+    assert two[:, 2].tolist() == [1] * 12  # info.seed == torch.initial_seed(), as under torch

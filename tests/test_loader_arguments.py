@@ -101,6 +101,7 @@ REFUSED = [
     (Stream(), {"sampler": 3}),
     (Stream(), {"batch_sampler": 3}),
     (RandomMapDataset(0), {"shuffle": True, "generator": torch.Generator()}),
+    (RandomMapDataset(0), {"shuffle": True, "batch_size": 4}),  # issue 31: an empty dataset was accepted
 ]
 
 

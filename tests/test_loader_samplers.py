@@ -363,3 +363,88 @@ def test_in_order_false_is_refused_only_with_workers():
     sl.SavableDataLoader(data(), batch_size=2, in_order=False)  # harmless in the main process
     with pytest.raises(LoaderUsageError, match="in_order=False"):
         sl.SavableDataLoader(data(), batch_size=2, num_workers=2, in_order=False)
+
+
+# -- DistributedSampler.set_epoch before or after the restore (issue 31, item 4) --------
+
+
+def _dist_loader() -> tuple[sl.SavableDataLoader, DistributedSampler]:
+    data = list(range(12))
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+    return sl.SavableDataLoader(data, batch_size=2, sampler=sampler), sampler
+
+
+def _dist_epochs(loader: sl.SavableDataLoader, sampler: DistributedSampler, start: int) -> list[list[int]]:
+    out = []
+    for epoch in range(start, 3):
+        sampler.set_epoch(epoch)
+        out += [batch.tolist() for batch in loader]
+    return out
+
+
+@pytest.mark.parametrize("point", ["start", "mid", "last-batch", "after-loop"])
+@pytest.mark.parametrize("call", ["set_epoch-then-restore", "restore-then-set_epoch"])
+def test_distributed_sampler_set_epoch_around_the_restore_at_every_save_point(point: str, call: str) -> None:
+    """The usual resumed program: ``sampler.set_epoch(epoch)`` (before or after the restore),
+    then the loop. A state saved after the last batch or after the loop used to replay the
+    previous epoch's order as the next epoch when set_epoch came first."""
+    reference = _dist_epochs(*_dist_loader(), 0)
+    loader, sampler = _dist_loader()
+    sampler.set_epoch(0)
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range({"start": 0, "mid": 1, "last-batch": 3, "after-loop": 3}[point])]
+    if point == "after-loop":
+        assert next(it, None) is None
+    state = decode(encode(loader.save_state_rank()))
+    del it
+    again, sampler2 = _dist_loader()
+    epoch = 1 if point in ("last-batch", "after-loop") else 0
+    if call == "set_epoch-then-restore":
+        sampler2.set_epoch(epoch)
+        again.restore_state_rank(state)
+    else:
+        again.restore_state_rank(state)
+        sampler2.set_epoch(epoch)
+    if epoch == 0:
+        got += [batch.tolist() for batch in again]
+    got += _dist_epochs(again, sampler2, epoch + 1 if epoch == 0 else epoch)
+    assert got == reference
+
+
+@pytest.mark.parametrize("plain", [list(range(12)), range(12)], ids=["list", "range"])
+def test_a_distributed_sampler_state_into_a_plain_sequence_sampler_is_refused_naming_it(plain: object) -> None:
+    loader, sampler = _dist_loader()
+    it = iter(loader)
+    next(it)
+    state = loader.save_state_rank()
+    del it
+    other = sl.SavableDataLoader(list(range(12)), batch_size=2, sampler=plain)
+    with pytest.raises(ConfigMismatchError, match=r"sampler epoch at 'sampler'.*DistributedSampler"):
+        other.restore_state_rank(state)
+
+
+# -- generator= with persistent workers (issue 31, item 12) -------------------------------
+
+
+def _generator_loader(cls: type, persistent: bool) -> DataLoader:
+    return cls(
+        list(range(10)),
+        batch_size=3,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(7),
+        num_workers=2,
+        persistent_workers=persistent,
+    )
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent"])
+def test_generator_gives_torchs_batches_with_workers_persistent_or_not(persistent: bool) -> None:
+    """torch draws the workers' base seed from ``generator=`` once per iterator: at every
+    epoch, or once with persistent workers (it used to be drawn at every epoch here)."""
+    theirs = epochs_of(_generator_loader(DataLoader, persistent), 3)
+    ours = epochs_of(_generator_loader(sl.SavableDataLoader, persistent), 3)
+    assert [[b.tolist() for b in e] for e in ours] == [[b.tolist() for b in e] for e in theirs]
+
+
+def test_generator_with_persistent_workers_resumes_at_every_step() -> None:
+    check_resume_everywhere(lambda: _generator_loader(sl.SavableDataLoader, True), epochs=3, steps=[0, 2, 4, 5, 8])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import random
+import warnings
 from typing import Any
 
 import numpy as np
@@ -234,13 +235,17 @@ def test_what_is_not_walked() -> None:
 
     class Holder:
         def __init__(self) -> None:
-            self.closure = lambda: rng.random()  # inside a closure: cannot be reached
+            self.closure = lambda: rng.random()  # inside a closure: reached through the cell
             self.data = [None] * MAX_ITEMS + [np.random.default_rng(1)]  # a large list is data
             self.globals = [torch.default_generator, np.random.mtrand._rand, random.seed.__self__]
             self.partial = functools.partial(draw, torch.Generator())
             self.method = Jitter(random.Random(0)).__call__
 
-    assert [p for p, _ in find_generators(Holder(), "d")] == ["d.partial.args[0]", "d.method.__self__.gen"]
+    assert [p for p, _ in find_generators(Holder(), "d")] == [
+        "d.closure<closure rng>",
+        "d.partial.args[0]",
+        "d.method.__self__.gen",
+    ]
 
 
 def test_objects_that_resist_inspection_are_skipped() -> None:
@@ -375,3 +380,162 @@ def test_unlisted_pipeline_generators_are_left_alone() -> None:
     # pipeline's job: list it in _savable_fields).
     draws = torch.cat(list(pipeline(0, listed=False)))[:, -1].tolist()
     assert draws == np.random.default_rng(0).integers(0, 2**30, size=13).tolist()
+
+
+# -- generators made on first use (issue 31, item 1) -----------------------------------------
+
+
+class LazyRng:
+    """torch's documented idiom: the generator is made on the first ``__getitem__`` in each
+    process, from ``get_worker_info().seed`` (0 in the main process)."""
+
+    def __init__(self, n: int = 10) -> None:
+        self.n = n
+        self.rng: np.random.Generator | None = None
+        self.flip: Any = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.rng is None:
+            info = get_worker_info()
+            self.rng = np.random.default_rng(info.seed if info is not None else 0)
+            self.flip = Jitter(torch.Generator().manual_seed(info.seed if info is not None else 1))
+        return torch.tensor([i, int(self.rng.integers(0, 2**30)), self.flip(i)])
+
+
+@pytest.mark.parametrize(
+    "num_workers, persistent", [(0, False), (2, False), (2, True)], ids=["0-workers", "2-workers", "2-persistent"]
+)
+def test_a_generator_made_on_first_use_resumes_at_every_step(num_workers: int, persistent: bool) -> None:
+    check_resume_everywhere(lambda: loader(num_workers, persistent, dataset=LazyRng()), epochs=2)
+
+
+def test_a_generator_made_on_first_use_gives_the_same_stream_with_any_num_workers() -> None:
+    reference = epochs_of(loader(0, dataset=LazyRng()), 2)
+    for other in (loader(2, dataset=LazyRng()), loader(3, persistent=True, dataset=LazyRng())):
+        for got, want in zip(epochs_of(other, 2), reference):
+            assert_streams(got, want, f"num_workers={other.num_workers}")
+    live = loader(2, dataset=LazyRng())
+    run = [(live.restore_key, batch) for batch in live]
+    fresh = loader(0, dataset=LazyRng())
+    for key, batch in run:
+        assert_streams([fresh.restore_sample(str(key))], [batch], str(key))
+
+
+def test_a_generator_made_after_the_first_batch_is_said() -> None:
+    class Late(LazyRng):
+        def __getitem__(self, i: int) -> torch.Tensor:
+            if i >= 8 and self.rng is None:
+                self.rng = np.random.default_rng(0)
+            return torch.tensor([i, int(self.rng.integers(0, 2**30)) if self.rng is not None else 0])
+
+    with pytest.warns(sl.errors.UnsavedRngWarning, match=r"dataset\.rng appeared .* after its first batch"):
+        list(sl.SavableDataLoader(Late(20), batch_size=2, seed=0))  # made in batch 5, seen at batch 8
+
+
+# -- the seed a generator was made with (issue 31, item 2) -------------------------------------
+
+
+def test_the_seed_a_generator_was_made_with_is_said_to_be_overridden_once() -> None:
+    """Under torch, datasets holding ``default_rng(1)`` and ``default_rng(2)`` give other
+    data; here both are re-seeded from the loader's seed (exact resume) and give the
+    same: said once per process and place, naming the attribute and the way out."""
+    from torch.utils.data import DataLoader
+
+    class Seeded:
+        def __init__(self, seed: int) -> None:
+            self.rng = np.random.default_rng(seed)
+
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> float:
+            return float(self.rng.random())
+
+    def values(cls: type, seed: int) -> list[float]:
+        extra = {"seed": 0} if cls is sl.SavableDataLoader else {}
+        return torch.cat(list(cls(Seeded(seed), batch_size=2, **extra))).tolist()
+
+    assert values(DataLoader, 1) != values(DataLoader, 2)
+    with pytest.warns(sl.errors.UnsavedRngWarning, match=r"dataset\.rng .*seed or state it was made with is not used"):
+        ours = [values(sl.SavableDataLoader, 1)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: not again for the same class and path
+        ours.append(values(sl.SavableDataLoader, 2))
+    assert ours[0] == ours[1]
+
+
+# -- generators the dataset's code reaches (module globals, closures, defaults) ----------------
+
+MODULE_RNG = np.random.default_rng(0)
+
+
+def module_jitter(x: int) -> int:
+    """A module function drawing from a module-global generator."""
+    return x + int(MODULE_RNG.integers(0, 2**30))
+
+
+def default_jitter(x: int, rng: np.random.Generator = np.random.default_rng(0)) -> int:  # noqa: B008
+    return x + int(rng.integers(0, 2**30))
+
+
+def closure_jitter() -> Any:
+    gen = torch.Generator().manual_seed(0)
+    return lambda x: x + int(torch.randint(0, 2**30, (), generator=gen))
+
+
+class CodeRngs:
+    """Draws from a module global read in ``__getitem__``, one read by a module function
+    it calls, a default argument and a closure: none of them an attribute."""
+
+    def __init__(self) -> None:
+        self.transform = closure_jitter()
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(
+            [i, int(MODULE_RNG.integers(0, 2**30)), module_jitter(i), default_jitter(i), self.transform(i)]
+        )
+
+
+def test_generators_reached_through_code_are_found() -> None:
+    assert [p for p, _ in find_generators(CodeRngs(), "dataset")] == [
+        "dataset<global MODULE_RNG>",
+        "dataset.transform<closure gen>",
+        "dataset<global default_jitter><default 0>",
+    ]
+
+
+@pytest.mark.parametrize(
+    "num_workers, persistent", [(0, False), (2, False), (2, True)], ids=["0-workers", "2-workers", "2-persistent"]
+)
+def test_generators_reached_through_code_resume_at_every_step(num_workers: int, persistent: bool) -> None:
+    check_resume_everywhere(lambda: loader(num_workers, persistent, dataset=CodeRngs()), epochs=2)
+
+
+def test_generators_reached_through_code_give_one_stream_with_spawn() -> None:
+    reference = epochs_of(loader(0, dataset=CodeRngs()), 1)
+    assert_streams(epochs_of(loader(2, context="spawn", dataset=CodeRngs()), 1)[0], reference[0], "spawn")
+
+
+@pytest.mark.parametrize("kind", [np.random.PCG64, np.random.Philox, np.random.MT19937], ids=lambda k: k.__name__)
+def test_a_bit_generator_held_alone_resumes_at_every_step(kind: Any) -> None:
+    """``np.random.Generator(self.bits)`` made per sample over a bit generator the dataset
+    holds: the bit generator is re-seeded in place like a Generator."""
+
+    class Bits:
+        def __init__(self) -> None:
+            self.bits = kind(0)
+
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.tensor([i, int(np.random.Generator(self.bits).integers(0, 2**30))])
+
+    assert [p for p, _ in find_generators(Bits(), "dataset")] == ["dataset.bits"]
+    check_resume_everywhere(lambda: loader(dataset=Bits()), epochs=2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from savable_loader._torch_internals import replace_worker_info, torch_worker_id, worker_done_event
+from savable_loader._torch_internals import replace_worker_info, torch_worker_id, worker_done_event, worker_seed_setter
 
 
 class _Info(Dataset):
@@ -27,6 +27,24 @@ def test_replace_worker_info_changes_what_get_worker_info_returns():
     assert sorted(item[0] for item in loader) == [10, 11]
     assert {item[1] for item in loader} == {"user"}
     assert sorted((item[0], item[2]) for item in loader) == [(10, 0), (11, 1)]  # torch's ids survive
+
+
+class _Seeded(Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> list:
+        before = get_worker_info().seed
+        worker_seed_setter()(1000 + i)
+        return [before, get_worker_info().seed]
+
+
+def test_worker_seed_setter_sets_what_get_worker_info_seed_says():
+    assert worker_seed_setter() is None  # not in a worker
+    loader = DataLoader(_Seeded(), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    items = list(loader)
+    assert [item[1] for item in items] == [1000, 1001]
+    assert items[1][0] == 1000  # the info object itself holds it
 
 
 class _Done(Dataset):

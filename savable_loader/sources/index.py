@@ -37,6 +37,7 @@ from savable_loader._global_rngs import GlobalRngs
 from savable_loader._owned_rng import OwnedRngs
 from savable_loader._permutation import ORDER_FEISTEL, EpochOrder
 from savable_loader._seeds import collate_seed, owned_stream_seed, sample_base, sample_item, sample_items
+from savable_loader._torch_internals import worker_seed_setter
 from savable_loader.errors import LoaderUsageError
 from savable_loader.rng import (
     GLOBAL_RNG_NAMES,
@@ -46,7 +47,7 @@ from savable_loader.rng import (
 )
 from savable_loader.state.schema import IndexStage
 
-__all__ = ["BatchKey", "IndexPlan", "IndexSampler", "IndexedDataset"]
+__all__ = ["BatchKey", "IndexPlan", "IndexSampler", "IndexedDataset", "own_getitems"]
 
 
 @dataclass(frozen=True)
@@ -268,25 +269,37 @@ class IndexedDataset(Dataset):
     def build(self, key: BatchKey, formula: int | None = None) -> Any:
         """The batch (or sample, when unbatched) that ``key`` names, under the loader's
         seed formula (or ``formula``: a restore key's own)."""
+        if formula is None:
+            formula = self.seed_formula
         try:
-            return self._build(key, formula)
+            return self._build_looking(key, formula)
         except TypeError as e:  # np.random.seed() while NumPy is left out: say what to declare
-            guard = self._guard(self.seed_formula if formula is None else formula)
+            guard = self._guard(formula)
             if guard is not None:
                 guard.explain(e, f"the batch from position {key.positions[0]} of epoch {key.epoch}")
             raise
 
-    def _build(self, key: BatchKey, formula: int | None) -> Any:
+    def _build_looking(self, key: BatchKey, formula: int) -> Any:
+        owned = OwnedRngs.cached(self.__dict__, self.dataset, self.collate_fn, self._owned_seed(), key.epoch)
+        batch = self._build(key, formula, owned)
+        fresh = owned.look_again(self.dataset, self.collate_fn)
+        if fresh is not None:  # a generator made on first use: build the batch with it re-seeded
+            OwnedRngs.replace_cached(self.__dict__, fresh)
+            if fresh.built == 1:
+                batch = self._build(key, formula, fresh)
+        return batch
+
+    def _build(self, key: BatchKey, formula: int, owned: OwnedRngs) -> Any:
         base = self._sample_base(key.epoch)
         dataset = self.dataset
-        if formula is None:
-            formula = self.seed_formula
-        owned = OwnedRngs.cached(self.__dict__, dataset, self.collate_fn, self._owned_seed(), key.epoch)
-        many = _own_getitems(dataset) if self.batched else None
+        many = own_getitems(dataset) if self.batched else None
         guard = self._guard(formula)
         reseed = global_seeder(GLOBAL_RNG_NAMES, formula) if guard is None else guard.seed
+        set_info_seed = worker_seed_setter()
+        if set_info_seed is not None:  # in a worker: get_worker_info().seed follows torch.initial_seed()
+            reseed = _both(reseed, set_info_seed)
         if guard is not None:  # (in the caller's process its streams were just set aside: put in anew)
-            guard.begin(self.seed, key.epoch, changed=get_worker_info() is None)
+            guard.begin(self.seed, key.epoch, changed=set_info_seed is None)
         if many is not None or self.reseed == "batch":
             reseed(sample_item(base, key.positions[0], formula))
             owned.seed_sample(key.positions[0])
@@ -351,7 +364,15 @@ class IndexedDataset(Dataset):
             return self.build(key, formula)
 
 
-def _own_getitems(dataset: Any) -> Callable[[list[Any]], Any] | None:
+def _both(first: Callable[[int], None], second: Callable[[int], None]) -> Callable[[int], None]:
+    def both(seed: int) -> None:
+        first(seed)
+        second(seed)
+
+    return both
+
+
+def own_getitems(dataset: Any) -> Callable[[list[Any]], Any] | None:
     """The dataset's batched ``__getitems__`` if its class defines one outside torch
     (torch's wrappers forward per sample: keep the per-sample seeds then)."""
     method = getattr(type(dataset), "__getitems__", None)

@@ -206,8 +206,11 @@ def capture_epochs(sampler: Any) -> dict[str, int]:
     return epochs
 
 
-def apply(sampler: Any, state: SamplerState) -> None:
-    """Put the captured order back into ``sampler`` (and the objects it holds)."""
+def apply(sampler: Any, state: SamplerState, check_only: bool = False) -> None:
+    """Put the captured order back into ``sampler`` (and the objects it holds).
+
+    ``check_only``: only check that every recorded part has a matching place in
+    ``sampler`` (:class:`ConfigMismatchError` naming it otherwise), changing nothing."""
     found = dict(_walk(sampler))
     found["."] = sampler
 
@@ -225,12 +228,33 @@ def apply(sampler: Any, state: SamplerState) -> None:
         obj = target(path, "state_dict")
         if not _has_state_dict(obj):
             raise ConfigMismatchError(f"sampler state_dict at {path!r}", "present", "missing")
-        obj.load_state_dict(from_plain(plain))
+        if not check_only:
+            obj.load_state_dict(from_plain(plain))
     for path, plain in state.rngs.items():
-        restore_generator(target(path, "generator"), plain)
+        obj = target(path, "generator")
+        kind = plain.get("kind") if isinstance(plain, dict) else None
+        if capture_kind(obj) is None or (check_only and kind != capture_kind(obj)):
+            raise ConfigMismatchError(
+                f"sampler generator at {path!r}",
+                kind or "a generator",
+                capture_kind(obj) or type(obj).__qualname__,
+                "the sampler is not built like the one the state was saved with",
+            )
+        if not check_only:
+            restore_generator(obj, plain)
     for path, epoch in state.epochs.items():
         obj = target(path, "epoch")
-        obj.epoch = epoch
+        held = vars(obj).get("epoch") if hasattr(obj, "__dict__") else None
+        if not isinstance(held, int) or isinstance(held, bool):
+            raise ConfigMismatchError(
+                f"sampler epoch at {path!r}",
+                f"an epoch ({epoch})",
+                f"a {type(obj).__qualname__} without one",
+                "the state was saved with a sampler that has an epoch (DistributedSampler.set_epoch): build the "
+                "loader with the sampler the state was saved with",
+            )
+        if not check_only:
+            obj.epoch = epoch
 
 
 class PrivateRng:
