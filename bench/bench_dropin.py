@@ -16,6 +16,9 @@ random crop and flip (Python's ``random``), a brightness (NumPy) and noise (torc
 Figures, per loader, median (min-max) over the repeats; ratios paired per repeat:
 
 * **samples/s** (wall clock) and the **wall ratio** (ours over plain);
+* with ``--batch-reseed``, a third loader, ``SavableDataLoader(..., reseed="batch")``: the
+  same bookkeeping with one re-seed per batch, so that ours minus it is what the
+  per-sample re-seeding costs in the running system;
 * **CPU µs/sample** of the main process (``getrusage(RUSAGE_SELF)``: every thread of it,
   the queues' feeder threads included), of the workers (``RUSAGE_CHILDREN`` once they
   are reaped) and of both; the **CPU ratio** is plain's total over ours (> 1: ours uses
@@ -24,6 +27,13 @@ Figures, per loader, median (min-max) over the repeats; ratios paired per repeat
 On a machine shared with other work the wall ratio moves with the load (the workers and
 the main process compete with other processes for the cores); CPU time per sample is far
 steadier, so both are printed, with the load average at the start and at the end.
+
+Before the loaders, the per-sample steps of a worker are timed in this process (one torch
+thread, CPU time of this thread, the steps alternated sample by sample so that other
+load moves them alike): one sample; the re-seed of each global generator; the same
+generator's first draw after a re-seed over a draw without one (a Mersenne Twister
+seeded anew regenerates its 624 words at its first draw, which an unseeded stream does
+once every 624 words).
 
 ``main(argv)`` returns the results as a dict.
 """
@@ -128,14 +138,59 @@ def one_sample_us(repeats: int = 2000) -> float:
     return M.median(rounds)
 
 
-def run(samples: int, repeats: int, workers: int = WORKERS) -> dict[str, Any]:
+def step_costs(rounds: int = 400) -> dict[str, float]:
+    """Median µs of each per-sample step of a worker, in this thread (see the module
+    docstring): the steps alternate within every round, so load moves them alike."""
+    from savable_loader import rng
+
+    seeds = [rng.item_seed(rng.counter_seed(rng.derive_seed(0, "sample", 0), i)) for i in range(rounds)]
+    # each generator seeded as the loader seeds it (rng.global_seeder: the C paths it takes)
+    py_seed, np_seed, torch_seed = (rng.global_seeder((name,)) for name in ("random", "numpy", "torch"))
+    py_draw, np_draw, torch_draw = (lambda: random.random(), lambda: np.random.rand(), lambda: torch.rand(()))
+    clock = time.thread_time_ns
+    got: dict[str, list[float]] = {}
+
+    def timed(name: str, call: Any, *args: Any) -> None:
+        t0 = clock()
+        call(*args)
+        got.setdefault(name, []).append((clock() - t0) / 1e3)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i, s in enumerate(seeds):
+            timed("sample", mid_sample, i)
+            timed("re-seed all three", rng.seed_global, s)
+            timed("sample after a re-seed", mid_sample, i)
+            for name, seed, draw in (
+                ("random", py_seed, py_draw),
+                ("numpy", np_seed, np_draw),
+                ("torch", torch_seed, torch_draw),
+            ):
+                timed(f"re-seed {name}", seed, s)
+                timed(f"first draw {name}", draw)
+                timed(f"draw {name}", draw)
+    finally:
+        torch.set_num_threads(threads)
+    out = {name: M.median(values) for name, values in got.items()}
+    for name in ("random", "numpy", "torch"):
+        out[f"twist {name}"] = out.pop(f"first draw {name}") - out.pop(f"draw {name}")
+    return out
+
+
+def run(samples: int, repeats: int, workers: int = WORKERS, batch_reseed: bool = False) -> dict[str, Any]:
     ds = MidDataset(samples)
     makers = {
         "torch": lambda: DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=workers),
         "savable": lambda: SavableDataLoader(ds, batch_size=BATCH, shuffle=True, seed=0, num_workers=workers),
     }
+    if batch_reseed:
+        makers["savable-batch"] = lambda: SavableDataLoader(
+            ds, batch_size=BATCH, shuffle=True, seed=0, num_workers=workers, reseed="batch"
+        )
     load0 = os.getloadavg()[0]
     sample_us = one_sample_us()
+    steps = step_costs()
     for make in makers.values():  # warm-up: imports, first fork, page faults
         epoch(make, samples)
     runs = M.interleaved({name: (lambda r, mk=mk: epoch(mk, samples)) for name, mk in makers.items()}, repeats)
@@ -148,6 +203,7 @@ def run(samples: int, repeats: int, workers: int = WORKERS) -> dict[str, Any]:
         "load_start": load0,
         "load_end": os.getloadavg()[0],
         "sample_us": sample_us,
+        "steps_us": steps,
         "loaders": {},
     }
     for name, got in runs.items():
@@ -157,6 +213,11 @@ def run(samples: int, repeats: int, workers: int = WORKERS) -> dict[str, Any]:
     out["cpu_ratio"] = M.paired([p["cpu_us"] for p in plain], [o["cpu_us"] for o in ours])
     out["extra_main_us"] = M.spread([o["main_us"] - p["main_us"] for o, p in zip(ours, plain)])
     out["extra_workers_us"] = M.spread([o["workers_us"] - p["workers_us"] for o, p in zip(ours, plain)])
+    if batch_reseed:
+        per_batch = runs["savable-batch"]
+        out["per_sample_reseed_us"] = M.spread([o["cpu_us"] - b["cpu_us"] for o, b in zip(ours, per_batch)])
+        out["cpu_ratio_batch"] = M.paired([p["cpu_us"] for p in plain], [b["cpu_us"] for b in per_batch])
+        out["wall_ratio_batch"] = M.paired([b["samples_per_s"] for b in per_batch], [p["samples_per_s"] for p in plain])
     out["targets"] = [
         {"figure": "wall ratio", "value": out["wall_ratio"], "target": ">= 0.97"},
         {"figure": "CPU ratio", "value": out["cpu_ratio"], "target": ">= 0.97"},
@@ -187,7 +248,17 @@ def render(out: dict[str, Any]) -> str:
         f"ours minus plain, µs a sample: main process {M.fmt_spread(out['extra_main_us'])}, "
         f"workers {M.fmt_spread(out['extra_workers_us'])}"
     )
-    return "\n".join([head, "", M.table(rows), "", extra])
+    lines = [head, "", M.table(rows), "", extra]
+    if "per_sample_reseed_us" in out:
+        lines.append(
+            f'reseed="batch": wall ratio {M.fmt_spread(out["wall_ratio_batch"])}, CPU ratio '
+            f"{M.fmt_spread(out['cpu_ratio_batch'])}; the default minus it (the per-sample re-seeding in the "
+            f"running system), CPU µs a sample: {M.fmt_spread(out['per_sample_reseed_us'])}"
+        )
+    steps = [["step (this process, CPU of this thread)", "µs"]]
+    steps += [[name, f"{value:.2f}"] for name, value in out["steps_us"].items()]
+    lines += ["", M.table(steps)]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -195,9 +266,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--samples", type=int, default=6000, help="samples per epoch (default 6000)")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved repeats (default 7)")
     parser.add_argument("--workers", type=int, default=WORKERS, help="workers per loader (default 2)")
+    parser.add_argument("--batch-reseed", action="store_true", help='also run SavableDataLoader(..., reseed="batch")')
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
-    out = run(args.samples, args.repeats, args.workers)
+    out = run(args.samples, args.repeats, args.workers, args.batch_reseed)
     return M.finish(out, render(out), args.json)
 
 
