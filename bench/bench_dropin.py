@@ -178,7 +178,9 @@ def step_costs(rounds: int = 400) -> dict[str, float]:
     return out
 
 
-def run(samples: int, repeats: int, workers: int = WORKERS, batch_reseed: bool = False) -> dict[str, Any]:
+def run(
+    samples: int, repeats: int, workers: int = WORKERS, batch_reseed: bool = False, step_rounds: int = 400
+) -> dict[str, Any]:
     ds = MidDataset(samples)
     makers = {
         "torch": lambda: DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=workers),
@@ -189,8 +191,8 @@ def run(samples: int, repeats: int, workers: int = WORKERS, batch_reseed: bool =
             ds, batch_size=BATCH, shuffle=True, seed=0, num_workers=workers, reseed="batch"
         )
     load0 = os.getloadavg()[0]
-    sample_us = one_sample_us()
-    steps = step_costs()
+    sample_us = one_sample_us(max(50, 5 * step_rounds))
+    steps = step_costs(step_rounds)
     for make in makers.values():  # warm-up: imports, first fork, page faults
         epoch(make, samples)
     runs = M.interleaved({name: (lambda r, mk=mk: epoch(mk, samples)) for name, mk in makers.items()}, repeats)
@@ -267,9 +269,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=7, help="interleaved repeats (default 7)")
     parser.add_argument("--workers", type=int, default=WORKERS, help="workers per loader (default 2)")
     parser.add_argument("--batch-reseed", action="store_true", help='also run SavableDataLoader(..., reseed="batch")')
+    parser.add_argument(
+        "--step-rounds", type=int, default=400, help="samples the per-sample steps are timed over (default 400)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
-    out = run(args.samples, args.repeats, args.workers, args.batch_reseed)
+    out = run(args.samples, args.repeats, args.workers, args.batch_reseed, args.step_rounds)
     return M.finish(out, render(out), args.json)
 
 
