@@ -8,7 +8,7 @@ Run from the repository root::
 Each repeat runs one whole epoch of a fresh ``torch.utils.data.DataLoader(ds,
 batch_size=32, shuffle=True, num_workers=2)`` and of a fresh ``SavableDataLoader(ds,
 batch_size=32, shuffle=True, seed=0, num_workers=2)`` over the same dataset, in turn
-(the order alternates between repeats), timed from ``iter()`` to the last batch (worker
+(the order rotates between repeats), timed from ``iter()`` to the last batch (worker
 start-up included for both). A sample (:func:`mid_sample`) is a 3 x 96 x 96 image with a
 random crop and flip (Python's ``random``), a brightness (NumPy) and noise (torch): about
 0.2 ms of CPU, drawing from the three global RNGs as real augmentations do.
