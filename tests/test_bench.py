@@ -97,3 +97,41 @@ def test_unknown_workload_is_a_usage_error():
         timeout=60,
     )
     assert proc.returncode == 2 and "unknown workload 'nope'" in proc.stderr
+
+
+def test_dropin_bench_writes_every_figure(tmp_path):
+    """`bench/bench_dropin.py` (#30) on a tiny size: every loader's figures, the paired
+    ratios and the per-sample worker steps are in its JSON."""
+    out = tmp_path / "dropin.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.bench_dropin",
+            "--samples",
+            "128",
+            "--repeats",
+            "2",
+            "--batch-reseed",
+            "--step-rounds",
+            "20",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results["loaders"]) == {"torch", "savable", "savable-batch"}
+    for figures in results["loaders"].values():
+        assert set(figures) == {"samples_per_s", "main_us", "workers_us", "cpu_us"}
+        assert len(figures["cpu_us"]["values"]) == 2 and figures["workers_us"]["median"] > 0
+    for name in ("wall_ratio", "cpu_ratio", "wall_ratio_batch", "cpu_ratio_batch", "per_sample_reseed_us"):
+        assert len(results[name]["values"]) == 2
+    assert {"sample", "re-seed all three", "twist random", "twist numpy", "twist torch"} <= set(results["steps_us"])
+    assert [t["figure"] for t in results["targets"]] == ["wall ratio", "CPU ratio"]
+    assert "CPU ratio:" in proc.stdout
