@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from savable_loader.dataset import SavableDataset
-from savable_loader.errors import LoaderUsageError, RestoreKeyError
+from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.wrappers._held import check_held_mode, refetch, uses_keys
 from savable_loader.wrappers.base import BaseWrapperDataset
 
@@ -40,9 +40,9 @@ class _Candidates:
     Among documents of one length the earliest buffered comes first (a FIFO per length),
     which is the order a linear scan of the buffer in arrival order gives. ``docs``,
     ``keys`` and ``texts`` keep arrival order (dicts keyed by an arrival number), for the
-    state. The state holds each key as its JSON text, made once when the document comes
-    in: a snapshot then copies a list of strings (one C-speed check and copy), not a
-    thousand nested lists.
+    state. The state holds the keys as one JSON array text, joined from each key's text
+    (made once when the document comes in): a snapshot copies one string, not a thousand
+    nested lists.
     """
 
     __slots__ = ("buckets", "docs", "keyless", "keys", "lengths", "seq", "texts")
@@ -52,7 +52,7 @@ class _Candidates:
         self.buckets: dict[int, deque[int]] = {}  # length -> arrival numbers, oldest first
         self.docs: dict[int, tuple[Any, int]] = {}  # arrival number -> (document, length)
         self.keys: dict[int, Any] = {}  # arrival number -> restore key
-        self.texts: dict[int, str | None] = {}  # arrival number -> the key as JSON text (None: no key)
+        self.texts: dict[int, str] = {}  # arrival number -> the key as JSON text ("null": no key)
         self.keyless = 0  # how many held documents have no key
         self.seq = 0
 
@@ -66,7 +66,7 @@ class _Candidates:
         self.keys[seq] = key
         if key is None:
             self.keyless += 1
-            self.texts[seq] = None
+            self.texts[seq] = "null"
         else:
             self.texts[seq] = _json_text(key)
         bucket = self.buckets.get(length)
@@ -143,7 +143,7 @@ class PackingDataset(BaseWrapperDataset):
     # drains; a restore then does not run its end of stream again (see ``SavableDataset``).
     # ``held``: "keys" when ``carry`` / ``buffer`` are None and the documents are named by
     # ``carry_key`` / ``keys`` alone (fetched again on restore), else "payload". ``keys``:
-    # each buffered document's key as JSON text (None: no key), whatever ``held`` is.
+    # the buffered documents' keys as one JSON array text (null: no key), whatever ``held`` is.
     # ``carry``, ``buffer``, ``keys`` and ``held`` are properties over the live structures.
     _savable_fields = (
         "carry",
@@ -246,11 +246,12 @@ class PackingDataset(BaseWrapperDataset):
         self._restored["buffer"] = value
 
     @property
-    def keys(self) -> list[str | None]:
-        """The buffered documents' keys as JSON texts (None: a document without a key)."""
+    def keys(self) -> str:
+        """The buffered documents' keys, in arrival order, as one JSON array text (null: a
+        document without a key)."""
         if self._restored:
-            return list(self._restored.get("keys") or [])
-        return list(self._candidates.texts.values())
+            return str(self._restored.get("keys", "[]"))
+        return "[" + ",".join(self._candidates.texts.values()) + "]"
 
     @keys.setter
     def keys(self, value: Any) -> None:
@@ -268,7 +269,13 @@ class PackingDataset(BaseWrapperDataset):
             if doc is not None:
                 self._carry, self._carry_length = doc, self._length(doc)
             return
-        keys = [None if text is None else _json_decode(text) for text in restored.get("keys") or []]
+        text = restored.get("keys", "[]")
+        try:
+            keys = _json_decode(text) if isinstance(text, str) else None
+        except msgspec.DecodeError:
+            keys = None
+        if not isinstance(keys, list):
+            raise StateError(f"PackingDataset state: keys must be a JSON array text, got {text!r:.80}")
         docs = refetch(self.dataset, keys) if by_key else list(restored.get("buffer") or [])
         if len(docs) != len(keys):
             raise RestoreKeyError(f"PackingDataset state holds {len(docs)} documents and {len(keys)} keys")
