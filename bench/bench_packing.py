@@ -45,7 +45,6 @@ shared: every ratio is measured side by side, never across runs):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -62,6 +61,7 @@ import numpy as np
 import torch
 
 import savable_loader as sl
+from bench import measure as M
 from savable_loader._worker import WorkerRuntime
 from savable_loader.sources import ShardedFileDataset, index_folder
 from savable_loader.state.codec import encode_part
@@ -313,22 +313,17 @@ def snapshot_share(folder: Path, row_length: int, limit: int) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small corpus, 2 repeats (a smoke test)")
-    parser.add_argument("--docs", type=int, default=None, help="documents in the corpus (default 12000)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5)")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    args = parser.parse_args(argv)
-    docs = args.docs or (3000 if args.quick else 12000)
-    repeats = args.repeats or (2 if args.quick else 5)
+def run(docs: int, repeats: int) -> dict[str, Any]:
+    """Every figure of the module docstring over a corpus of ``docs`` documents."""
     out: dict[str, Any] = {"docs": docs, "repeats": repeats, "batch": BATCH, "buffer": BUFFER, "chunk": CHUNK}
+    targets = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "corpus"
         write_corpus(folder, docs)
         for t in (512, 2048):
             row = t + 1
             limit = 10**9  # the whole corpus
+            M.log(f"packing T={t}: rows/s, {repeats} interleaved repeats")
             _rows(reference_batches(folder, row, BATCH), BATCH)  # warm-up: page cache, imports
             res = throughput(folder, row, limit, repeats)
             res["state_bytes"] = {
@@ -337,11 +332,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res["restore_w0"] = restore_vs_cold(folder, row, 0, repeats)
             res["snapshots"] = snapshot_share(folder, row, limit)
             out[f"T{t}"] = res
-            print(render_one(t, res), flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2))
+            q = res["ratios"]
+            for figure, value, target, higher in (
+                (f"packing T={t}: ours w0 / reference rows/s", q["w0_vs_ref"], TARGETS["rows"], True),
+                (f"packing T={t}: ours w2 / ours w0 rows/s", q["w2_vs_w0"], TARGETS["workers"], True),
+                (f"packing T={t}: restore / cold first batch", res["restore_w0"]["ratio"], TARGETS["restore"], False),
+            ):
+                targets.append(
+                    {
+                        "figure": figure,
+                        "value": value,
+                        "target": f"{'>=' if higher else '<='} {target:g}",
+                        "result": M.verdict(value, target, higher_is_better=higher),
+                    }
+                )
+    out["targets"] = targets
     return out
+
+
+def render(out: dict[str, Any]) -> str:
+    return "\n".join(render_one(t, out[f"T{t}"]) for t in (512, 2048))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small corpus, 2 repeats (a smoke test)")
+    parser.add_argument("--docs", type=int, default=None, help="documents in the corpus (default 12000)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    args = parser.parse_args(argv)
+    out = run(args.docs or (3000 if args.quick else 12000), args.repeats or (2 if args.quick else 5))
+    return M.finish(out, render(out), args.json)
 
 
 def render_one(t: int, res: dict[str, Any]) -> str:
