@@ -334,3 +334,38 @@ def test_resume_of_a_corpus_at_every_step(strategy, buffer_state, monkeypatch):
         )
     )
     assert check_resume_everywhere(factory, 2) > 60
+
+
+def _parquet_tokens(row: dict) -> list[int]:
+    """A document per Parquet row, its last token drawn from torch's RNG (seeded from the
+    row's key: a restore that fetches and re-maps the row draws it again)."""
+    k = row["id"]
+    return [k * 100 + i for i in range(1 + k * 7 % 13)] + [int(torch.randint(1, 9, ())) * 10_000]
+
+
+@pytest.mark.parametrize(("num_workers", "strategy"), [(0, "best_fit"), (0, "greedy"), (2, "best_fit")])
+def test_resume_over_parquet_rows_fetched_again(num_workers, strategy, tmp_path, monkeypatch):
+    """States of keys over a ShardedFileDataset: a restore reads the buffered rows again
+    and re-tokenizes them; every save point continues as the uninterrupted run."""
+    from savable_loader.sources import ShardedFileDataset, index_folder
+    from tests.shard_writers import write_parquet_folder
+
+    pytest.importorskip("pyarrow")
+    set_snapshot_policy(monkeypatch, "every")
+    folder = write_parquet_folder(tmp_path / "pq", sizes=[15, 9, 12, 12], row_group=4)
+    index_folder(folder, progress=False)
+
+    def factory():
+        wc = make_wc(num_workers)
+        docs = MapDataset(ShardedFileDataset(folder, wc, columns=["id"]), _parquet_tokens)
+        return make_loader(PackingDataset(docs, 8, strategy=strategy, buffer_size=5, refill_chunk=2, bos=-1))
+
+    loader = factory()
+    it = iter(loader)
+    next(it)
+    held = {w.dataset.fields["held"] for w in loader.save_state_rank().position.workers if w.dataset is not None}
+    assert held == {"keys"}
+    del it
+    epoch_len = len(list(factory()))
+    steps = None if num_workers == 0 else [0, 1, epoch_len // 2, epoch_len, epoch_len + 3]
+    assert check_resume_everywhere(factory, 2, steps=steps) >= 5
