@@ -369,3 +369,25 @@ def test_resume_over_parquet_rows_fetched_again(num_workers, strategy, tmp_path,
     epoch_len = len(list(factory()))
     steps = None if num_workers == 0 else [0, 1, epoch_len // 2, epoch_len, epoch_len + 3]
     assert check_resume_everywhere(factory, 2, steps=steps) >= 5
+
+
+class VanishingSource(RangeSource):
+    """A source whose read samples may be gone later (as a producer's stream)."""
+
+    samples_may_vanish = True
+
+
+@pytest.mark.parametrize(("buffer_state", "held"), [("auto", "payload"), ("keys", "keys"), ("payload", "payload")])
+def test_sources_whose_samples_may_vanish_save_payload_unless_told(buffer_state, held):
+    wc = make_wc(0)
+    ds = PackingDataset(
+        MapDataset(VanishingSource(30, wc), lambda x: [int(x[0])] * 5),
+        8,
+        strategy="best_fit",
+        buffer_size=4,
+        buffer_state=buffer_state,
+    )
+    next(iter(ds))
+    assert ds.save_state().fields["held"] == held
+    with pytest.raises(LoaderUsageError, match="buffer_state must be one of"):
+        PackingDataset(ds.dataset, 8, buffer_state="positions")

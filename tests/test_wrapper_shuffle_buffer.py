@@ -212,7 +212,7 @@ def test_other_arguments():
         ShuffleBufferDataset([1, 2], 2)
     assert ShuffleBufferDataset(RangeSource(3, make_wc(0)), 7).config() == {"size": 7}
     with pytest.raises(LoaderUsageError, match="ShuffleBufferDataset buffer_state must be one of"):
-        ShuffleBufferDataset(RangeSource(3, make_wc(0)), 7, buffer_state="keys")
+        ShuffleBufferDataset(RangeSource(3, make_wc(0)), 7, buffer_state="positions")
 
 
 @pytest.mark.parametrize(("num_workers", "policy"), [(0, "every"), (0, "default"), (2, "every")])

@@ -14,7 +14,11 @@ The protocol is the restore-key protocol every source and wrapper already has
 (``mark_sample`` / ``restore_sample``, see ``savable_loader.dataset``): a dataset that
 implements ``restore_sample`` promises to build the sample its key names, the same as
 iteration built it, without changing its iteration state. A sample without a key (None)
-cannot be fetched again: a buffer holding one saves payload.
+cannot be fetched again: a buffer holding one saves payload. A source whose read samples
+may be gone later (a producer's stream that is trimmed behind the reader:
+``PollingSource``, ``RedisStreamSource``) sets ``samples_may_vanish = True``: "auto" then
+saves payload, and ``buffer_state="keys"`` is the user's promise that what a buffer holds
+stays readable.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ from savable_loader.rng import preserve_global_rng
 __all__ = ["HELD_MODES", "check_held_mode", "refetch", "uses_keys"]
 
 #: ``buffer_state=`` values: "auto" saves keys where the wrapped pipeline can fetch a sample
-#: again by key, payload otherwise; "payload" always saves the samples themselves.
-HELD_MODES = ("auto", "payload")
+#: again by key and no source in it may lose what it has read (``samples_may_vanish``: a
+#: producer's stream, which a ``trim`` or the producer empties behind the reader), payload
+#: otherwise; "keys" saves keys wherever the pipeline can fetch a sample again (for such a
+#: stream: only where nothing a buffer holds is dropped); "payload" always the samples.
+HELD_MODES = ("auto", "keys", "payload")
 
 
 def check_held_mode(owner: str, mode: Any) -> None:
@@ -40,7 +47,17 @@ def check_held_mode(owner: str, mode: Any) -> None:
 
 def uses_keys(mode: str, dataset: SavableDataset) -> bool:
     """True if a buffer over ``dataset`` with ``buffer_state=mode`` saves keys."""
-    return mode == "auto" and dataset.can_restore_sample()
+    if mode == "payload" or not dataset.can_restore_sample():
+        return False
+    return mode == "keys" or not _may_vanish(dataset)
+
+
+def _may_vanish(dataset: SavableDataset) -> bool:
+    """True if a dataset of this pipeline declares that samples it has read may be gone
+    later (a class attribute ``samples_may_vanish = True``)."""
+    if getattr(type(dataset), "samples_may_vanish", False):
+        return True
+    return any(_may_vanish(child) for child in dataset.children())
 
 
 def refetch(dataset: SavableDataset, keys: list[Any]) -> list[Any]:

@@ -128,7 +128,10 @@ class PackingDataset(BaseWrapperDataset):
     wrapped pipeline can rebuild samples from keys (``can_restore_sample()``: shards,
     Parquet rows, polling and Redis sources, with maps and filters above them), and a
     restore fetches and re-maps it (``restore_sample``); else, or with
-    ``buffer_state="payload"``, the state holds the tokens themselves.
+    ``buffer_state="payload"``, the state holds the tokens themselves. Over a source
+    whose read samples may be gone later (``PollingSource``, ``RedisStreamSource``:
+    ``samples_may_vanish``) "auto" saves the tokens; ``buffer_state="keys"`` saves keys
+    there too (when nothing the buffer holds is trimmed or dropped).
     A row's restore key lists its pieces ``[document key, start, stop]`` (offsets in the
     document, ``bos`` included); it is marked (``mark_sample``) before the row is yielded,
     so random draws downstream follow from it. Rows are tensors with the dtype of the

@@ -30,8 +30,9 @@ class ShuffleBufferDataset(BaseWrapperDataset):
     pipeline can rebuild samples from their keys (``can_restore_sample()``) and every
     buffered sample has one, the state holds the keys alone (``held="keys"``,
     ``buffer`` None) and a restore fetches every buffered sample again through
-    ``restore_sample`` (re-mapped, its random draws from its key). Otherwise, with
-    ``buffer_state="payload"``, or while the buffer is packed (below: a few bytes a sample,
+    ``restore_sample`` (re-mapped, its random draws from its key). Otherwise (a source
+    whose read samples may be gone later, ``samples_may_vanish``, unless
+    ``buffer_state="keys"``), with ``buffer_state="payload"``, or while the buffer is packed (below: a few bytes a sample,
     less than a key), the buffer is stored in the state itself, with the samples' restore
     keys (``keys`` is None until the wrapped pipeline gives a sample a key). Samples must
     not be modified in place after they are yielded (the state holds copies taken at
