@@ -33,12 +33,12 @@ if str(_REPO) not in sys.path:  # `python bench/run.py` puts bench/ first, not t
 import torch
 
 import savable_loader as sl
-from bench import bench_costs, bench_epochize, bench_scale, bench_shuffle_restore
+from bench import bench_costs, bench_epochize, bench_packing, bench_scale, bench_shuffle_restore
 from bench import measure as M
 from bench.contenders import CONTENDERS, Contender, available_contenders, savable_pipeline
 from bench.workloads import WORKLOADS, Workload, make_workloads
 
-EXTRAS = ("scale", "epochize", "shuffle-restore", "costs")
+EXTRAS = ("scale", "epochize", "shuffle-restore", "costs", "packing")
 
 OURS = ("savable", "savable-batch", "savable-declared", "savable-pipe")
 
@@ -255,10 +255,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     snap = results.get("snapshot_cost")
     if snap:
         add(f"snapshot share of worker time ({snap['buffer']:,} buffer)", round(snap["share"], 4), 0.02, higher=False)
-    for section in ("scale", "epochize", "shuffle_restore"):
+    for section in ("scale", "epochize", "shuffle_restore", "packing"):
         got = results.get(section)
         if got:
-            rows.extend(got["targets"] if section == "scale" else [got["target"]])
+            rows.extend(got["targets"] if section in ("scale", "packing") else [got["target"]])
     return rows
 
 
@@ -389,6 +389,13 @@ def render(results: dict[str, Any]) -> str:
             f"### restore / cold start at every save point ({sr['buffer']:,}-sample shuffle buffer, "
             f"{sr['repeats']} interleaved repeats)\n\n{bench_shuffle_restore.render(sr)}"
         )
+    if results.get("packing"):
+        pk = results["packing"]
+        parts.append(
+            f"### best-fit packing against a nanochat-shaped loop ({pk['docs']:,} documents, buffer "
+            f"{pk['buffer']:,}, refill {pk['chunk']}, batches of {pk['batch']}, {pk['repeats']} interleaved "
+            f"repeats)\n\n```text\n{bench_packing.render(pk)}\n```"
+        )
     rows = [["target", "value", "wanted", "result"]]
     for t in results["targets"]:
         rows.append([t["figure"], fmt(t["value"]), t["target"], t["result"]])
@@ -496,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         results["shuffle_restore"] = bench_shuffle_restore.run(
             buffer, 6 if args.quick else 12, args.repeats, args.workers
         )
+    if "packing" in args.extras:
+        results["packing"] = bench_packing.run(3000 if args.quick else 12000, args.repeats)
     results["targets"] = targets(results)
     results["elapsed_s"] = time.perf_counter() - started
     results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None

@@ -70,7 +70,10 @@ def dropin_state() -> RankState:
 @pytest.fixture(scope="module")
 def pipeline_state() -> RankState:
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=3)
-    ds = BatchDataset(MapDataset(ShuffleBufferDataset(RangeSource(29, wc), size=4), _double), batch_size=3)
+    # (buffer_state="payload": the samples in the state, whose outline the test reads)
+    ds = BatchDataset(
+        MapDataset(ShuffleBufferDataset(RangeSource(29, wc), size=4, buffer_state="payload"), _double), batch_size=3
+    )
     loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=wc)
     it = iter(loader)
     for _ in range(3):

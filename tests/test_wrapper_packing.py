@@ -4,10 +4,15 @@ restore keys."""
 
 from __future__ import annotations
 
+import json
+import random
+
+import numpy as np
 import pytest
 import torch
 
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
+from savable_loader.state.codec import encode_part
 from savable_loader.wrappers import MapDataset, PackingDataset
 from tests.common import RangeSource, check_resume_everywhere, epochs_of
 from tests.wrapper_common import (
@@ -172,7 +177,7 @@ def test_bad_keys_and_documents():
         with pytest.raises(RestoreKeyError, match="PackingDataset key"):
             ds.restore_sample(bad)
     wc = make_wc(0)
-    with pytest.raises(LoaderUsageError, match="documents must be 1-D tensors or lists of ints, got str"):
+    with pytest.raises(LoaderUsageError, match="documents must be 1-D tensors, NumPy arrays or lists of ints, got str"):
         list(PackingDataset(MapDataset(RangeSource(2, wc), lambda x: "text"), 4))
     with pytest.raises(LoaderUsageError, match=r"documents must be 1-D, got a tensor of shape \(2, 2\)"):
         list(PackingDataset(MapDataset(RangeSource(2, wc), lambda x: torch.zeros(2, 2)), 4))
@@ -194,4 +199,195 @@ def test_bad_arguments(kw, message):
 
 def test_config():
     ds = PackingDataset(docs(make_wc(0)), 4, strategy="best_fit", buffer_size=2, bos=0)
-    assert ds.config() == {"row_length": 4, "strategy": "best_fit", "buffer_size": 2, "bos": 0}
+    assert ds.config() == {"row_length": 4, "strategy": "best_fit", "buffer_size": 2, "refill_chunk": 1, "bos": 0}
+
+
+# -- refill chunk, document kinds, BOS, states of keys ------------------------------------
+
+
+def corpus(n: int, seed: int = 0) -> list[list[int]]:
+    """``n`` documents of varied lengths (a long tail), tokens unique per document."""
+    rng = random.Random(seed)
+    return [[v * 10_000 + i for i in range(min(int(rng.lognormvariate(4.5, 1.0)) + 1, 9_000))] for v in range(n)]
+
+
+def nanochat_style_rows(docs: list[list[int]], row: int, buffer_size: int, chunk: int, bos: int) -> list[list[int]]:
+    """A nanochat-style best-fit loop, written for the test: documents with BOS prepended
+    go into a list; whenever it holds fewer than ``buffer_size``, ``chunk`` more are
+    appended; a row takes the longest document that fits (scanning the list, first of
+    equals), and when none fits crops the shortest (first of equals) to fill the row."""
+    stream = iter(docs)
+    buffer: list[list[int]] = []
+    rows: list[list[int]] = []
+    exhausted = False
+    while True:
+        out: list[int] = []
+        while len(out) < row:
+            while len(buffer) < buffer_size and not exhausted:
+                for _ in range(chunk):
+                    doc = next(stream, None)
+                    if doc is None:
+                        exhausted = True
+                        break
+                    buffer.append([bos, *doc])
+            if not buffer:
+                return rows
+            remaining = row - len(out)
+            best, best_len = -1, 0
+            for i, doc in enumerate(buffer):
+                if best_len < len(doc) <= remaining:
+                    best, best_len = i, len(doc)
+            if best >= 0:
+                out.extend(buffer.pop(best))
+            else:
+                shortest = min(range(len(buffer)), key=lambda i: len(buffer[i]))
+                out.extend(buffer.pop(shortest)[:remaining])
+        rows.append(out)
+
+
+def corpus_packing(docs: list[list[int]], row: int, wc=None, kind=list, keyed: bool = True, **kw) -> PackingDataset:
+    wc = wc or make_wc(0)
+    convert = {list: lambda d: d, np.ndarray: np.array, torch.Tensor: torch.tensor}[kind]
+    source = MapDataset(RangeSource(len(docs), wc, keyed=keyed), lambda x: convert(docs[int(x[0])]))
+    return PackingDataset(source, row, strategy="best_fit", **kw)
+
+
+@pytest.mark.parametrize(("row", "buffer_size", "chunk"), [(512, 1000, 128), (64, 50, 7), (128, 30, 1)])
+def test_refill_chunk_reproduces_a_nanochat_style_loop(row, buffer_size, chunk):
+    docs = corpus(3000)
+    want = nanochat_style_rows(docs, row, buffer_size, chunk, bos=7)
+    got = [r.tolist() for r in corpus_packing(docs, row, buffer_size=buffer_size, refill_chunk=chunk, bos=7)]
+    assert len(got) == len(want) > 100 and got == want
+    if chunk > 1:  # a buffer of exactly buffer_size makes other rows
+        assert [r.tolist() for r in corpus_packing(docs, row, buffer_size=buffer_size, bos=7)] != want
+
+
+@pytest.mark.parametrize("kind", [np.ndarray, torch.Tensor])
+@pytest.mark.parametrize("strategy", ["greedy", "best_fit"])
+def test_lists_arrays_and_tensors_make_the_same_rows(kind, strategy):
+    docs = corpus(300)
+    make = lambda k: PackingDataset(
+        MapDataset(
+            RangeSource(len(docs), make_wc(0)),
+            lambda x: {list: list, np.ndarray: np.array}.get(k, torch.tensor)(docs[int(x[0])]),
+        ),
+        100,
+        strategy=strategy,
+        buffer_size=20,
+        bos=3,
+    )
+    want = list(make(list))
+    got = list(make(kind))
+    assert len(got) == len(want) > 50
+    assert all(torch.equal(a, b) and a.dtype == b.dtype == torch.long for a, b in zip(got, want))
+
+
+def test_numpy_rows_keep_the_dtype():
+    wc = make_wc(0)
+    ds = PackingDataset(MapDataset(RangeSource(20, wc), lambda x: np.arange(5, dtype=np.int32)), 8, bos=9)
+    rows = list(ds)
+    assert rows and all(r.dtype == torch.int32 for r in rows)
+    assert rows[0].tolist() == [9, 0, 1, 2, 3, 4, 9, 0]
+
+
+@pytest.mark.parametrize("kind", [list, np.ndarray, torch.Tensor])
+def test_documents_that_start_with_bos_are_refused(kind):
+    docs = [[1, 5, 6], [1, 7]]
+    with pytest.raises(LoaderUsageError, match="bos=1: a document already starts with token 1"):
+        list(corpus_packing(docs, 4, kind=kind, bos=1))
+    assert len(list(corpus_packing(docs, 4, kind=kind, bos=2))) == 1  # another BOS: fine
+
+
+def test_a_state_names_documents_by_key_where_the_source_can_fetch_them():
+    docs = corpus(3000)
+    sizes = {}
+    for keyed in (True, False):
+        ds = corpus_packing(docs, 512, keyed=keyed, buffer_size=1000, bos=7)
+        it = iter(ds)
+        for _ in range(5):
+            next(it)
+        state = ds.save_state()
+        assert state.fields["held"] == ("keys" if keyed else "payload")
+        assert (state.fields["buffer"] is None) == keyed and len(json.loads(state.fields["keys"])) >= 999
+        sizes[keyed] = len(encode_part(state))
+    assert sizes[True] < 16 * 1024 < 200 * 1024 < sizes[False]
+    forced = corpus_packing(docs, 512, buffer_size=1000, bos=7, buffer_state="payload")
+    next(iter(forced))
+    assert forced.save_state().fields["held"] == "payload"
+
+
+@pytest.mark.parametrize("buffer_state", ["auto", "payload"])
+@pytest.mark.parametrize("strategy", ["greedy", "best_fit"])
+def test_resume_of_a_corpus_at_every_step(strategy, buffer_state, monkeypatch):
+    """Exact resume over varied documents with a refill chunk, states of keys (which a
+    restore fetches and re-maps) and of payload; in-process."""
+    set_snapshot_policy(monkeypatch, "every")
+    docs = corpus(40, seed=1)
+    factory = lambda: make_loader(
+        corpus_packing(docs, 64, buffer_size=9, refill_chunk=4, bos=7, buffer_state=buffer_state)
+        if strategy == "best_fit"
+        else PackingDataset(
+            MapDataset(RangeSource(len(docs), make_wc(0)), lambda x: docs[int(x[0])]),
+            64,
+            bos=7,
+            buffer_state=buffer_state,
+        )
+    )
+    assert check_resume_everywhere(factory, 2) > 60
+
+
+def _parquet_tokens(row: dict) -> list[int]:
+    """A document per Parquet row, its last token drawn from torch's RNG (seeded from the
+    row's key: a restore that fetches and re-maps the row draws it again)."""
+    k = row["id"]
+    return [k * 100 + i for i in range(1 + k * 7 % 13)] + [int(torch.randint(1, 9, ())) * 10_000]
+
+
+@pytest.mark.parametrize(("num_workers", "strategy"), [(0, "best_fit"), (0, "greedy"), (2, "best_fit")])
+def test_resume_over_parquet_rows_fetched_again(num_workers, strategy, tmp_path, monkeypatch):
+    """States of keys over a ShardedFileDataset: a restore reads the buffered rows again
+    and re-tokenizes them; every save point continues as the uninterrupted run."""
+    from savable_loader.sources import ShardedFileDataset, index_folder
+    from tests.shard_writers import write_parquet_folder
+
+    pytest.importorskip("pyarrow")
+    set_snapshot_policy(monkeypatch, "every")
+    folder = write_parquet_folder(tmp_path / "pq", sizes=[15, 9, 12, 12], row_group=4)
+    index_folder(folder, progress=False)
+
+    def factory():
+        wc = make_wc(num_workers)
+        docs = MapDataset(ShardedFileDataset(folder, wc, columns=["id"]), _parquet_tokens)
+        return make_loader(PackingDataset(docs, 8, strategy=strategy, buffer_size=5, refill_chunk=2, bos=-1))
+
+    loader = factory()
+    it = iter(loader)
+    next(it)
+    held = {w.dataset.fields["held"] for w in loader.save_state_rank().position.workers if w.dataset is not None}
+    assert held == {"keys"}
+    del it
+    epoch_len = len(list(factory()))
+    steps = None if num_workers == 0 else [0, 1, epoch_len // 2, epoch_len, epoch_len + 3]
+    assert check_resume_everywhere(factory, 2, steps=steps) >= 5
+
+
+class VanishingSource(RangeSource):
+    """A source whose read samples may be gone later (as a producer's stream)."""
+
+    samples_may_vanish = True
+
+
+@pytest.mark.parametrize(("buffer_state", "held"), [("auto", "payload"), ("keys", "keys"), ("payload", "payload")])
+def test_sources_whose_samples_may_vanish_save_payload_unless_told(buffer_state, held):
+    wc = make_wc(0)
+    ds = PackingDataset(
+        MapDataset(VanishingSource(30, wc), lambda x: [int(x[0])] * 5),
+        8,
+        strategy="best_fit",
+        buffer_size=4,
+        buffer_state=buffer_state,
+    )
+    next(iter(ds))
+    assert ds.save_state().fields["held"] == held
+    with pytest.raises(LoaderUsageError, match="buffer_state must be one of"):
+        PackingDataset(ds.dataset, 8, buffer_state="positions")

@@ -70,9 +70,9 @@ class ForwardOnlySource(sl.SavableDataset):
         return {"n": self.n}
 
 
-def shuffled_loader(num_workers: int, size: int = SIZE, n: int = N):
+def shuffled_loader(num_workers: int, size: int = SIZE, n: int = N, buffer_state: str = "auto"):
     wc = make_wc(num_workers)
-    return make_loader(ShuffleBufferDataset(RangeSource(n, wc), size))
+    return make_loader(ShuffleBufferDataset(RangeSource(n, wc), size, buffer_state=buffer_state))
 
 
 def ids(epoch: list[torch.Tensor]) -> list[int]:
@@ -123,16 +123,18 @@ def _shuffle_node(state: sl.state.RankState, worker: int) -> tuple[DatasetState,
     node = ws.dataset
     assert isinstance(node, DatasetState)
     assert node.type == "savable_loader.wrappers.shuffle_buffer.ShuffleBufferDataset"
-    assert sorted(node.fields) == ["buffer", "draws", "ended", "keys", "seed"]
+    assert sorted(node.fields) == ["buffer", "draws", "ended", "held", "keys", "seed"]
     assert node.children[0].type == "tests.common.RangeSource"
     return node, ws.snapshot_index
 
 
+@pytest.mark.parametrize("buffer_state", ["auto", "payload"])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_state_contains_the_buffer(num_workers, monkeypatch):
+def test_state_contains_the_buffer(num_workers, buffer_state, monkeypatch):
+    """The samples, or with "auto" over a source that can fetch them again, their keys."""
     set_snapshot_policy(monkeypatch, "every")
     workers = max(num_workers, 1)
-    loader = shuffled_loader(num_workers)
+    loader = shuffled_loader(num_workers, buffer_state=buffer_state)
     it = iter(loader)
     seen = [next(it) for _ in range(3 * workers)]  # 3 from each worker: buffers are full
     state = decode(encode(loader.save_state_rank()))
@@ -140,8 +142,15 @@ def test_state_contains_the_buffer(num_workers, monkeypatch):
         node, yielded_count = _shuffle_node(state, w)
         assert yielded_count >= 2
         buffer = node.fields["buffer"]
-        assert len(buffer) == SIZE - 1 and all(isinstance(x, ArrayValue) for x in buffer)
-        held = [int(x[0]) for x in from_plain(buffer)]
+        if buffer_state == "auto":
+            assert buffer is None and node.fields["held"] == "keys"
+            held = list(node.fields["keys"])
+            assert len(held) == SIZE - 1
+        else:
+            assert node.fields["held"] == "payload"
+            assert len(buffer) == SIZE - 1 and all(isinstance(x, ArrayValue) for x in buffer)
+            held = [int(x[0]) for x in from_plain(buffer)]
+            assert node.fields["keys"] == held
         yielded = [int(x[0]) for x in seen if int(x[0]) % workers == w][:yielded_count]
         read = node.children[0].fields["pos"]  # RangeSource's next value for this worker
         # what the worker had read is exactly what it had yielded plus what it holds
@@ -152,7 +161,7 @@ def test_state_contains_the_buffer(num_workers, monkeypatch):
 
 def test_state_buffer_drains_at_the_end(monkeypatch):
     set_snapshot_policy(monkeypatch, "every")
-    loader = shuffled_loader(0)
+    loader = shuffled_loader(0, buffer_state="payload")
     it = iter(loader)
     next(it), next(it)
     sizes = {}
@@ -202,6 +211,24 @@ def test_other_arguments():
     with pytest.raises(LoaderUsageError, match="ShuffleBufferDataset wraps a SavableDataset, got list"):
         ShuffleBufferDataset([1, 2], 2)
     assert ShuffleBufferDataset(RangeSource(3, make_wc(0)), 7).config() == {"size": 7}
+    with pytest.raises(LoaderUsageError, match="ShuffleBufferDataset buffer_state must be one of"):
+        ShuffleBufferDataset(RangeSource(3, make_wc(0)), 7, buffer_state="positions")
+
+
+@pytest.mark.parametrize(("num_workers", "policy"), [(0, "every"), (0, "default"), (2, "every")])
+def test_resume_from_keys_at_every_step(num_workers, policy, monkeypatch):
+    """A state of keys (the source fetches the buffered samples again, their draws from
+    their keys) resumes exactly, as one of payload does; and its buffer is the keys alone."""
+    set_snapshot_policy(monkeypatch, policy)
+    factory = lambda: shuffled_loader(num_workers, n=40)
+    steps = None if num_workers == 0 else [0, 3, 20, 40, 43, 80]
+    assert check_resume_everywhere(factory, 2, steps=steps) >= 6
+    loader = factory()
+    it = iter(loader)
+    next(it)
+    held = [w.dataset.fields["held"] for w in loader.save_state_rank().position.workers if w.dataset is not None]
+    assert held and set(held) == {"keys"}
+    del it
 
 
 # -- packed buffers: a stream of ints or floats is held in an array.array ---------------

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Final, final
+from typing import Any, ClassVar, Final, final
 
 from savable_loader._torch_internals import worker_done_event
 from savable_loader.config import WorkerConfig, active_repetitions
@@ -127,6 +127,10 @@ class PollingSource(SavableDataset):
         wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=0)
         loader = sl.SavableDataLoader(PollingSource(fetch, wc, timeout=300), batch_size=None, worker_config=wc)
     """
+
+    #: A sample this source has read may be gone later (the producer drops what was read,
+    #: a trim): a buffer above it saves its samples, not their keys (``wrappers._held``).
+    samples_may_vanish: ClassVar[bool] = True
 
     _savable_fields = ("epoch", "position")
 

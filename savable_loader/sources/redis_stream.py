@@ -239,6 +239,10 @@ class RedisStreamSource(SavableDataset):
         source.trim([state])              # drop what every rank has consumed
     """
 
+    #: A sample this source has read may be gone later (the producer drops what was read,
+    #: a trim): a buffer above it saves its samples, not their keys (``wrappers._held``).
+    samples_may_vanish: ClassVar[bool] = True
+
     #: This source can split what is left of an epoch over another world size
     #: (``restore_state_global`` on another number of ranks; see :func:`resplit_state`).
     resplits: ClassVar[bool] = True
