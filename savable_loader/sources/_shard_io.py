@@ -44,7 +44,7 @@ from savable_loader.sources._metadata import (
     ShardEntry,
     encode_metadata,
 )
-from savable_loader.sources._store import LocalShardStore, ShardFile, ShardStore
+from savable_loader.sources._store import LocalShardStore, ShardFile, ShardStore, SizeWatch
 
 __all__ = ["ReadOptions", "ShardReader", "open_reader", "open_shard", "write_shards"]
 
@@ -128,15 +128,18 @@ class _NpyReader(ShardReader):
             torch.from_numpy(np.zeros(0, dtype=self.array.dtype))
         except TypeError:
             raise DataError(f"{path}: dtype {self.array.dtype} cannot become a torch.Tensor") from None
+        self.watch = SizeWatch(path, str(path), os.stat(path).st_size)
 
     def __len__(self) -> int:
         return int(self.array.shape[0])
 
     def read(self, i: int) -> torch.Tensor:
+        self.watch.check(int(getattr(self.array, "offset", 0)) + i * int(self.array.strides[0]))
         return torch.from_numpy(np.array(self.array[i]))
 
     def close(self) -> None:
         self.__dict__.pop("array", None)
+        self.watch.close()
         super().close()
 
 
@@ -176,18 +179,27 @@ class _PtReader(ShardReader):
         self.tensors = tensors
         self.single = isinstance(data, torch.Tensor)
         self.length = int(lengths.pop())
+        self.watch = SizeWatch(path, str(path), os.stat(path).st_size)
 
     def __len__(self) -> int:
         return self.length
 
     def read(self, i: int) -> Any:
+        self.watch.check(_tensor_offset(next(iter(self.tensors.values())), i))
         if self.single:
             return self.tensors[""][i].clone()
         return {k: v[i].clone() for k, v in self.tensors.items()}
 
     def close(self) -> None:
         self.__dict__.pop("tensors", None)
+        self.watch.close()
         super().close()
+
+
+def _tensor_offset(t: torch.Tensor, i: int) -> int:
+    """Where row ``i`` of a memory-mapped tensor starts, counted from its storage (the
+    file offset of the storage is not public): for messages only."""
+    return int((t.storage_offset() + i * (t.stride(0) if t.dim() else 0)) * t.element_size())
 
 
 class _JsonlReader(ShardReader):
