@@ -44,7 +44,7 @@ from savable_loader.sources._metadata import (
     ShardEntry,
     encode_metadata,
 )
-from savable_loader.sources._store import LocalShardStore, ShardFile, ShardStore, SizeWatch
+from savable_loader.sources._store import LocalShardStore, ShardFile, ShardStore, SizeWatch, truncated
 
 __all__ = ["ReadOptions", "ShardReader", "open_reader", "open_shard", "write_shards"]
 
@@ -121,6 +121,7 @@ class _NpyReader(ShardReader):
         try:
             self.array = np.load(path, mmap_mode="r", allow_pickle=False)
         except Exception as e:  # noqa: BLE001 - any failure means an unreadable file
+            _check_not_cut(path, file.size)
             raise DataError(f"{path}: cannot read the .npy shard ({type(e).__name__}: {e})") from None
         if not isinstance(self.array, np.ndarray) or self.array.ndim == 0:
             raise DataError(f"{path}: a .npy shard must hold an array with at least one dimension")
@@ -152,6 +153,7 @@ class _PtReader(ShardReader):
         try:
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001
+            _check_not_cut(path, file.size)
             raise DataError(
                 f"{path}: cannot read the .pt shard ({type(e).__name__}: {str(e).splitlines()[0]})"
             ) from None
@@ -194,6 +196,17 @@ class _PtReader(ShardReader):
         self.__dict__.pop("tensors", None)
         self.watch.close()
         super().close()
+
+
+def _check_not_cut(path: Path, size: int) -> None:
+    """DataError if the file at ``path`` is now shorter than the ``size`` it had when it
+    was opened (cut while this reader opened it)."""
+    try:
+        found = os.stat(path).st_size
+    except OSError:
+        return
+    if found < size:
+        raise truncated(str(path), 0, found, size)
 
 
 def _tensor_offset(t: torch.Tensor, i: int) -> int:

@@ -364,6 +364,8 @@ def byte_getter(file: ShardFile) -> tuple[Callable[[int, int], bytes], mmap.mmap
     if len(mm) != file.size:
         size = len(mm)
         mm.close()
+        if size < file.size:
+            raise truncated(file.name, 0, size, file.size)
         raise DataError(f"{file.name}: the file has {size} bytes, expected {file.size} (it changed while open)")
     expected = file.size
 
