@@ -639,7 +639,8 @@ class SavableDataLoader(DataLoader[T_co]):
         the next ``iter()`` starts (the rest of a restored epoch, or a whole epoch).
 
         Use it where ``len(loader)`` would count a whole epoch, e.g. a progress bar after
-        a mid-epoch restore: ``tqdm(loader, total=loader.remaining())``.
+        a mid-epoch restore, which shows the batches done of the epoch's length (8/13, not
+        0/5): ``tqdm(loader, total=len(loader), initial=len(loader) - loader.remaining())``.
         """
         with self._state_lock:
             live = [r for r in self._records if r.fate is Fate.LIVE]
