@@ -39,6 +39,7 @@ function and list them in ``_COMMANDS``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -338,10 +339,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args._started = started
     try:
-        return int(args._run(args))
+        code = int(args._run(args))
+        sys.stdout.flush()  # here, so that a closed pipe is met inside the try
+        return code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `... inspect --json STATE | head`: the reader had enough
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's flush at exit would fail again
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for a program a pipe stopped
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ the saved count.
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -647,7 +648,26 @@ def check_dataset_config(saved: LoaderConfig, current: LoaderConfig) -> None:
     if config_fingerprint(renamed) == current.dataset_fingerprint:
         return
     path, old, new = _first_difference(saved.dataset_config, current.dataset_config, "dataset_config")
-    raise ConfigMismatchError(path, old, new, "the dataset changed since the state was saved")
+    raise ConfigMismatchError(path, old, new, "the dataset changed since the state was saved" + _moved_hint(old, new))
+
+
+_CLASS_NAME = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+")
+
+
+def _moved_hint(old: Any, new: Any) -> str:
+    """The way out when a class name differs only by its module (a class moved, e.g. out
+    of ``__main__``): the documented ``__savable_aliases__``."""
+    if not (
+        isinstance(old, str) and isinstance(new, str) and _CLASS_NAME.fullmatch(old) and _CLASS_NAME.fullmatch(new)
+    ):
+        return ""
+    if old.rsplit(".", 1)[-1] != new.rsplit(".", 1)[-1]:
+        return ""
+    cls = new.rsplit(".", 1)[-1]
+    return (
+        f"; if only the class moved (the same data), declare __savable_aliases__ = ({old!r},) in class {cls} "
+        f"(or a name that survives moves: __savable_name__ = {cls.lower()!r}), see docs/custom_dataset.md"
+    )
 
 
 def _first_difference(old: Any, new: Any, path: str) -> tuple[str, Any, Any]:

@@ -10,10 +10,16 @@ entries no old worker consumed, in stream order, entry ``n`` of the stage to new
 ``n % W'``, each exactly once). This module makes that a loader restore:
 ``restore_state_global(states)`` on ``W'`` ranks.
 
-Only wrappers that pass the source's samples on without holding any can sit above such
-a source (:data:`FOLLOWING`: ``MapDataset``, ``FilterDataset``): the new stage starts with
-every new worker at its pipeline's start. Anything else (a batch, a buffer, a limit)
-keeps today's ``ConfigMismatchError``, which says which dataset refuses.
+Only wrappers that hold none of the source's samples between the pipeline's items can
+sit above such a source (:data:`FOLLOWING`: ``MapDataset``, ``FilterDataset``,
+``BatchDataset``): the new stage starts with every new worker at its pipeline's start.
+A ``BatchDataset`` qualifies because a state is taken at an item boundary and the source
+fields are read at what the loop consumed (below): samples a worker had read into an
+unfinished batch were never consumed, so they go back to the pool with the rest of the
+stage, and each is read once, in some new worker's batch (batches after the resize are
+cut from the new stage, so their composition differs from an uninterrupted run's).
+Anything else (a buffer, a limit, a packer) keeps the ``ConfigMismatchError``, which
+says which dataset refuses.
 
 **Exactly what the loop consumed.** A worker's saved state is a snapshot plus a skip
 offset (items to replay after it, ``_worker.py``). To know which entries the worker had
@@ -47,7 +53,13 @@ __all__ = ["FOLLOWING", "ALL_CONSUMED", "resize_blocker", "resized_state"]
 
 #: Wrappers that may sit above a re-splitting source on another world size: they hold
 #: nothing between items, so a new worker can start them anywhere in the stream.
-FOLLOWING = frozenset({"savable_loader.wrappers.map.MapDataset", "savable_loader.wrappers.filter.FilterDataset"})
+FOLLOWING = frozenset(
+    {
+        "savable_loader.wrappers.map.MapDataset",
+        "savable_loader.wrappers.filter.FilterDataset",
+        "savable_loader.wrappers.batch.BatchDataset",
+    }
+)
 
 
 #: The key a worker's fields carry when it had ended its epoch (it consumed every entry of

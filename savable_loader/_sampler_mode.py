@@ -33,6 +33,7 @@ from savable_loader.sources.samplers import (
     apply,
     capture,
     capture_epochs,
+    from_plain_indices,
     index_digest,
     new_digest,
     plain_indices,
@@ -351,4 +352,5 @@ class SamplerMode(IndexMode):
         check_key_setting("reseed", key.reseed, self.reseed, "re-seeding per sample or per batch draws other values")
         self.check_key_global_rngs(key)
         formula = key_seed_formula(key, self.seed_formula)
-        return self.torch_dataset.rebuild(BatchKey(key.epoch, tuple(positions), tuple(key.sample)), formula)
+        indices = tuple(from_plain_indices(key.sample))  # tuple indices come back as tuples
+        return self.torch_dataset.rebuild(BatchKey(key.epoch, tuple(positions), indices), formula)

@@ -649,8 +649,9 @@ class SavableDataLoader(DataLoader[T_co]):
         a length (an endless stream, such as an LLM pretraining pipeline).
 
         Use it where ``len(loader)`` would count a whole epoch, e.g. a progress bar after
-        a mid-epoch restore: ``tqdm(loader, total=loader.remaining())`` (no total for a
-        stream).
+        a mid-epoch restore, which shows the batches done of the epoch's length (8/13, not
+        0/5): ``tqdm(loader, total=len(loader), initial=len(loader) - loader.remaining())``
+        (a stream: ``tqdm(loader)``, no total).
         """
         with self._state_lock:
             live = [r for r in self._records if r.fate is Fate.LIVE]

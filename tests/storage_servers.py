@@ -1,7 +1,8 @@
 """Servers for the storage tests and benchmark, all on 127.0.0.1, started by the test:
 
 * ``FileServer``: serves a folder over HTTP, honouring ``Range`` (or ignoring it, as
-  Python's ``http.server`` does, with ``honour_range=False``), with ETags.
+  Python's ``http.server`` does, with ``honour_range=False``), with ETags (none with
+  ``etags=False``) and no ``Last-Modified``.
 * ``FaultProxy``: forwards requests to another server (a ``MotoServer``), so that the
   same faults reach S3.
 * ``MotoServer``: moto's S3 in a subprocess, with ``bucket(name, files)`` to fill it and
@@ -171,7 +172,8 @@ class _FileHandler(_Handler):
         if etag is None:  # hashed once per version of the file, not per request
             etag = self.server.etags[stamp] = hashlib.md5(path.read_bytes()).hexdigest()
         size = st.st_size
-        headers = [("ETag", f'"{etag}"'), ("Accept-Ranges", "bytes")]
+        headers = [("ETag", f'"{etag}"')] if self.server.send_etags else []
+        headers.append(("Accept-Ranges", "bytes"))
         rng = self.headers.get("Range")
         match = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "")
         if match and self.server.honour_range:
@@ -193,6 +195,7 @@ class _FileHandler(_Handler):
 class _FileServerImpl(_Server):
     root: Path
     honour_range: bool
+    send_etags: bool
     etags: dict[tuple[str, int, int], str]
 
 
@@ -253,9 +256,10 @@ class _Running:
 
 
 class FileServer(_Running):
-    def __init__(self, root: Path, honour_range: bool = True) -> None:
+    def __init__(self, root: Path, honour_range: bool = True, etags: bool = True) -> None:
         server = _FileServerImpl(("127.0.0.1", 0), _FileHandler)
         server.root, server.honour_range, server.faults = Path(root), honour_range, Faults()
+        server.send_etags = etags
         server.etags = {}
         super().__init__(server)
 

@@ -194,3 +194,29 @@ def test_demo_comparison_can_fail(tmp_path):
     batches, losses, problems = _demo._compare(reference, [bad], range(3, 6))
     assert (batches, losses) == (1, 1)
     assert problems == ["rank 0 step 3: batch differs", "rank 0 step 4: loss differs", "rank 0 step 5 missing"]
+
+
+def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
+    """``python -m savable_loader inspect --json STATE | head``: the reader leaves before
+    the document is written; no BrokenPipeError traceback, the shell's SIGPIPE status."""
+    import savable_loader as sl
+    from savable_loader.state import save_file
+
+    loader = sl.SavableDataLoader(list(range(100)), batch_size=4, shuffle=True, seed=0)
+    it = iter(loader)
+    next(it)
+    save_file(tmp_path / "loader.state", loader.save_state_rank())
+    read, write = os.pipe()
+    os.close(read)  # `head` has already exited
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(
+        [sys.executable, "-m", "savable_loader", "inspect", "--json", str(tmp_path / "loader.state")],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode == 141, (done.returncode, done.stderr)

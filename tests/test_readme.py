@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import random
 import re
 import subprocess
@@ -66,3 +67,21 @@ def test_readme_pipeline_example_runs_and_resumes():
     assert sorted(torch.cat(first).floor().long().tolist()) == list(range(50))
     assert_streams(list(build()), first, "README pipeline, second run")
     check_resume_everywhere(build, epochs=1, steps=[0, 3, 7, 13])
+
+
+def test_the_readme_progress_bar_shows_the_batches_done_of_the_epoch_after_a_restore():
+    """The README's tqdm line, after a restore 8 batches into a 13-batch epoch: the bar
+    runs from 8/13 to 13/13 (not 0/5 to 5/5)."""
+    tqdm = __import__("pytest").importorskip("tqdm").tqdm
+    (line,) = [m for m in re.findall(r"`(tqdm\(loader[^`]*)`", README)]
+    make = lambda: sl.SavableDataLoader(list(range(52)), batch_size=4, shuffle=True, seed=0)
+    first = make()
+    it = iter(first)
+    for _ in range(8):
+        next(it)
+    loader = make()
+    loader.restore_state_rank(first.save_state_rank())
+    quiet = lambda *a, **k: tqdm(*a, file=io.StringIO(), **k)
+    bar = eval(line, {"tqdm": quiet, "loader": loader, "len": len})
+    assert (bar.n, bar.total) == (8, 13)
+    assert len(list(bar)) == 5 and (bar.n, bar.total) == (13, 13)

@@ -34,7 +34,7 @@ from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import RankState
 from savable_loader.storage import RetryPolicy
 from savable_loader.testing import check_resume
-from savable_loader.wrappers import BatchDataset, FilterDataset, MapDataset
+from savable_loader.wrappers import BatchDataset, FilterDataset, LimitDataset, MapDataset
 from tests.redis_server import RedisServer, require_redis
 
 pytestmark = pytest.mark.timeout(180)
@@ -276,15 +276,46 @@ def test_another_world_size_twice_and_with_map_and_filter(server: RedisServer, s
     assert sorted(before + mids + rest) == kept
 
 
+@pytest.mark.parametrize(("old", "new", "workers", "new_workers"), [(2, 1, 2, 0), (2, 3, 0, 2), (3, 2, 1, 1)])
+def test_another_world_size_with_batches_reads_every_entry_exactly_once(
+    server: RedisServer, stream: str, old: int, new: int, workers: int, new_workers: int
+) -> None:
+    """The usual pipeline, a stream cut into batches: entries a rank had read into an
+    unfinished batch were not consumed and go back to the pool; every entry exactly once
+    over the batches before and after, and the next epoch is the new world size's own."""
+    fill(server, stream, range(41))
+
+    def batched(ds: Any, wc: sl.WorkerConfig) -> Any:
+        return BatchDataset(ds, 3, collate_fn=lambda b: [v(s) for s in b])
+
+    for counts in ([1, 2, 0][:old], [2, 0, 3][:old]):
+        states, before = [], []
+        for rank, k in enumerate(counts):
+            loader = make(server, stream, rank=rank, world=old, workers=workers, wrap=batched)
+            it = iter(loader)
+            before += [x for batch in itertools.islice(it, k) for x in batch]
+            states.append(roundtrip(loader.save_state_rank()))
+            del it
+        after = []
+        for rank in range(new):
+            loader = make(server, stream, rank=rank, world=new, workers=new_workers, wrap=batched)
+            loader.restore_state_global(states)
+            batches = list(loader)
+            assert all(len(b) <= 3 for b in batches)
+            after += [x for b in batches for x in b]
+            assert sorted(x for b in loader for x in b) == list(range(rank, 41, new))  # the next epoch
+        assert sorted(before + after) == list(range(41)), counts
+
+
 def test_another_world_size_refused_with_the_reason(server: RedisServer, stream: str) -> None:
     fill(server, stream, range(10))
 
-    def batched(ds: Any, wc: sl.WorkerConfig) -> Any:
-        return BatchDataset(ds, 2, collate_fn=lambda b: b[0])
+    def limited(ds: Any, wc: sl.WorkerConfig) -> Any:
+        return LimitDataset(ds, 4)
 
-    states, _ = _save_ranks(server, stream, [1, 1], 0, wrap=batched)
-    loader = make(server, stream, rank=0, world=1, wrap=batched)
-    with pytest.raises(ConfigMismatchError, match="BatchDataset holds what it has read per rank"):
+    states, _ = _save_ranks(server, stream, [1, 1], 0, wrap=limited)
+    loader = make(server, stream, rank=0, world=1, wrap=limited)
+    with pytest.raises(ConfigMismatchError, match="LimitDataset holds what it has read per rank"):
         loader.restore_state_global(states)
     # one rank's state alone on another world size: says to pass all of them
     plain, _ = _save_ranks(server, stream, [1, 1], 0)

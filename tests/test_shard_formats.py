@@ -6,6 +6,7 @@ units, resume at every step inside a tar shard and inside a row group (0 and 2 w
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -266,3 +267,62 @@ def test_spawned_workers_read_what_one_process_reads(folders, fmt):
     spawned = epoch(2, "spawn")
     assert sorted(spawned) == list(range(20))
     assert spawned == epoch(2, "fork")
+
+
+_TRUNCATE = """
+import os, sys
+from pathlib import Path
+import numpy as np, torch
+import savable_loader as sl
+from savable_loader.errors import DataError
+from savable_loader.sources import ShardedFileDataset, write_shards
+from tests.test_shard_formats import make_folder
+
+fmt, workers, folder = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+if fmt == "npy":
+    write_shards(folder, [np.full((64, 4096), s, np.uint8) for s in range(4)])
+elif fmt == "pt":
+    write_shards(folder, [torch.full((64, 4096), s, dtype=torch.uint8) for s in range(4)], fmt=".pt")
+else:
+    make_folder(fmt, folder, [16, 16, 16, 16])
+wc = sl.WorkerConfig(num_workers=workers, seed=0)
+loader = sl.SavableDataLoader(ShardedFileDataset(folder, wc), batch_size=None, worker_config=wc)
+try:
+    for n, _ in enumerate(loader):
+        if n == 0:  # a sync job rewrites the shards (open with O_TRUNC, then writes)
+            for shard in folder.iterdir():
+                if shard.name != "metadata.json" and not shard.name.endswith((".idx", ".json")):
+                    os.truncate(shard, 0)
+except DataError as e:
+    print("CAUGHT", type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("fmt", ["npy", "pt", *FORMATS])
+def test_a_shard_truncated_while_open_is_a_data_error_naming_it(tmp_path: Path, fmt: str, workers: int) -> None:
+    """A memory-mapped shard cut short mid-epoch: a DataError naming the shard and the
+    offset being read, with and without workers (never SIGBUS, never a worker death)."""
+    import os
+    import subprocess
+    import sys
+
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE, fmt, str(workers), str(tmp_path / "shards")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=Path(__file__).parents[1],
+    )
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-3000:])
+    assert out.stdout.startswith("CAUGHT DataError"), out.stdout + out.stderr[-3000:]
+    opened = r"the shard was truncated while open: reading byte offset \d+"  # the shard being read
+    later = r"the file has 0 bytes, the folder's manifest says \d+"  # one opened after the cut
+    assert re.search(rf"/[^ /]+: ({opened}|{later})", out.stdout), out.stdout

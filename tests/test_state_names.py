@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 import savable_loader as sl
 from savable_loader.dataset import config_fingerprint, type_name
@@ -116,3 +117,33 @@ def test_malformed_declarations_are_refused() -> None:
         cls = type("Bad", (RangeSource,), attrs)
         with pytest.raises(LoaderUsageError, match=match):
             type_name(cls(3, _wc()))
+
+
+def _lines_class(module: str, **extra: Any) -> type:
+    """A user's map-style ``TextLines``, as defined in ``module``."""
+
+    def getitem(self: Any, i: int) -> torch.Tensor:
+        return torch.tensor([i, torch.randint(0, 1000, ()).item()])
+
+    namespace = {"__module__": module, "__len__": lambda self: 20, "__getitem__": getitem, **extra}
+    return type("TextLines", (torch.utils.data.Dataset,), namespace)
+
+
+def test_a_moved_class_is_refused_naming_the_way_out_which_then_restores_exactly() -> None:
+    """``__main__.TextLines`` moved to ``lines_train.TextLines``: the refusal names
+    ``__savable_aliases__`` with the old name; declaring it resumes exactly."""
+    make = lambda cls: sl.SavableDataLoader(cls(), batch_size=4, shuffle=True, seed=0)
+    old = make(_lines_class("__main__"))
+    reference = [b.tolist() for b in make(_lines_class("__main__"))]
+    it = iter(old)
+    next(it)
+    state = decode(encode(old.save_state_rank()))
+    moved = make(_lines_class("lines_train_moved"))
+    with pytest.raises(sl.errors.ConfigMismatchError) as info:
+        moved.restore_state_rank(state)
+    message = str(info.value)
+    assert "'__main__.TextLines'" in message and "'lines_train_moved.TextLines'" in message
+    assert "declare __savable_aliases__ = ('__main__.TextLines',) in class TextLines" in message
+    fixed = make(_lines_class("lines_train_fixed", __savable_aliases__=("__main__.TextLines",)))
+    fixed.restore_state_rank(state)
+    assert [b.tolist() for b in fixed] == reference[1:]

@@ -280,8 +280,8 @@ def test_a_file_whose_size_changed_is_a_named_error(backends: Backends, backend:
     assert (info.value.field, info.value.expected, info.value.found) == ("size", 300_001, 300_000)
     with pytest.raises(IntegrityError, match="the metadata says 300001 bytes"):
         storage.read_range(wrong, 0, 10)
-    if backend != "local":
-        assert os.listdir(tmp_path / "cache" / "data") == []
+    if backend != "local":  # nothing cached (the check now comes before the cache is made)
+        assert not (tmp_path / "cache" / "data").exists() or os.listdir(tmp_path / "cache" / "data") == []
 
 
 @pytest.mark.parametrize("backend", ["memory", "s3", "http"])
@@ -322,6 +322,62 @@ def test_a_file_without_metadata_is_asked_for_at_every_open(backends: Backends, 
         with storage.open("x.bin") as cached:
             assert cached.path.read_bytes() == b"b" * 1000
         assert storage.downloads == 2
+
+
+def _labels_job(location: Any, cache: Path, **server: Any) -> list[tuple[str, str]]:
+    """A job training on a tar folder indexed with sizes only (``index_folder``'s
+    default): ``(key, label)`` of every sample of one epoch, workers sharing ``cache``."""
+    from savable_loader.sources import ShardedFileDataset
+
+    wc = sl.WorkerConfig(num_workers=0, seed=0)
+    storage = Storage(location, cache_dir=cache, retry=FAST) if isinstance(location, str) else location
+    ds = ShardedFileDataset(storage, wc, decode=False, shuffle=False)
+    return [
+        (s["__key__"], bytes(s["cls"]).decode()) for s in sl.SavableDataLoader(ds, batch_size=None, worker_config=wc)
+    ]
+
+
+@pytest.mark.parametrize("where", ["http", "http without ETag", "memory"])
+def test_a_shard_rewritten_with_the_same_size_is_never_read_from_the_cache(where: str, tmp_path: Path) -> None:
+    """Labels fixed in place (same byte size), folder re-indexed: the next job sharing the
+    node's cache reads the new labels, as a job with a cold cache does (ETag, modification
+    time, or a store that gives neither)."""
+    import fsspec
+
+    from savable_loader.sources import index_folder
+    from tests.shard_writers import tar_members, write_tar
+
+    folder = tmp_path / "site" / "train"
+    folder.mkdir(parents=True)
+
+    def write(fixed: bool) -> None:
+        for shard in range(2):
+            samples = []
+            for j in range(shard * 3, shard * 3 + 3):
+                members = tar_members(j)
+                members["cls"] = str((j + fixed) % 3).encode()  # same length: same shard size
+                samples.append((f"s{j:03d}", members))
+            write_tar(folder / f"shard-{shard}.tar", samples)
+        index_folder(folder, progress=False, force=True)
+
+    def location() -> Any:
+        if where == "memory":
+            memory = fsspec.filesystem("memory")
+            for f in folder.iterdir():
+                memory.pipe(f"/rewritten/{f.name}", f.read_bytes())
+            return "memory://rewritten"
+        return f"{server.url}/train"
+
+    with FileServer(tmp_path / "site", etags=where == "http") as server:
+        write(fixed=False)
+        old = _labels_job(location(), tmp_path / "node-cache")
+        sizes = {f.name: f.stat().st_size for f in folder.glob("*.tar")}
+        time.sleep(0.01)
+        write(fixed=True)
+        assert {f.name: f.stat().st_size for f in folder.glob("*.tar")} == sizes
+        cold = _labels_job(location(), tmp_path / "cold-cache")
+        assert cold != old and [k for k, _ in cold] == [k for k, _ in old]
+        assert _labels_job(location(), tmp_path / "node-cache") == cold  # the next job on the node
 
 
 # -- prefetch -----------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def test_local_reads(folder: Path) -> None:
     assert remote.read("sub/b.bin") == b"hello"
     assert remote.read_range("a.bin", 250, 260) == bytes(range(250, 256)) + bytes(range(4))
     assert remote.read_range("a.bin", 5, 5) == b""
-    assert remote.info("a.bin") == {"size": 1024, "etag": None}
+    assert remote.info("a.bin") == {"size": 1024, "etag": None, "stamp": (folder / "a.bin").stat().st_mtime_ns}
     with pytest.raises(StorageError, match=r"a.bin bytes \[1000, 1030\): the file ends after 1024 bytes"):
         remote.read_range("a.bin", 1000, 1030)
     with pytest.raises(StorageError, match="nope.bin: FileNotFoundError"):

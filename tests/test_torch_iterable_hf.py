@@ -141,13 +141,56 @@ def test_two_ranks_split_by_node():
     assert sorted(seen) == list(range(N))
 
 
-def test_shuffle_buffer_is_said_to_resume_inexactly():
-    table = datasets.Dataset.from_dict({"x": list(range(N))})
-    with pytest.warns(
-        UserWarning, match=r"shuffles with a buffer \(.shuffle\(buffer_size=...\)\): its load_state_dict"
-    ) as record:
-        sl.SavableDataLoader(table.to_iterable_dataset(num_shards=4).shuffle(seed=1, buffer_size=5), batch_size=2)
-    assert [w.filename for w in record] == [__file__]  # at the user's SavableDataLoader(...) call
+def shuffled(seed: int | None = 1) -> Any:
+    """The common way to stream: shards, a shuffle buffer, a random augmentation."""
+    table = {"x": list(range(N)), "text": [f"t{i}" for i in range(N)]}
+    iterable = datasets.Dataset.from_dict(table).to_iterable_dataset(num_shards=4)
+    return iterable.shuffle(seed=seed, buffer_size=5).map(augment)
+
+
+@pytest.mark.parametrize(("num_workers", "steps"), [(0, None), (2, [0, 1, 2, 3, 5, 6, 7])])
+def test_a_shuffle_buffer_resumes_exactly_by_replay(num_workers, steps):
+    """``.shuffle(buffer_size=...)``: its own load_state_dict() refills the buffer with
+    other examples, so the loader replays the epoch from its start under the same seed:
+    every save point resumes with the batches (and draws) of the uninterrupted run."""
+    kw = {"multiprocessing_context": "fork"} if num_workers else {}
+    factory = lambda: sl.SavableDataLoader(shuffled(), batch_size=4, num_workers=num_workers, seed=2, **kw)
+    first = [b["x"].tolist() for b in epochs_of(factory(), 1)[0]]
+    assert sorted(x for b in first for x in b) == list(range(N)) and first != sorted(first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sl.sources.ReplayWarning)  # said and checked below
+        assert check_resume_everywhere(factory, 2, steps=steps, variants=("live", "break")) >= 10
+
+
+def test_a_shuffle_buffer_restore_says_it_replays_and_what_it_costs():
+    """No "yields other examples" warning at construction (the resume is exact now); the
+    restore says it replays, how much, and the way to avoid it."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sl.SavableDataLoader(table.shuffle(seed=1).to_iterable_dataset(num_shards=4), batch_size=2)
+        ld = sl.SavableDataLoader(shuffled(), batch_size=4, seed=2)
+    it = iter(ld)
+    for _ in range(3):
+        next(it)
+    state = decode(encode(ld.save_state_rank()))
+    rest = list(it)
+    again = sl.SavableDataLoader(shuffled(), batch_size=4, seed=2)
+    with pytest.warns(sl.sources.ReplayWarning) as record:
+        again.restore_state_rank(state)
+    (message,) = [str(w.message) for w in record]
+    assert "shuffles with a buffer (.shuffle(buffer_size=...)), which its load_state_dict() does not restore" in message
+    assert "exactly, by iterating it again from the epoch's start under the same shuffle seed" in message
+    assert "(worker 0: 12 items)" in message and "costs as long as producing them did" in message
+    assert "ds.shuffle(seed=...) before to_iterable_dataset()" in message
+    assert [b["x"].tolist() for b in again] == [b["x"].tolist() for b in rest]
+
+
+def test_a_shuffle_buffer_without_a_seed_is_refused_by_a_later_job():
+    """``.shuffle(buffer_size=...)`` without ``seed=`` draws a seed per job: a replay
+    would give other examples, so the restore is refused and names the setting."""
+    ld = sl.SavableDataLoader(shuffled(seed=None), batch_size=4, seed=2)
+    it = iter(ld)
+    next(it)
+    state = ld.save_state_rank()
+    again = sl.SavableDataLoader(shuffled(seed=None), batch_size=4, seed=2)
+    with pytest.raises(sl.errors.ConfigMismatchError, match="shuffle_buffers"):
+        again.restore_state_rank(state)

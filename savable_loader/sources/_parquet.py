@@ -22,7 +22,7 @@ from typing import Any
 from savable_loader.errors import DataError, LoaderUsageError
 from savable_loader.sources._metadata import ShardEntry
 from savable_loader.sources._shard_io import ReadOptions, ShardReader
-from savable_loader.sources._store import ShardFile, ShardStore
+from savable_loader.sources._store import ShardFile, ShardStore, SizeWatch
 
 __all__ = ["ParquetReader", "require_pyarrow", "row_groups"]
 
@@ -73,7 +73,7 @@ def _open(file: ShardFile) -> Any:
     pq = require_pyarrow(file.name)
     try:
         if file.local_path is not None:
-            return pq.ParquetFile(str(file.local_path), memory_map=True)
+            return pq.ParquetFile(str(file.local_path), memory_map=False)  # read, not mapped: see SizeWatch
         return pq.ParquetFile(_RangeFile(file))
     except DataError:
         raise
@@ -117,6 +117,8 @@ class ParquetReader(ShardReader):
         self.any_nested = any(self.nested)
         self._low = self._high = 0
         self._rows: list[tuple[Any, ...]] = []
+        path = file.local_path  # memory-mapped: a file truncated meanwhile is checked for, not a SIGBUS
+        self.watch = SizeWatch(path, file.name, file.size) if path is not None else None
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -128,10 +130,15 @@ class ParquetReader(ShardReader):
         if rows is not None:
             self._groups.move_to_end(g)
             return rows
+        group = self.parquet.metadata.row_group(g)
+        if self.watch is not None:
+            self.watch.check(group.column(0).data_page_offset if group.num_columns else 0)
         try:
             table = self.parquet.read_row_group(g, columns=self.names, use_threads=False)
             rows = list(zip(*(table.column(name).to_pylist() for name in self.names)))
         except Exception as e:  # noqa: BLE001
+            if self.watch is not None:  # cut short during the read: say so
+                self.watch.check(group.column(0).data_page_offset if group.num_columns else 0)
             raise DataError(f"{self.file.name}: cannot read row group {g} ({type(e).__name__}: {e})") from None
         self._groups[g] = rows
         while len(self._groups) > _CACHED_GROUPS:
@@ -155,6 +162,8 @@ class ParquetReader(ShardReader):
         self._groups.clear()
         self._rows = []
         self.parquet = None
+        if self.watch is not None:
+            self.watch.close()
         super().close()
 
 

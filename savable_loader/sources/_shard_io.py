@@ -44,7 +44,7 @@ from savable_loader.sources._metadata import (
     ShardEntry,
     encode_metadata,
 )
-from savable_loader.sources._store import LocalShardStore, ShardFile, ShardStore
+from savable_loader.sources._store import LocalShardStore, ShardFile, ShardStore, SizeWatch, truncated
 
 __all__ = ["ReadOptions", "ShardReader", "open_reader", "open_shard", "write_shards"]
 
@@ -121,6 +121,7 @@ class _NpyReader(ShardReader):
         try:
             self.array = np.load(path, mmap_mode="r", allow_pickle=False)
         except Exception as e:  # noqa: BLE001 - any failure means an unreadable file
+            _check_not_cut(path, file.size)
             raise DataError(f"{path}: cannot read the .npy shard ({type(e).__name__}: {e})") from None
         if not isinstance(self.array, np.ndarray) or self.array.ndim == 0:
             raise DataError(f"{path}: a .npy shard must hold an array with at least one dimension")
@@ -128,15 +129,18 @@ class _NpyReader(ShardReader):
             torch.from_numpy(np.zeros(0, dtype=self.array.dtype))
         except TypeError:
             raise DataError(f"{path}: dtype {self.array.dtype} cannot become a torch.Tensor") from None
+        self.watch = SizeWatch(path, str(path), os.stat(path).st_size)
 
     def __len__(self) -> int:
         return int(self.array.shape[0])
 
     def read(self, i: int) -> torch.Tensor:
+        self.watch.check(int(getattr(self.array, "offset", 0)) + i * int(self.array.strides[0]))
         return torch.from_numpy(np.array(self.array[i]))
 
     def close(self) -> None:
         self.__dict__.pop("array", None)
+        self.watch.close()
         super().close()
 
 
@@ -149,6 +153,7 @@ class _PtReader(ShardReader):
         try:
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001
+            _check_not_cut(path, file.size)
             raise DataError(
                 f"{path}: cannot read the .pt shard ({type(e).__name__}: {str(e).splitlines()[0]})"
             ) from None
@@ -176,18 +181,38 @@ class _PtReader(ShardReader):
         self.tensors = tensors
         self.single = isinstance(data, torch.Tensor)
         self.length = int(lengths.pop())
+        self.watch = SizeWatch(path, str(path), os.stat(path).st_size)
 
     def __len__(self) -> int:
         return self.length
 
     def read(self, i: int) -> Any:
+        self.watch.check(_tensor_offset(next(iter(self.tensors.values())), i))
         if self.single:
             return self.tensors[""][i].clone()
         return {k: v[i].clone() for k, v in self.tensors.items()}
 
     def close(self) -> None:
         self.__dict__.pop("tensors", None)
+        self.watch.close()
         super().close()
+
+
+def _check_not_cut(path: Path, size: int) -> None:
+    """DataError if the file at ``path`` is now shorter than the ``size`` it had when it
+    was opened (cut while this reader opened it)."""
+    try:
+        found = os.stat(path).st_size
+    except OSError:
+        return
+    if found < size:
+        raise truncated(str(path), 0, found, size)
+
+
+def _tensor_offset(t: torch.Tensor, i: int) -> int:
+    """Where row ``i`` of a memory-mapped tensor starts, counted from its storage (the
+    file offset of the storage is not public): for messages only."""
+    return int((t.storage_offset() + i * (t.stride(0) if t.dim() else 0)) * t.element_size())
 
 
 class _JsonlReader(ShardReader):

@@ -309,10 +309,56 @@ def store_for(
     return LocalShardStore(os.fspath(folder))  # type: ignore[arg-type]  # a Storage gives a store above
 
 
+def truncated(name: str, offset: int, found: int, expected: int) -> DataError:
+    """The :class:`~savable_loader.errors.DataError` of a shard that became shorter while
+    it was open (a sync job rewriting it, a full disk), met reading byte ``offset``."""
+    return DataError(
+        f"{name}: the shard was truncated while open: reading byte offset {offset}, the file has {found} bytes, "
+        f"{expected} expected (something rewrote or cut it during the run); restore the file, then resume "
+        "from the last saved state"
+    )
+
+
+class SizeWatch:
+    """The size of an open local file, from a descriptor held since it was opened: a
+    memory-mapped read of a file truncated meanwhile kills the process (``SIGBUS``), so
+    readers of memory maps call :meth:`check` first (one ``fstat``, about a microsecond).
+
+    Example::
+
+        watch = SizeWatch(path, name, size); watch.check(offset); ...; watch.close()
+    """
+
+    def __init__(self, path: Path, name: str, size: int) -> None:
+        self.fd: int | None = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.name = name
+        self.size = size
+
+    def check(self, offset: int) -> None:
+        """DataError if the file is now shorter than it was when opened."""
+        if self.fd is None:
+            return
+        found = os.fstat(self.fd).st_size
+        if found < self.size:
+            raise truncated(self.name, offset, found, self.size)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except OSError:
+            pass
+
+
 def byte_getter(file: ShardFile) -> tuple[Callable[[int, int], bytes], mmap.mmap | None]:
     """``(get, mm)``: ``get(offset, length)`` reads bytes of ``file``, from a memory map
     ``mm`` when it has a local copy (close ``mm`` when done), else with ``file.read``.
-    Reads past the end of a memory map come back short: callers check lengths."""
+    Reads past the end of a memory map come back short: callers check lengths. A file
+    truncated while mapped is a DataError naming the offset (never a ``SIGBUS``)."""
     path = file.local_path
     if path is None or file.size == 0:
         return file.read, None
@@ -321,5 +367,15 @@ def byte_getter(file: ShardFile) -> tuple[Callable[[int, int], bytes], mmap.mmap
     if len(mm) != file.size:
         size = len(mm)
         mm.close()
+        if size < file.size:
+            raise truncated(file.name, 0, size, file.size)
         raise DataError(f"{file.name}: the file has {size} bytes, expected {file.size} (it changed while open)")
-    return (lambda offset, length: mm[offset : offset + length]), mm
+    expected = file.size
+
+    def get(offset: int, length: int) -> bytes:
+        found = mm.size()  # the file's size now (fstat of the map's descriptor)
+        if found < expected:
+            raise truncated(file.name, offset, found, expected)
+        return mm[offset : offset + length]
+
+    return get, mm

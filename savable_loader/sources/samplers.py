@@ -317,14 +317,49 @@ def _plain_hook(obj: Any) -> Any:
 _index_encoder = msgspec.msgpack.Encoder(enc_hook=_plain_hook)
 
 
+#: how a restore key writes a tuple index (JSON has no tuples: ``table[(r, c)]`` is not ``table[[r, c]]``)
+TUPLE_TAG = "__tuple__"
+
+
+def _tag_tuples(value: Any) -> Any:
+    if isinstance(value, tuple):
+        if type(value) is not tuple:  # a namedtuple would come back as a plain tuple
+            raise TypeError(f"{type(value).__qualname__} (a tuple subclass) has no plain form that gives it back")
+        return {TUPLE_TAG: [_tag_tuples(v) for v in value]}
+    if isinstance(value, list):
+        return [_tag_tuples(v) for v in value]
+    if isinstance(value, dict):
+        if TUPLE_TAG in value:
+            raise TypeError(f"a dict index with the key {TUPLE_TAG!r} is ambiguous in a restore key")
+        return {k: _tag_tuples(v) for k, v in value.items()}
+    return value
+
+
 def plain_indices(indices: Any) -> Any:
-    """Dataset indices as plain values (ints, strings, lists) for a restore key.
+    """Dataset indices as plain values (ints, strings, lists, ``{"__tuple__": [...]}`` for
+    a tuple) for a restore key; :func:`from_plain_indices` gives them back.
 
     Raises ``TypeError`` for an index that has no plain form."""
     try:
-        return msgspec.to_builtins(indices, enc_hook=_plain_hook)
+        return msgspec.to_builtins(_tag_tuples(indices), enc_hook=_plain_hook)
     except (NotImplementedError, TypeError) as e:
         raise UsageTypeError(f"the sampler yielded an index with no plain form: {e}") from None
+
+
+def from_plain_indices(value: Any) -> Any:
+    """The indices :func:`plain_indices` was given (tuples as tuples).
+
+    Example::
+
+        from_plain_indices(plain_indices([(0, 1), (2, 3)]))   # [(0, 1), (2, 3)]
+    """
+    if isinstance(value, list):
+        return [from_plain_indices(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {TUPLE_TAG} and isinstance(value[TUPLE_TAG], list):
+            return tuple(from_plain_indices(v) for v in value[TUPLE_TAG])
+        return {k: from_plain_indices(v) for k, v in value.items()}
+    return value
 
 
 def index_digest(digest: Any, indices: Any) -> None:

@@ -41,6 +41,7 @@ resumed.
 from __future__ import annotations
 
 import copy
+import hashlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -136,14 +137,17 @@ class TorchIterableSource(SavableDataset):
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
-        self.stateful = is_stateful(dataset)
+        self._shufflers = buffer_shufflers(dataset)
+        #: True: resumed from the dataset's ``state_dict()``; False: by replay (a dataset
+        #: without one, or one whose own restore is known to be inexact: a Hugging Face
+        #: shuffle buffer, replayed from the epoch's start under the same seed instead)
+        self.stateful = is_stateful(dataset) and not self._shufflers
         #: The per-batch seed formula (``savable_loader.rng.item_seed``; the loader sets a
         #: restored state's).
         self.seed_formula = SEED_FORMULA
         self._live: Any = None  # the dataset object being iterated (a restored copy or `dataset`)
         if self.stateful:
             self._check_state_dict()
-            _warn_if_known_inexact(dataset)
         self.reset_state_own()
 
     def reset_state_own(self) -> None:
@@ -185,12 +189,15 @@ class TorchIterableSource(SavableDataset):
     # -- the rest of the SavableDataset contract --------------------------------------
 
     def config(self) -> dict[str, Any]:
-        return {
+        config: dict[str, Any] = {
             "dataset": type_name(self.dataset),
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "resume": "state_dict" if self.stateful else "replay",
         }
+        if self._shufflers:
+            config["shuffle_buffers"] = _shuffler_fingerprint(self._shufflers)
+        return config
 
     def restore_sample_blocker(self) -> str | None:
         return (
@@ -204,30 +211,37 @@ class TorchIterableSource(SavableDataset):
         return state
 
 
-def _warn_if_known_inexact(dataset: Any) -> None:
-    """Warn about a Stateful dataset whose own restore is documented as inexact: a Hugging
-    Face ``IterableDataset`` with a shuffle buffer (its ``load_state_dict`` refills the
-    buffer with new examples rather than restoring it)."""
+def buffer_shufflers(dataset: Any) -> list[Any]:
+    """The shuffle buffers of a Hugging Face ``IterableDataset``
+    (``.shuffle(buffer_size=...)``), whose ``load_state_dict`` refills the buffer with new
+    examples rather than restoring it (as the ``datasets`` documentation says): such a
+    dataset is resumed by replay, not from its ``state_dict()``."""
     if not type(dataset).__module__.startswith("datasets."):
-        return
-    pending, seen = [getattr(dataset, "_ex_iterable", None)], set()
+        return []
+    found, pending, seen = [], [getattr(dataset, "_ex_iterable", None)], set()
     while pending:
         node = pending.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
         if type(node).__name__ == "BufferShuffledExamplesIterable":
-            warnings.warn(
-                f"this Hugging Face {_name(dataset)} shuffles with a buffer (.shuffle(buffer_size=...)): its "
-                "load_state_dict() refills the buffer with new examples instead of restoring it (as the datasets "
-                "documentation says), so a resumed epoch yields other examples than the run it resumes. For an "
-                "exact resume, shuffle the map-style datasets.Dataset instead (SavableDataLoader(ds, shuffle=True), "
-                "or ds.shuffle(seed=...) before to_iterable_dataset())",
-                stacklevel=6,  # the SavableDataLoader(...) call (through IterableMode)
-            )
-            return
+            found.append(node)
         pending.append(getattr(node, "ex_iterable", None))
         pending.extend(getattr(node, "ex_iterables", None) or [])
+    return found
+
+
+def _shuffler_fingerprint(nodes: list[Any]) -> list[str]:
+    """Each buffer's size and a hash of its generator's seed state: a replay is exact only
+    under the same shuffle seed (``.shuffle(buffer_size=...)`` without ``seed=`` draws
+    one at random), so a restore under another is refused by the configuration check."""
+    out = []
+    for node in nodes:
+        generator = getattr(node, "generator", None)
+        state = getattr(getattr(generator, "bit_generator", None), "state", None)
+        digest = hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
+        out.append(f"buffer_size={getattr(node, 'buffer_size', None)} seed_state={digest}")
+    return out
 
 
 def _prepare_datapipe(pipe: IterDataPipe, wc: WorkerConfig, worker: int, epoch: int) -> None:
@@ -372,12 +386,24 @@ def warn_replays(pipeline: SavableDataset, position: PipelinePosition) -> None:
     if not counts:
         return
     names = " / ".join(sorted({_name(s.dataset) for s in replaying}))
+    rank, how = pipeline.worker_config.rank, "by iterating it again"
+    if any(s._shufflers for s in replaying):
+        what = (
+            f"{names} shuffles with a buffer (.shuffle(buffer_size=...)), which its load_state_dict() does not "
+            "restore (it refills the buffer with other examples)"
+        )
+        how = "exactly, by iterating it again from the epoch's start under the same shuffle seed"
+        way_out = (
+            "shuffle the map-style datasets.Dataset instead (SavableDataLoader(ds, shuffle=True), or "
+            "ds.shuffle(seed=...) before to_iterable_dataset())"
+        )
+    else:
+        what, way_out = f"{names} is a torch IterableDataset without state_dict()/load_state_dict()", WAY_OUT
     warnings.warn(
         ReplayWarning(
-            f"{names} is a torch IterableDataset without state_dict()/load_state_dict(): rank "
-            f"{pipeline.worker_config.rank} resumes epoch {position.epoch} by iterating it again and discarding "
-            f"the items its workers had produced ({'; '.join(counts)}), which costs as long as producing them "
-            f"did. To restore without replay: {WAY_OUT}"
+            f"{what}: rank {rank} resumes epoch {position.epoch} {how} and discarding the items its workers had "
+            f"produced ({'; '.join(counts)}), which costs as long as producing them did. To restore without "
+            f"replay: {way_out}"
         ),
         stacklevel=5,  # the restore_state_rank(...) call (through IterableMode.check)
     )

@@ -8,8 +8,8 @@ Layout of the folder::
     locks/<key>.lock        one lock file per key (empty; kept)
 
 ``<key>`` is the file's SHA-256 when its metadata gives one (moved copies of the same
-data share entries), otherwise a hash of its URL, size and ETag, followed by the file's
-name.
+data share entries), otherwise a hash of its URL, size and version (the store's ETag,
+else its modification time: see ``Storage``), followed by the file's name.
 
 How processes agree (``fcntl.flock`` locks, released by the kernel when a process dies):
 
@@ -82,7 +82,8 @@ def _close_held(fd: int) -> None:
 
 def cache_key(url: str, size: int | None, sha256: str | None = None, etag: str | None = None) -> str:
     """The cache's name for a file: its SHA-256 when known (moved copies share it), else
-    a hash of URL, size and ETag; then the file's name.
+    a hash of URL, size and ``etag`` (the store's version of the file: its ETag, or
+    another stamp of its content such as its modification time); then the file's name.
 
     Example::
 

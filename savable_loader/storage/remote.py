@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import email.utils
 import os
 import re
 import threading
@@ -238,22 +239,25 @@ class Remote:
     # -- reads ------------------------------------------------------------------------
 
     def info(self, path: str) -> dict[str, Any]:
-        """``{"size": int or None, "etag": str or None}`` of a file (retried).
+        """``{"size": int or None, "etag": str or None, "stamp": int}`` of a file
+        (retried): ``stamp`` is its modification time in nanoseconds when the store
+        reports one, else 0.
 
         Example::
 
-            remote.info("shard-00000.tar")   # {'size': 1048576, 'etag': '9b2c...'}
+            remote.info("shard-00000.tar")   # {'size': 1048576, 'etag': '9b2c...', 'stamp': 17...}
         """
         url = self.url_of(path)
         if self.is_local:
             try:
-                return {"size": os.stat(url).st_size, "etag": None}
+                st = os.stat(url)
             except OSError as e:
                 raise StorageError(f"{url}: {type(e).__name__}: {e.strerror or e}", url, None, 1, str(e)) from e
+            return {"size": st.st_size, "etag": None, "stamp": st.st_mtime_ns}
         raw = self.retry.call(lambda t: self._call("info", url, t), url=url)
         etag = next((raw[k] for k in ("ETag", "etag", "Etag") if raw.get(k)), None)
         size = raw.get("size")
-        return {"size": int(size) if size is not None else None, "etag": normalize_etag(etag)}
+        return {"size": int(size) if size is not None else None, "etag": normalize_etag(etag), "stamp": _stamp(raw)}
 
     def stat(self, path: str) -> tuple[int, int]:
         """``(size, stamp)`` of a file (retried): the stamp is its modification time in
@@ -273,16 +277,7 @@ class Remote:
             if isinstance(e.__cause__, FileNotFoundError):
                 raise FileNotFoundError(url) from e
             raise
-        stamp = 0
-        for k in ("LastModified", "last_modified", "mtime", "created", "Last-Modified"):
-            value = raw.get(k)
-            if hasattr(value, "timestamp"):
-                stamp = int(value.timestamp() * 1e9)
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                stamp = int(value * 1e9)
-            if stamp:
-                break
-        return int(raw.get("size") or 0), stamp
+        return int(raw.get("size") or 0), _stamp(raw)
 
     def find(self) -> list[str]:
         """Every file under the folder, as sorted relative POSIX paths (retried). For the
@@ -394,6 +389,25 @@ def _no_azure_retries(fs: Any) -> None:
     for name in ("total_retries", "connect_retries", "read_retries", "status_retries"):
         if isinstance(getattr(policy, name, None), int):
             setattr(policy, name, 0)
+
+
+def _stamp(raw: Mapping[str, Any]) -> int:
+    """A file's modification time in nanoseconds from an fsspec ``info`` dict, else 0."""
+    for k in ("LastModified", "last_modified", "mtime", "created", "Last-Modified"):
+        value: Any = raw.get(k)
+        stamp = 0
+        if hasattr(value, "timestamp"):
+            stamp = int(value.timestamp() * 1e9)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            stamp = int(value * 1e9)
+        elif isinstance(value, str):
+            try:
+                stamp = int(email.utils.parsedate_to_datetime(value).timestamp() * 1e9)
+            except (TypeError, ValueError, IndexError):
+                stamp = 0
+        if stamp:
+            return stamp
+    return 0
 
 
 def check_length(data: bytes, url: str, start: int, end: int) -> bytes:

@@ -82,9 +82,10 @@ class FileRef:
     """A file inside a storage location, and what its metadata says about it: ``size``
     in bytes, ``sha256`` (hex), ``etag`` (as the store reports it, quotes optional). Each
     given value is checked when the file is downloaded (the size also when a local file
-    or a cached copy is opened). Without a size, every ``open`` of a remote file first
-    asks the store for its size and ETag (one request), so that a file changed in place is
-    never served from the cache.
+    or a cached copy is opened). Without a SHA-256 (which names the content), every
+    ``open`` of a remote file first asks the store for its size, ETag and modification
+    time (one request), so that a file changed in place, even to the same size, is never
+    served from the cache.
 
     Example::
 
@@ -182,6 +183,7 @@ class Storage:
         self.prefetch_depth = prefetch
         self.chunk_bytes = chunk_bytes
         self.parallel_requests = parallel_requests
+        self._token = os.urandom(8).hex()  # names copies of files whose store gives no version
         self._runtime: _Runtime | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -280,7 +282,10 @@ class Storage:
         return held if held is not None else self._fetch(ref)
 
     def key(self, file: FileRef | str) -> str:
-        """The cache's name for ``file`` (see :func:`~savable_loader.storage.cache.cache_key`).
+        """The name of ``file`` as its metadata describes it (see
+        :func:`~savable_loader.storage.cache.cache_key`): the cache key of its copy when
+        the metadata records its SHA-256 and size; otherwise the copy's key also names the
+        version the store reports (ETag, else modification time), asked for at each open.
 
         Example::
 
@@ -310,15 +315,39 @@ class Storage:
                 rt.verified.add(stamp)
         return CachedFile(path, size)
 
+    def _resolve(self, ref: FileRef) -> tuple[str, FileRef]:
+        """The cache key of the file's current content, and ``ref`` with its size.
+
+        A file whose metadata records its SHA-256 and size is named by them (its content:
+        no request). Any other is asked for (one request), and its copy is named by URL,
+        size and the store's version of the file: its ETag, else its modification time,
+        else (a store that reports neither) this ``Storage``'s own token, so that a copy is
+        shared by the workers of a job but never read by a later job. A file rewritten in
+        place, even with the same size, is therefore never served from the cache."""
+        if ref.sha256 is not None and ref.size is not None:
+            return self.key(ref), ref
+        url = self.remote.url_of(ref.path)
+        info = self.remote.info(ref.path)
+        if ref.size is not None and info["size"] is not None and info["size"] != ref.size:
+            raise integrity_mismatch(url, "size", ref.size, info["size"])
+        if ref.etag is not None and info["etag"] is not None and normalize_etag(ref.etag) != info["etag"]:
+            raise integrity_mismatch(url, "etag", normalize_etag(ref.etag), info["etag"])
+        size = ref.size if ref.size is not None else info["size"]
+        ref = FileRef(ref.path, size, ref.sha256, ref.etag or info["etag"])
+        if ref.sha256 is not None:
+            return self.key(ref), ref
+        if info["etag"]:
+            version = f"etag:{info['etag']}"
+        elif info["stamp"]:
+            version = f"mtime:{info['stamp']}"
+        else:
+            version = f"storage:{self._token}"
+        return cache_key(url, size, None, version), ref
+
     def _fetch(self, ref: FileRef) -> CachedFile:
         if self.cache is None:  # pragma: no cover - local folders return before
             raise StorageError(f"{self.url}: no cache for a local folder")
-        if ref.size is None:  # ask the store, so that a changed file is not served from the cache
-            info = self.remote.info(ref.path)
-            if ref.etag is not None and info["etag"] is not None and normalize_etag(ref.etag) != info["etag"]:
-                raise integrity_mismatch(self.remote.url_of(ref.path), "etag", normalize_etag(ref.etag), info["etag"])
-            ref = FileRef(ref.path, info["size"], ref.sha256, ref.etag or info["etag"])
-        key = self.key(ref)
+        key, ref = self._resolve(ref)
         cached = self.cache.lookup(key, ref.size)
         if cached is not None:
             return cached
@@ -435,6 +464,9 @@ class Storage:
                 self._open_local(ref)  # size check
             return self.remote.read_range(ref.path, start, end)
         key = self.key(ref)
+        if self.cache is not None and (ref.sha256 is None or ref.size is None):
+            key, ref = self._resolve(ref)  # the store's version names the copy; size and ETag checked
+            self._rt().verified.add(key)
         cached = self.cache.lookup(key, ref.size) if self.cache is not None and ref.size is not None else None
         if cached is not None:
             with cached, open(cached.path, "rb") as f:
