@@ -34,7 +34,6 @@ Example::
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from savable_loader.errors import LoaderUsageError
@@ -46,7 +45,6 @@ __all__ = [
     "claim",
     "claimed_by",
     "note_epochs_set",
-    "own",
     "rebuild_error",
 ]
 
@@ -59,7 +57,6 @@ HOOKS = {
 }
 
 _CLAIM = "_savable_hook"
-_OWNER = "_savable_owner"
 _EPOCHS_SET = "_savable_epochs_set"
 
 
@@ -97,24 +94,18 @@ def check_nothing_held(loader: Any, has_length: bool, mid_epoch: bool) -> None:
     )
 
 
-def own(worker_config: Any, loader: Any) -> None:
-    """Mark ``worker_config`` (a pipeline's) as iterated by ``loader`` only."""
-    worker_config.__dict__[_OWNER] = weakref.ref(loader)
-
-
 def check_not_rebuilt(worker_config: Any) -> None:
     """Raise :class:`LoaderUsageError` if a savable pipeline is iterated outside the
-    worker context of a SavableDataLoader (``worker_config.rank_worker_id()`` found none):
-    in a worker process of a torch DataLoader (each worker would read the same data), or
-    in the main process while a SavableDataLoader owns the pipeline's ``worker_config``
-    (a DataLoader rebuilt from the loader's attributes, or the pipeline iterated by hand)."""
+    worker context of a SavableDataLoader (``worker_config.rank_worker_id()`` found none)
+    in a worker process of a torch DataLoader: each worker would read the same data (a
+    DataLoader rebuilt from the loader's attributes by ``accelerator.prepare``). In the
+    main process the pipeline may be iterated by hand (it reads worker 0's share); a plain
+    DataLoader rebuilt there with ``num_workers=0`` cannot be told from that without
+    reading the caller's stack, and is documented as unsupported (docs/accelerate.md)."""
     from torch.utils.data import get_worker_info  # torch is imported by whoever iterates
 
     if get_worker_info() is not None:
         raise rebuild_error("dataset", worker=True)
-    owner = worker_config.__dict__.get(_OWNER)
-    if owner is not None and owner() is not None:
-        raise rebuild_error("dataset")
 
 
 def rebuild_error(what: str = "sampler", worker: bool = False) -> LoaderUsageError:

@@ -88,7 +88,6 @@ class WorkerConfig:
         # Process groups do not cross process boundaries; workers never need them.
         state = dict(self.__dict__)
         state["data_parallel_group"] = None
-        state.pop("_savable_owner", None)  # a weak reference to the loader (_frameworks.own)
         return state
 
     @property
@@ -107,8 +106,7 @@ class WorkerConfig:
         Raises :class:`LoaderUsageError` in a worker process of a torch ``DataLoader``
         that no SavableDataLoader runs (one rebuilt from a SavableDataLoader's
         attributes, e.g. by ``accelerator.prepare``): each of its workers would read the
-        same data; and in the main process outside the loader's worker context while a
-        SavableDataLoader owns this config (see ``savable_loader/_frameworks.py``)."""
+        same data (see ``savable_loader/_frameworks.py``)."""
         worker_id = getattr(_active, "worker_id", None)
         if worker_id is None:
             check_not_rebuilt(self)

@@ -37,7 +37,7 @@ from savable_loader._arguments import (
 )
 from savable_loader._failures import terminate_worker, translate_worker_error
 from savable_loader._feeder import WorkerInit
-from savable_loader._frameworks import check_nothing_held, own
+from savable_loader._frameworks import check_nothing_held
 from savable_loader._global_rngs import global_rngs_setting
 from savable_loader._index_mode import OrderMode
 from savable_loader._iterable_mode import IterableMode
@@ -237,8 +237,6 @@ class SavableDataLoader(DataLoader[T_co]):
         self._mode: Mode = make_mode()
         self._engine = self._make_engine(worker_init_fn, pin_memory, timeout, prefetch_factor, pin_memory_device)
         self._start_bookkeeping()
-        if isinstance(dataset, SavableDataset):  # iterated by this loader's workers only (_frameworks.py)
-            own(dataset.worker_config, self)
         if isinstance(self._mode, (PipelineMode, IterableMode)):  # torch's attribute is read-only after __init__
             object.__setattr__(self, "sampler", PipelineSampler(self))
 

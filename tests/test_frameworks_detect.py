@@ -143,10 +143,12 @@ def test_a_loader_rebuilt_by_skip_first_batches_is_a_clear_error():
 
 
 @_requires("accelerate")
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [2])
 def test_a_pipeline_rebuilt_by_skip_first_batches_is_a_clear_error(workers):
-    """A savable pipeline iterated by the plain DataLoader Accelerate rebuilt: in the main
-    process, or in that loader's worker processes (each would read the same data)."""
+    """A savable pipeline iterated by the plain DataLoader Accelerate rebuilt, in that
+    loader's worker processes (each would read the same data). (With num_workers=0 the
+    rebuilt loader iterates the pipeline in the main process, which a hand's iteration
+    does too: not told apart without reading the stack; docs/accelerate.md.)"""
     from accelerate import skip_first_batches
 
     from savable_loader.sources import IterableSource
@@ -169,16 +171,14 @@ def _pipeline() -> sl.SavableDataLoader:
     return sl.SavableDataLoader(RangeSource(16, wc), batch_size=None, worker_config=wc)
 
 
-def test_a_pipeline_is_iterated_by_its_loader_only():
+def test_a_pipeline_may_be_iterated_by_hand_beside_its_loader():
     from savable_loader.sources import IterableSource
 
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=3)
     loader = sl.SavableDataLoader(IterableSource(_stream, wc), batch_size=None, worker_config=wc)
-    want = list(loader)
-    with pytest.raises(sl.LoaderUsageError, match="WorkerConfig of its own"):
-        list(loader.dataset)
-    del loader  # the config's owner is gone: the pipeline may be iterated by hand again
-    assert [int(x) for x in IterableSource(_stream, wc)] == [int(x) for x in want]
+    want = [int(x) for x in loader]
+    assert [int(x) for x in IterableSource(_stream, wc)] == want  # another pipeline of the same config
+    assert [int(x) for x in loader] == want  # the loader is not disturbed
 
 
 def test_a_loader_without_len_whose_epochs_a_framework_sets_needs_a_hook_mid_epoch():
