@@ -29,11 +29,14 @@ Example::
 
 from __future__ import annotations
 
+import _codecs
 import _random
 import ctypes
 import dataclasses
+import io
 import multiprocessing.queues
 import os
+import pickle
 import random
 import re
 import struct
@@ -58,6 +61,7 @@ __all__ = [
     "WORKER_PROCESS_TEXT",
     "ExceptionWrapper",
     "ShutdownEventLoader",
+    "allow_bytes_in_weights_only_loads",
     "died_pids",
     "global_rng_state_io",
     "loader_iterator",
@@ -168,6 +172,35 @@ def pending_worker(torch_iter: Any) -> int | None:
     tasks = _attr(torch_iter, "_task_info", "_MultiProcessingDataLoaderIter._task_info")
     info = tasks.get(_attr(torch_iter, "_rcvd_idx", "_MultiProcessingDataLoaderIter._rcvd_idx"))
     return None if not info else int(info[0])
+
+
+def _weights_only_loads_bytes() -> bool:
+    """Whether ``torch.load(weights_only=True)`` takes a pickled ``bytes`` (torch's
+    allowlist has ``_codecs.encode`` from about 2.5 on; 2.4 refuses it)."""
+    buffer = io.BytesIO()
+    torch.save({"probe": b"\x00\xff"}, buffer)
+    buffer.seek(0)
+    try:
+        return torch.load(buffer, weights_only=True) == {"probe": b"\x00\xff"}
+    except pickle.UnpicklingError:
+        return False
+
+
+def allow_bytes_in_weights_only_loads() -> None:
+    """Make ``torch.load(weights_only=True)`` take ``bytes`` (a loader's
+    ``state_dict()`` holds MessagePack bytes) where the installed torch refuses them, as
+    later releases do: ``_codecs.encode`` (how pickle writes bytes) joins torch's safe
+    globals through the public ``torch.serialization.add_safe_globals``. Nothing
+    where torch takes bytes already.
+
+    Example::
+
+        allow_bytes_in_weights_only_loads()
+        torch.load(file, weights_only=True)   # {"dp_rank_0": b"..."} on torch 2.4 too
+    """
+    if not _weights_only_loads_bytes():
+        add = _attr(torch.serialization, "add_safe_globals", "torch.serialization.add_safe_globals")
+        add([_codecs.encode])
 
 
 def died_pids(text: str) -> set[int]:

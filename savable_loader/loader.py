@@ -51,6 +51,7 @@ from savable_loader._seeds import engine_generator_seed
 from savable_loader._sigchld import install, loader_call
 from savable_loader._torch_internals import (
     ShutdownEventLoader,
+    allow_bytes_in_weights_only_loads,
     loader_iterator,
     next_batch,
     set_loader_iterator,
@@ -85,6 +86,9 @@ from savable_loader.state.schema import PipelinePosition, RankState, RestoreKey
 __all__ = ["SavableDataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
+
+# state_dict() holds bytes: torch.load(weights_only=True) takes them on torch 2.4 too
+allow_bytes_in_weights_only_loads()
 
 
 class _Engine(ShutdownEventLoader):

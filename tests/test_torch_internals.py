@@ -479,3 +479,26 @@ def test_next_batch_keeps_torchs_span_under_a_profiler_and_its_length_warning():
     ti.next_batch(it), ti.next_batch(it)
     with pytest.warns(UserWarning, match="was reported to be 2"):
         ti.next_batch(it)
+
+
+def test_a_state_dict_of_bytes_loads_with_weights_only_on_every_torch():
+    import io
+
+    import savable_loader.loader  # noqa: F401 - allows bytes where torch refuses them (torch 2.4)
+
+    buffer = io.BytesIO()
+    torch.save({"dp_rank_0": b"\x00\xffstate"}, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == {"dp_rank_0": b"\x00\xffstate"}
+    assert ti._weights_only_loads_bytes()
+
+
+@pytest.mark.parametrize("takes_bytes", [True, False])
+def test_each_weights_only_shape(monkeypatch, takes_bytes):
+    import _codecs
+
+    added: list = []
+    monkeypatch.setattr(ti, "_weights_only_loads_bytes", lambda: takes_bytes)
+    monkeypatch.setattr(torch.serialization, "add_safe_globals", added.extend)
+    ti.allow_bytes_in_weights_only_loads()
+    assert added == ([] if takes_bytes else [_codecs.encode])
