@@ -176,7 +176,7 @@ def pending_worker(torch_iter: Any) -> int | None:
 
 def _weights_only_loads_bytes() -> bool:
     """Whether ``torch.load(weights_only=True)`` takes a pickled ``bytes`` (torch's
-    allowlist has ``_codecs.encode`` from about 2.5 on; 2.4 refuses it)."""
+    allowlist has ``_codecs.encode`` in 2.8 and later; 2.4 refuses it)."""
     buffer = io.BytesIO()
     torch.save({"probe": b"\x00\xff"}, buffer)
     buffer.seek(0)
@@ -294,11 +294,11 @@ class ShutdownEventLoader(DataLoader[Any]):
     """
 
     def _get_iterator(self) -> Any:
-        if self.num_workers == 0:
-            return super()._get_iterator()
+        init = self.worker_init_fn
+        if self.num_workers == 0 or not hasattr(init, "with_done"):
+            return super()._get_iterator()  # (no worker init function to hand an Event)
         self.check_worker_number_rationality()
         done = (self.multiprocessing_context or torch.multiprocessing).Event()
-        init = self.worker_init_fn
         self.worker_init_fn = init.with_done(done)  # type: ignore[union-attr]
         try:  # torch's iterator takes loader.worker_init_fn when it starts the workers
             return _SignallingIterator(self, done.set)

@@ -502,3 +502,10 @@ def test_each_weights_only_shape(monkeypatch, takes_bytes):
     monkeypatch.setattr(torch.serialization, "add_safe_globals", added.extend)
     ti.allow_bytes_in_weights_only_loads()
     assert added == ([] if takes_bytes else [_codecs.encode])
+
+
+def test_without_a_worker_init_function_to_hand_it_there_is_no_event():
+    loader = ti.ShutdownEventLoader(_Range(), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    it = iter(loader)
+    assert type(it) is torch_dataloader._MultiProcessingDataLoaderIter  # torch's own
+    assert list(it) == [0, 1, 2, 3]
