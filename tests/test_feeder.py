@@ -65,6 +65,7 @@ def _in_worker(init: WorkerInit, out: Any) -> None:
     out.put([worker_done_event() is init.done, seen[0] is init.done, worker_done_event().is_set()])
 
 
+@pytest.mark.timeout(300)  # a spawned child imports torch: slow on a loaded machine
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_worker_done_event_is_the_loaders_event_in_its_worker_process_only(context: str) -> None:
     ctx = multiprocessing.get_context(context)
@@ -73,7 +74,7 @@ def test_worker_done_event_is_the_loaders_event_in_its_worker_process_only(conte
     assert worker_done_event() is None  # the main process: no worker init ran here
     child = ctx.Process(target=_in_worker, args=(init, out))
     child.start()
-    assert out.get(timeout=30) == [True, True, False]  # any thread of the worker sees it
-    child.join(30)
+    assert out.get(timeout=240) == [True, True, False]  # any thread of the worker sees it
+    child.join(60)
     done.set()
     assert worker_done_event() is None
