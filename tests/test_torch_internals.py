@@ -152,7 +152,7 @@ class _Done(Dataset):
         return [type(event).__name__, event.is_set(), worker_done_event() is event]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # spawned workers import torch: slow on a loaded machine
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_each_iterator_of_workers_hands_them_an_event_it_sets_when_it_stops_them(context, tmp_path):
     assert worker_done_event() is None  # the main process
