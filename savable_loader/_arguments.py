@@ -9,6 +9,10 @@ message and a short note, as :class:`~savable_loader.errors.LoaderUsageError` (a
 are translated by the loader (a wrong ``multiprocessing_context`` type stays torch's
 ``TypeError``).
 
+The supported torch releases (2.4 to the newest) differ in what their ``DataLoader``
+takes: :func:`torch_keyword_arguments` gives torch only what the installed one has, and
+refuses, naming the argument and the torch version, what it cannot honour.
+
 Example::
 
     check_torch_arguments(dataset, batch_size=None, shuffle=None, sampler=None,
@@ -20,11 +24,13 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.datapipes.datapipe import IterDataPipe
 
 from savable_loader._global_rngs import global_rngs_setting
@@ -32,7 +38,14 @@ from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError
 
-__all__ = ["check_our_arguments", "check_torch_arguments", "refused", "resolve_seed", "resolve_worker_config"]
+__all__ = [
+    "check_our_arguments",
+    "check_torch_arguments",
+    "refused",
+    "resolve_seed",
+    "resolve_worker_config",
+    "torch_keyword_arguments",
+]
 
 _NOTE = " (torch's DataLoader refuses this too)"
 
@@ -40,6 +53,60 @@ _NOTE = " (torch's DataLoader refuses this too)"
 def refused(message: str) -> LoaderUsageError:
     """torch's ``message`` as our error, with the note that torch refuses it too."""
     return LoaderUsageError(message + _NOTE)
+
+
+#: ``DataLoader`` arguments a supported torch may lack: the value that asks for what such
+#: a torch does anyway, and the release that added the argument.
+_LATER_ARGUMENTS: dict[str, tuple[Any, str]] = {"in_order": (True, "2.6")}
+
+
+@functools.cache
+def _torch_parameters() -> frozenset[str]:
+    """The arguments the installed torch's ``DataLoader`` takes (its public signature)."""
+    return frozenset(inspect.signature(DataLoader.__init__).parameters)
+
+
+@functools.cache
+def _device_must_be_a_name() -> bool:
+    """Whether the installed torch uses ``pin_memory_device`` as a device name (``len()``
+    of it: torch before the argument's deprecation), so that only a ``str`` works; found by
+    asking torch for an iterator with ``pin_memory_device=None``."""
+    try:
+        iter(DataLoader([0], pin_memory_device=None))  # type: ignore[arg-type]
+    except TypeError:
+        return True
+    return False
+
+
+def torch_keyword_arguments(**arguments: Any) -> dict[str, Any]:
+    """``arguments`` (keyword arguments for torch's ``DataLoader``) as the installed torch
+    takes them: an argument it lacks is left out where its value asks for what this torch
+    does anyway (``in_order=True``), else refused; a ``pin_memory_device`` that is no
+    device name is refused where torch would fail on it at ``iter()``.
+
+    Example (torch 2.4)::
+
+        torch_keyword_arguments(in_order=True, pin_memory_device="")   # {"pin_memory_device": ""}
+        torch_keyword_arguments(in_order=False)
+        # LoaderUsageError: in_order=False: torch 2.4.1's DataLoader has no in_order argument ...
+    """
+    taken = dict(arguments)
+    for name, (plain, added) in _LATER_ARGUMENTS.items():
+        if name not in taken or name in _torch_parameters():
+            continue
+        value = taken.pop(name)
+        if value != plain:
+            raise LoaderUsageError(
+                f"{name}={value!r}: torch {torch.__version__}'s DataLoader has no {name} argument (torch {added} "
+                f"added it); pass {name}={plain!r} (what this torch does) or install torch>={added}"
+            )
+    device = taken.get("pin_memory_device", "")
+    if not isinstance(device, str) and _device_must_be_a_name():
+        raise LoaderUsageError(
+            f"pin_memory_device={device!r}: torch {torch.__version__}'s DataLoader takes a device name (a str, "
+            f"'' for CUDA), not a {type(device).__name__}"
+        )
+    return taken
 
 
 def check_torch_arguments(

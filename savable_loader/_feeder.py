@@ -10,6 +10,12 @@ process re-raises as ``Caught TypeError in DataLoader worker process N ...``.
 
 Installed by the worker init function of :class:`~savable_loader.SavableDataLoader`
 (worker processes only; the main process's queues are left alone).
+
+The same function hands each worker the loader's shutdown signal
+(:func:`worker_done_event`): a ``multiprocessing`` Event made for each torch iterator
+of worker processes and set when that iterator stops its workers, so that a source
+waiting inside one item (a stream waiting for its producers) ends at once instead of
+being killed after torch's 5 s join timeout per worker.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ from savable_loader._torch_internals import (
     set_queue_feeder_hook,
 )
 
-__all__ = ["WorkerInit", "install_feeder_hook"]
+__all__ = ["WorkerInit", "install_feeder_hook", "worker_done_event"]
 
 _state = {"installed": False}
+
+#: (pid, the Event) in a loader's worker process, set by :class:`WorkerInit`.
+_done: list[tuple[int, Any]] = []
 
 
 def _on_feeder_error(queue: Any, error: BaseException, obj: Any) -> None:
@@ -65,35 +74,61 @@ def install_feeder_hook() -> None:
         _state["installed"] = True
 
 
-class WorkerInit:
-    """The worker init function the loader hands torch: installs the hook, makes
-    ``get_worker_info().dataset`` the worker's copy of the user's dataset (torch's info
-    holds the loader's internal wrapper), then runs the user's ``worker_init_fn``
-    (cloudpickled, so that lambdas cross ``spawn``).
+def worker_done_event() -> Any:
+    """In a worker process of a :class:`~savable_loader.SavableDataLoader`: the Event
+    the loader sets when it shuts this worker's iterator down (the end of an epoch
+    without persistent workers, an error, a restore, the iterator collected); None
+    elsewhere (the main process, a plain torch DataLoader's worker). Any thread of the
+    worker may wait on it.
 
     Example::
 
-        DataLoader(..., worker_init_fn=WorkerInit(user_fn))
+        done = worker_done_event()
+        if done is not None and done.wait(0.5):
+            return   # the loader is shutting its workers down
+    """
+    if _done and _done[0][0] == os.getpid():
+        return _done[0][1]
+    return None
+
+
+class WorkerInit:
+    """The worker init function the loader hands torch: installs the hook, makes
+    ``get_worker_info().dataset`` the worker's copy of the user's dataset (torch's info
+    holds the loader's internal wrapper), keeps the loader's shutdown Event for
+    :func:`worker_done_event`, then runs the user's ``worker_init_fn`` (cloudpickled, so
+    that lambdas cross ``spawn``).
+
+    Example::
+
+        DataLoader(..., worker_init_fn=WorkerInit(user_fn).with_done(context.Event()))
     """
 
-    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+    def __init__(self, user_fn: Callable[[int], None] | None, done: Any = None) -> None:
         self.user_fn = user_fn
+        self.done = done
         self.main_pid: int | None = None  # None: a forked worker, whose parent is the main process
+
+    def with_done(self, done: Any) -> WorkerInit:
+        """The same function with shutdown Event ``done`` (one per torch iterator)."""
+        return WorkerInit(self.user_fn, done)
 
     def __getstate__(self) -> dict[str, Any]:
         # cloudpickle carries a lambda or local function to spawn/forkserver workers;
         # pickled in the main process as it starts them (a forkserver worker's parent is
-        # the fork server)
-        return {"user_fn": cloudpickle.dumps(self.user_fn), "main_pid": os.getpid()}
+        # the fork server; the Event crosses as multiprocessing passes it to a process it starts)
+        return {"user_fn": cloudpickle.dumps(self.user_fn), "done": self.done, "main_pid": os.getpid()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.user_fn = cloudpickle.loads(state["user_fn"])
+        self.done = state["done"]
         self.main_pid = state["main_pid"]
 
     def __call__(self, worker_id: int) -> None:
         install_feeder_hook()
         # the worker ends when the main process is gone (_parent_watch.py)
         start_parent_watch(os.getppid() if self.main_pid is None else self.main_pid)
+        _done[:] = [(os.getpid(), self.done)] if self.done is not None else []
         info = get_worker_info()
         engine_dataset = info.dataset if info is not None else None
         user_dataset = getattr(engine_dataset, "user_dataset", None)

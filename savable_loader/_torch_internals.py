@@ -1,18 +1,26 @@
 """The private parts of torch and CPython that savable_loader relies on, in one place.
 
 torch offers no public way to do what is done here: keep persistent workers' iterator,
-stop an iterator's workers now, know its worker processes and the task it waits for,
-tell a dead or hung worker from torch's error text, make ``get_worker_info()`` show the
-user's dataset, and send a worker's unpicklable result back as an error. CPython keeps
-the multiprocessing queue internals private too. Nothing here reads or writes another
-library's memory: the global random generators are reached through their public APIs
-(``savable_loader/_rng_states.py``).
+stop an iterator's workers now (and know when it stops them), know its worker processes
+and the task it waits for, tell a dead or hung worker from torch's error text, make
+``get_worker_info()`` show the user's dataset, and send a worker's unpicklable result
+back as an error. CPython keeps the multiprocessing queue internals private too. Nothing
+here reads or writes another library's memory, nor the caller's stack: the global random
+generators are reached through their public APIs (``savable_loader/_rng_states.py``).
+
+Supported: torch 2.4 through the newest release (``pyproject.toml`` declares no cap).
+Where torch changed the shape of a part between those releases, one small adapter per
+shape is chosen by what the installed torch has, never by its version number:
+``WorkerInfo`` is a plain class before torch 2.13 and a frozen dataclass since
+(:func:`replace_worker_info`). The iterator attributes, the error texts and the SIGCHLD
+handling used here kept one shape from 2.4 to 2.15.
 
 Every access goes through this module and **fails loudly**: a missing attribute raises
 ``AttributeError`` naming it and the installed torch version (never a silent
-``getattr(..., None) or []``). ``tests/test_torch_internals.py`` checks every attribute
-and every error-text pattern against the installed torch, so a torch upgrade that moves
-something fails there first. ``pyproject.toml`` declares the torch range CI tests.
+``getattr(..., None) or []``). ``tests/test_torch_internals.py`` checks every attribute,
+every adapter and every error-text pattern against the installed torch, so a torch
+release that moves something fails there first; CI runs it on the oldest supported torch
+and the newest release (``scripts/torch_matrix.sh``).
 
 Example::
 
@@ -22,18 +30,20 @@ Example::
 
 from __future__ import annotations
 
+import _codecs
 import dataclasses
+import io
 import multiprocessing.queues
 import os
+import pickle
 import re
-import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader
+from torch.utils.data import _utils as _torch_data_utils
 from torch.utils.data._utils import worker as _torch_worker
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
@@ -44,6 +54,8 @@ __all__ = [
     "TIMEOUT_TEXT",
     "WORKER_PROCESS_TEXT",
     "ExceptionWrapper",
+    "ShutdownEventLoader",
+    "allow_bytes_in_weights_only_loads",
     "died_pids",
     "loader_iterator",
     "next_batch",
@@ -54,7 +66,6 @@ __all__ = [
     "set_queue_feeder_hook",
     "shutdown_workers",
     "torch_worker_id",
-    "worker_done_event",
     "worker_processes",
     "worker_seed_setter",
 ]
@@ -147,15 +158,72 @@ def pending_worker(torch_iter: Any) -> int | None:
     return None if not info else int(info[0])
 
 
+def _weights_only_loads_bytes() -> bool:
+    """Whether ``torch.load(weights_only=True)`` takes a pickled ``bytes`` (torch's
+    allowlist has ``_codecs.encode`` in 2.8 and later; 2.4 refuses it)."""
+    buffer = io.BytesIO()
+    torch.save({"probe": b"\x00\xff"}, buffer)
+    buffer.seek(0)
+    try:
+        return torch.load(buffer, weights_only=True) == {"probe": b"\x00\xff"}
+    except pickle.UnpicklingError:
+        return False
+
+
+def allow_bytes_in_weights_only_loads() -> None:
+    """Make ``torch.load(weights_only=True)`` take ``bytes`` (a loader's
+    ``state_dict()`` holds MessagePack bytes) where the installed torch refuses them, as
+    later releases do: ``_codecs.encode`` (how pickle writes bytes) joins torch's safe
+    globals through the public ``torch.serialization.add_safe_globals``. Nothing
+    where torch takes bytes already.
+
+    Example::
+
+        allow_bytes_in_weights_only_loads()
+        torch.load(file, weights_only=True)   # {"dp_rank_0": b"..."} on torch 2.4 too
+    """
+    if not _weights_only_loads_bytes():
+        add = _attr(torch.serialization, "add_safe_globals", "torch.serialization.add_safe_globals")
+        add([_codecs.encode])
+
+
 def died_pids(text: str) -> set[int]:
     """The pids a torch "worker exited unexpectedly" error names."""
     match = _PIDS.search(text)
     return {int(p) for p in re.findall(r"\d+", match.group(1))} if match else set()
 
 
+def _replace_dataclass(info: Any, changes: dict[str, Any]) -> Any:
+    """torch 2.13 and later: ``WorkerInfo`` is a frozen dataclass."""
+    return dataclasses.replace(info, **changes)
+
+
+def _replace_plain(info: Any, changes: dict[str, Any]) -> Any:
+    """torch before 2.13: ``WorkerInfo(**fields)`` is a plain class that refuses
+    assignments after ``__init__`` and keeps its field names in ``__keys``."""
+    keys = _attr(info, "_WorkerInfo__keys", "WorkerInfo's field names (WorkerInfo._WorkerInfo__keys)")
+    fields = {key: getattr(info, key) for key in keys}
+    return type(info)(**{**fields, **changes})
+
+
+def _worker_info_fields(info: Any) -> tuple[str, ...]:
+    if dataclasses.is_dataclass(info):
+        return tuple(field.name for field in dataclasses.fields(info))
+    return tuple(_attr(info, "_WorkerInfo__keys", "WorkerInfo's field names (WorkerInfo._WorkerInfo__keys)"))
+
+
+#: How a ``WorkerInfo`` with other values is made, by the shape the installed torch has.
+_REPLACE_INFO: Callable[[Any, dict[str, Any]], Any] = (
+    _replace_dataclass if dataclasses.is_dataclass(_attr(_torch_worker, "WorkerInfo", "WorkerInfo")) else _replace_plain
+)
+
+
 def replace_worker_info(**changes: Any) -> None:
     """In a DataLoader worker, make ``get_worker_info()`` return its info with ``changes``
     (e.g. ``dataset=`` the user's dataset, ``id=`` a logical worker id).
+
+    torch's ``WorkerInfo`` is a frozen dataclass from torch 2.13 on and a plain class
+    that refuses assignments before: a new one is made either way (one adapter per shape).
 
     Example::
 
@@ -166,9 +234,12 @@ def replace_worker_info(**changes: Any) -> None:
     info = _torch_worker._worker_info
     if info is None:
         raise InternalError("replace_worker_info called outside a DataLoader worker")
+    unknown = sorted(set(changes) - set(_worker_info_fields(info)))
+    if unknown:
+        raise _missing(f"WorkerInfo fields {unknown}")
     if not _original or _original[0][0] != os.getpid():
         _original[:] = [(os.getpid(), info.id)]
-    _torch_worker._worker_info = dataclasses.replace(info, **changes)
+    _torch_worker._worker_info = _REPLACE_INFO(info, changes)
 
 
 def worker_seed_setter() -> Callable[[int], None] | None:
@@ -197,41 +268,52 @@ def worker_seed_setter() -> Callable[[int], None] | None:
     return set_seed
 
 
-_DONE_EVENT: tuple[int, Any] | None = None
+class _SignallingIterator(_MultiProcessingDataLoaderIter):
+    """torch's iterator of worker processes that calls ``on_shutdown()`` first whenever
+    it shuts its workers down: at the end of an epoch without persistent workers, on
+    an error, on ``_shutdown_workers()`` and when it is collected (torch's ``__del__``)."""
+
+    def __init__(self, loader: DataLoader[Any], on_shutdown: Callable[[], None]) -> None:
+        self._on_shutdown = on_shutdown  # first: a failing __init__ shuts down too (__del__)
+        super().__init__(loader)
+
+    def _shutdown_workers(self) -> None:
+        utils = _torch_data_utils  # (None when the interpreter tears this module down)
+        if utils is not None and utils.python_exit_status is False:  # torch does nothing while Python exits
+            self._on_shutdown()
+        super()._shutdown_workers()
 
 
-def worker_done_event() -> Any:
-    """In a DataLoader worker process: the ``done_event`` of torch's worker loop, which the
-    main process sets when it shuts the workers down; None outside a worker.
+for _name in ("_get_iterator", "check_worker_number_rationality"):
+    _attr(DataLoader, _name, f"DataLoader.{_name}")
+_attr(_MultiProcessingDataLoaderIter, "_shutdown_workers", "_MultiProcessingDataLoaderIter._shutdown_workers")
+_attr(_torch_data_utils, "python_exit_status", "torch.utils.data._utils.python_exit_status")
 
-    A source that waits inside one item (a stream waiting for its producers) checks it
-    between bounded waits and ends, instead of being killed after torch's 5 s join timeout
-    per worker. torch passes it only as an argument of ``_worker_loop``: it is read from
-    that function's frame (the caller's stack) once per process.
+
+class ShutdownEventLoader(DataLoader[Any]):
+    """torch's DataLoader that makes a ``multiprocessing`` Event (of its
+    ``multiprocessing_context``) for each iterator of worker processes, hands it to those
+    workers as ``worker_init_fn.with_done(event)`` (``_feeder.WorkerInit``) and sets it
+    whenever that iterator stops them, however it stops them. A worker waiting inside
+    one item can so end at once, as torch's own loop does between items.
 
     Example::
 
-        done = worker_done_event()
-        if done is not None and done.is_set():
-            return   # the loader is shutting its workers down
+        class Engine(ShutdownEventLoader): ...
+        Engine(dataset, num_workers=2, worker_init_fn=WorkerInit(None))
     """
-    global _DONE_EVENT
-    if _torch_worker._worker_info is None:
-        return None
-    pid = os.getpid()
-    if _DONE_EVENT is not None and _DONE_EVENT[0] == pid:
-        return _DONE_EVENT[1]
-    if threading.current_thread() is not threading.main_thread():
-        return None  # (a thread of the user's inside the worker: torch's loop is not on its stack)
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_worker_loop" and frame.f_globals.get("__name__") == _torch_worker.__name__:
-            if "done_event" not in frame.f_locals:
-                break
-            _DONE_EVENT = (pid, frame.f_locals["done_event"])
-            return _DONE_EVENT[1]
-        frame = frame.f_back  # type: ignore[assignment]
-    raise _missing("torch.utils.data._utils.worker._worker_loop's done_event argument on a worker's stack")
+
+    def _get_iterator(self) -> Any:
+        init = self.worker_init_fn
+        if self.num_workers == 0 or not hasattr(init, "with_done"):
+            return super()._get_iterator()  # (no worker init function to hand an Event)
+        self.check_worker_number_rationality()
+        done = (self.multiprocessing_context or torch.multiprocessing).Event()
+        self.worker_init_fn = init.with_done(done)  # type: ignore[union-attr]
+        try:  # torch's iterator takes loader.worker_init_fn when it starts the workers
+            return _SignallingIterator(self, done.set)
+        finally:
+            self.worker_init_fn = init
 
 
 def torch_worker_id() -> int | None:

@@ -34,6 +34,7 @@ from savable_loader._arguments import (
     refused,
     resolve_seed,
     resolve_worker_config,
+    torch_keyword_arguments,
 )
 from savable_loader._failures import terminate_worker, translate_worker_error
 from savable_loader._feeder import WorkerInit
@@ -48,7 +49,14 @@ from savable_loader._rank_zero import derive_state
 from savable_loader._sampler_mode import SamplerMode
 from savable_loader._seeds import engine_generator_seed
 from savable_loader._sigchld import install, loader_call
-from savable_loader._torch_internals import loader_iterator, next_batch, set_loader_iterator, shutdown_workers
+from savable_loader._torch_internals import (
+    ShutdownEventLoader,
+    allow_bytes_in_weights_only_loads,
+    loader_iterator,
+    next_batch,
+    set_loader_iterator,
+    shutdown_workers,
+)
 from savable_loader._version import __version__
 from savable_loader.config import WorkerConfig
 from savable_loader.dataset import SavableDataset
@@ -78,9 +86,13 @@ __all__ = ["SavableDataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
 
+# state_dict() holds bytes: torch.load(weights_only=True) takes them on torch 2.4 too
+allow_bytes_in_weights_only_loads()
 
-class _Engine(DataLoader[Any]):
-    """The private DataLoader that runs the workers. torch's worker-count warning is the
+
+class _Engine(ShutdownEventLoader):
+    """The private DataLoader that runs the workers (each iterator of workers with its
+    shutdown Event: ``_feeder.worker_done_event``). torch's worker-count warning is the
     public loader's, given where torch gives it (construction and ``iter()``), not at an
     iteration's first ``next()``, where the engine's iterator is made."""
 
@@ -193,6 +205,8 @@ class SavableDataLoader(DataLoader[T_co]):
             reseed=reseed,
             global_rngs=global_rngs,
         )
+        # what the installed torch's DataLoader takes of these (refused: LoaderUsageError)
+        versioned = torch_keyword_arguments(pin_memory_device=pin_memory_device, in_order=in_order)
         public, make_mode = self._choose_path(
             dataset,
             wc,
@@ -220,12 +234,12 @@ class SavableDataLoader(DataLoader[T_co]):
                 generator=generator,
                 prefetch_factor=prefetch_factor,
                 persistent_workers=persistent_workers,
-                pin_memory_device=pin_memory_device,
-                in_order=in_order,
                 **public,
+                **versioned,
             )
         except ValueError as e:  # BatchSampler, RandomSampler, multiprocessing_context
             raise refused(str(e)) from None
+        self.in_order = in_order  # (set by torch where it has the argument: torch 2.6 and later)
         # properties, not instance attributes: frameworks that rebuild a DataLoader from
         # its instance attributes (Lightning, Fabric) then pass the user's own arguments
         self._worker_config = wc
@@ -403,7 +417,7 @@ class SavableDataLoader(DataLoader[T_co]):
             generator=torch.Generator(),
             prefetch_factor=prefetch_factor,
             persistent_workers=self.persistent_workers,
-            pin_memory_device=pin_memory_device,
+            **torch_keyword_arguments(pin_memory_device=pin_memory_device),
             **self._mode.engine_kwargs(),
         )
 

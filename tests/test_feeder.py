@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from torch._utils import ExceptionWrapper
 
-from savable_loader._feeder import WorkerInit, install_feeder_hook
+from savable_loader._feeder import WorkerInit, install_feeder_hook, worker_done_event
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,3 +54,27 @@ def test_worker_init_round_trips_a_lambda_and_calls_it() -> None:
     direct = WorkerInit(calls.append)
     direct(2)
     assert calls == [2]
+
+
+def _in_worker(init: WorkerInit, out: Any) -> None:
+    init(0)  # what torch's worker loop does first
+    seen: list[Any] = []
+    thread = threading.Thread(target=lambda: seen.append(worker_done_event()))
+    thread.start()
+    thread.join()
+    out.put([worker_done_event() is init.done, seen[0] is init.done, worker_done_event().is_set()])
+
+
+@pytest.mark.timeout(300)  # a spawned child imports torch: slow on a loaded machine
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_worker_done_event_is_the_loaders_event_in_its_worker_process_only(context: str) -> None:
+    ctx = multiprocessing.get_context(context)
+    done, out = ctx.Event(), ctx.Queue()
+    init = WorkerInit(None).with_done(done)
+    assert worker_done_event() is None  # the main process: no worker init ran here
+    child = ctx.Process(target=_in_worker, args=(init, out))
+    child.start()
+    assert out.get(timeout=240) == [True, True, False]  # any thread of the worker sees it
+    child.join(60)
+    done.set()
+    assert worker_done_event() is None

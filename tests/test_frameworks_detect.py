@@ -25,17 +25,13 @@ def _requires(*modules: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed")
 
 
-#: torch's private parts (owned by its own issue): torch's worker loop's ``done_event``.
-FRAMES_ELSEWHERE = {"_torch_internals.py"}
-
-
 def test_no_module_of_the_package_reads_frames():
     pattern = re.compile(r"_getframe|inspect\.stack|inspect\.currentframe|f_locals|f_back|f_globals|currentframe\(")
     found = [
         f"{path.relative_to(PACKAGE)}:{n}"
         for path in PACKAGE.rglob("*.py")
         for n, line in enumerate(path.read_text().splitlines(), 1)
-        if pattern.search(line) and str(path.relative_to(PACKAGE)) not in FRAMES_ELSEWHERE
+        if pattern.search(line)
     ]
     assert not found, found
 

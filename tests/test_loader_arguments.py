@@ -5,6 +5,7 @@ refuses refused with torch's message (as a LoaderUsageError, a ValueError)."""
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 import warnings
 
@@ -13,6 +14,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 import savable_loader as sl
+from savable_loader import _arguments
 from savable_loader.errors import LoaderUsageError
 from tests.common import RandomMapDataset
 
@@ -29,7 +31,10 @@ def test_signature_is_torchs_plus_keyword_only_extras():
     theirs = list(inspect.signature(DataLoader.__init__).parameters.values())
     assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [(p.name, p.kind, p.default) for p in theirs]
     extras = ours[len(theirs) :]
+    # a torch without in_order (before 2.6): ours takes it, keyword-only, as torch 2.6 does
+    later = [name for name in ("in_order",) if name not in {p.name for p in theirs}]
     assert [p.name for p in extras] == [
+        *later,
         "seed",
         "worker_config",
         "snapshot_every_n_steps",
@@ -184,3 +189,68 @@ def test_worker_count_warning_where_torch_gives_it(dataset, persistent):
             counts += [at_iter, at_next + at_rest]
         del it, loader
         assert counts == [1, 1, 0, 0 if persistent else 1, 0], (cls.__name__, counts)
+
+
+# -- arguments a supported torch may lack, and the forms it cannot take ---------------------
+
+_HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+
+
+def test_in_order_is_passed_to_torch_exactly_where_torch_has_it():
+    loader = sl.SavableDataLoader(RandomMapDataset(6), batch_size=2, in_order=True)
+    assert loader.in_order is True  # on every torch (torch sets it where it has the argument)
+    assert list(_arguments.torch_keyword_arguments(in_order=True)) == (["in_order"] if _HAS_IN_ORDER else [])
+    if _HAS_IN_ORDER:  # torch 2.6 and later: in_order=False in the main process is torch's, harmless
+        assert sl.SavableDataLoader(RandomMapDataset(6), batch_size=2, in_order=False).in_order is False
+
+
+@pytest.mark.parametrize("has_in_order", [True, False], ids=["torch>=2.6", "torch<2.6"])
+def test_a_torch_without_in_order_refuses_only_what_it_cannot_do(monkeypatch, has_in_order):
+    # both shapes on every torch: the signature the loader reads is made to lack in_order
+    params = set(inspect.signature(DataLoader.__init__).parameters) - ({"in_order"} if not has_in_order else set())
+    params |= {"in_order"} if has_in_order else set()
+    monkeypatch.setattr(_arguments, "_torch_parameters", lambda: frozenset(params))
+    assert _arguments.torch_keyword_arguments(in_order=True, timeout=3) == (
+        {"in_order": True, "timeout": 3} if has_in_order else {"timeout": 3}
+    )
+    if has_in_order:
+        assert _arguments.torch_keyword_arguments(in_order=False) == {"in_order": False}
+        return
+    message = (
+        f"in_order=False: torch {torch.__version__}'s DataLoader has no in_order argument (torch 2.6 added it); "
+        "pass in_order=True (what this torch does) or install torch>=2.6"
+    )
+    with pytest.raises(LoaderUsageError, match=re.escape(message)):
+        sl.SavableDataLoader(RandomMapDataset(6), batch_size=2, in_order=False)
+    # with workers our own reason comes first: no state records a completion order
+    with pytest.raises(LoaderUsageError, match="needs in_order=True with num_workers > 0"):
+        sl.SavableDataLoader(RandomMapDataset(6), batch_size=2, num_workers=2, in_order=False)
+
+
+def test_pin_memory_device_that_torch_cannot_take_is_refused_naming_torch():
+    # torch 2.4 to 2.8 at least take len() of pin_memory_device at iter() (a device name, a
+    # str); 2.11 and later deprecate it and accept None. Found by asking the installed torch.
+    try:
+        iter(DataLoader([0], pin_memory_device=None))
+        fails = False
+    except TypeError:
+        fails = True
+    assert _arguments._device_must_be_a_name() is fails
+    if fails:
+        with pytest.raises(LoaderUsageError, match=re.escape(f"pin_memory_device=None: torch {torch.__version__}'s")):
+            sl.SavableDataLoader(RandomMapDataset(6), batch_size=2, pin_memory_device=None)
+    else:
+        loader = sl.SavableDataLoader(RandomMapDataset(6), batch_size=2, pin_memory_device=None, seed=0)
+        assert len(list(loader)) == 3
+    assert len(list(sl.SavableDataLoader(RandomMapDataset(6), batch_size=2, pin_memory_device=""))) == 3
+
+
+@pytest.mark.parametrize("takes_names_only", [True, False])
+def test_each_pin_memory_device_shape(monkeypatch, takes_names_only):
+    monkeypatch.setattr(_arguments, "_device_must_be_a_name", lambda: takes_names_only)
+    assert _arguments.torch_keyword_arguments(pin_memory_device="cuda") == {"pin_memory_device": "cuda"}
+    if takes_names_only:
+        with pytest.raises(LoaderUsageError, match="takes a device name .* not a device"):
+            _arguments.torch_keyword_arguments(pin_memory_device=torch.device("cpu"))
+    else:
+        assert _arguments.torch_keyword_arguments(pin_memory_device=None) == {"pin_memory_device": None}

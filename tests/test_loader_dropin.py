@@ -28,6 +28,9 @@ def make(n=23, batch_size=4, num_workers=0, **kw):
     return sl.SavableDataLoader(RandomMapDataset(n), batch_size=batch_size, num_workers=num_workers, **kw)
 
 
+# 300 s: torch 2.4 starts a worker process in about 0.4 s (its own DataLoader too, 2.8 and
+# later in about 0.03 s), and this test starts 3 at every resume point
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("num_workers", [0, 1, 3])
 def test_resume_at_every_step(num_workers):
     checked = check_resume_everywhere(lambda: make(num_workers=num_workers), epochs=2)
