@@ -218,6 +218,8 @@ class PackingDataset(BaseWrapperDataset):
 
     @property
     def held(self) -> str:
+        """What the state holds of the buffer: ``"keys"`` (positions, fetched again at a
+        restore) or ``"payload"`` (the documents themselves)."""
         if self._restored:
             return str(self._restored.get("held", "payload"))
         return "keys" if self._keys_held() else "payload"
@@ -228,6 +230,8 @@ class PackingDataset(BaseWrapperDataset):
 
     @property
     def carry(self) -> Any:
+        """The part of a document the next row starts with, as the state holds it (None
+        when the keys name the documents)."""
         if self._restored:
             return self._restored.get("carry")
         return None if self._keys_held() else self._carry
@@ -238,6 +242,8 @@ class PackingDataset(BaseWrapperDataset):
 
     @property
     def buffer(self) -> list[Any] | None:
+        """The buffered documents as the state holds them (None: named by keys, or the
+        greedy strategy, which keeps none)."""
         if self._restored:
             return self._restored.get("buffer")
         if self.strategy == "greedy" or self._keys_held():

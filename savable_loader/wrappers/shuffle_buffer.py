@@ -103,6 +103,8 @@ class ShuffleBufferDataset(BaseWrapperDataset):
 
     @property
     def held(self) -> str:
+        """What the state holds of the buffer: ``"keys"`` (positions, fetched again at a
+        restore) or ``"payload"`` (the samples themselves)."""
         return "keys" if self._keys_held() else "payload"
 
     @held.setter
