@@ -326,12 +326,7 @@ class Storage:
         place, even with the same size, is therefore never served from the cache."""
         if ref.sha256 is not None and ref.size is not None:
             return self.key(ref), ref
-        url = self.remote.url_of(ref.path)
-        info = self.remote.info(ref.path)
-        if ref.size is not None and info["size"] is not None and info["size"] != ref.size:
-            raise integrity_mismatch(url, "size", ref.size, info["size"])
-        if ref.etag is not None and info["etag"] is not None and normalize_etag(ref.etag) != info["etag"]:
-            raise integrity_mismatch(url, "etag", normalize_etag(ref.etag), info["etag"])
+        info = self._checked_info(ref)
         size = ref.size if ref.size is not None else info["size"]
         ref = FileRef(ref.path, size, ref.sha256, ref.etag or info["etag"])
         if ref.sha256 is not None:
@@ -342,7 +337,18 @@ class Storage:
             version = f"mtime:{info['stamp']}"
         else:
             version = f"storage:{self._token}"
-        return cache_key(url, size, None, version), ref
+        return cache_key(self.remote.url_of(ref.path), size, None, version), ref
+
+    def _checked_info(self, ref: FileRef) -> dict[str, Any]:
+        """The remote's ``info`` of ``ref``'s file, an ``IntegrityError`` where its size or
+        ETag is not what ``ref`` records."""
+        url = self.remote.url_of(ref.path)
+        info = self.remote.info(ref.path)
+        if ref.size is not None and info["size"] is not None and info["size"] != ref.size:
+            raise integrity_mismatch(url, "size", ref.size, info["size"])
+        if ref.etag is not None and info["etag"] is not None and normalize_etag(ref.etag) != info["etag"]:
+            raise integrity_mismatch(url, "etag", normalize_etag(ref.etag), info["etag"])
+        return info
 
     def _fetch(self, ref: FileRef) -> CachedFile:
         if self.cache is None:  # pragma: no cover - local folders return before
@@ -474,12 +480,7 @@ class Storage:
                 return f.read(end - start)
         rt = self._rt()
         if key not in rt.verified and (ref.size is not None or ref.etag is not None):
-            url = self.remote.url_of(ref.path)
-            info = self.remote.info(ref.path)
-            if ref.size is not None and info["size"] is not None and info["size"] != ref.size:
-                raise integrity_mismatch(url, "size", ref.size, info["size"])
-            if ref.etag is not None and info["etag"] is not None and normalize_etag(ref.etag) != info["etag"]:
-                raise integrity_mismatch(url, "etag", normalize_etag(ref.etag), info["etag"])
+            self._checked_info(ref)
             rt.verified.add(key)
         return self.remote.read_range(ref.path, start, end)
 
