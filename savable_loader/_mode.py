@@ -19,6 +19,7 @@ Example (what the loader does for one ``iter()``)::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from savable_loader.state.schema import (
@@ -29,12 +30,15 @@ from savable_loader.state.schema import (
     RestoreKey,
 )
 
-__all__ = ["SKIP", "Iteration", "Mode", "Position"]
+__all__ = ["NO_SCOPE", "SKIP", "Iteration", "Mode", "Position"]
 
 Position = IndexPosition | PipelinePosition
 
 #: Returned by :meth:`Iteration.on_item` for protocol items that are not yielded.
 SKIP = object()
+
+#: What :meth:`Iteration.caller_scope` returns where nothing loads in the caller's process.
+NO_SCOPE: AbstractContextManager[None] = nullcontext()
 
 
 class Iteration(ABC):
@@ -68,6 +72,13 @@ class Iteration(ABC):
     def end(self, finished: bool, keep_workers: bool) -> None:
         """The iteration is over: ``finished`` (StopIteration) or abandoned/failed.
         ``keep_workers``: persistent workers stay for the next iteration."""
+
+    def caller_scope(self) -> AbstractContextManager[Any]:
+        """The block each ``next()`` runs torch's iterator in. Where the iteration's items
+        are made in the caller's process by code that reaches the global RNGs (a pipeline
+        with ``num_workers=0``), it sets the caller's streams aside for the whole batch
+        (once per ``next()``, not once per item); elsewhere it does nothing."""
+        return NO_SCOPE
 
     def workers_reusable(self) -> bool:
         """Whether persistent workers may run the next iteration once this one is over

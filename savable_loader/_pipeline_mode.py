@@ -39,7 +39,7 @@ from savable_loader._index_mode import (
     check_key_setting,
     key_seed_formula,
 )
-from savable_loader._mode import SKIP, Iteration, Mode
+from savable_loader._mode import NO_SCOPE, SKIP, Iteration, Mode
 from savable_loader._pipeline_resize import resize_blocker, resized_state
 from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._tensordict import convert as tensordict_convert
@@ -187,6 +187,12 @@ class PipelineIteration(Iteration):
         if found is not None and found[0] == produced:
             return plain_dataset_state(found[1])
         return None
+
+    def caller_scope(self) -> Any:
+        """In the caller's process the pipeline's items run inside torch's ``next()``: the
+        caller's global RNG streams are set aside for the batch (the items in it re-seed
+        or guard the generators each, as in a worker process)."""
+        return preserve_global_rng() if self.in_process else NO_SCOPE
 
     def on_error(self, error: BaseException) -> bool:
         """A pipeline's iterator cannot go on after it raised: the iteration fails."""

@@ -7,8 +7,13 @@ in the caller's process (``num_workers=0``), keeps the caller's own streams out 
 way. Everything here goes through what each library documents:
 
 * torch: ``torch.default_generator.get_state()`` / ``set_state()`` (about 1 µs each);
-* Python: ``random.getstate()`` / ``setstate()`` (a few µs: 625 integers), seeding
-  through the C base class's ``seed`` (skips ``Random.seed``'s Python-level checks);
+* Python: ``random.getstate()`` / ``setstate()`` (``getstate`` about 9 µs: it builds 625
+  integers; ``setstate`` about 3), seeding through the C base class's ``seed`` (skips
+  ``Random.seed``'s Python-level checks). Between two blocks the caller's state is read
+  by drawing, not by ``getstate`` (:func:`caller_python_state`): the state put back last
+  and its next two 32-bit outputs are kept; two draws equal to those say the caller did
+  not draw since, and otherwise the state before the draws is worked out from the one
+  after them;
 * NumPy: ``np.random.get_bit_generator()`` / ``set_bit_generator()`` (NumPy >= 1.25):
   the caller's bit generator is **set aside**, not copied, and the loader draws from a
   bit generator of its own meanwhile. Reading a Mersenne Twister's state through
@@ -89,6 +94,80 @@ def loader_bit_generator(depth: int = 0) -> np.random.MT19937:
     return _LOADER_MT[depth]
 
 
+# -- the caller's Python stream, read by drawing --------------------------------------
+
+#: The caller's Python state put back last by an outermost :class:`CallerStreams` block,
+#: and the next two 32-bit outputs a generator in that state gives (None: nothing kept).
+_KEPT: list[Any] = [None, 0, 0]
+_HELPER = random.Random()
+_N = 624  # words of the Mersenne Twister's state
+_UPPER, _LOWER, _MATRIX_A = np.uint32(0x80000000), np.uint32(0x7FFFFFFF), np.uint32(0x9908B0DF)
+
+
+def _untwist(words: tuple[int, ...]) -> tuple[int, ...]:
+    """The words of the Mersenne Twister's state before the twist that made ``words``.
+
+    The twist makes each new word from old words ``k``, ``k + 1`` and ``k + 397``
+    (new words where those were replaced already, as CPython's twist runs in place), so
+    it can be run backwards: all of the old words come back except the low 31 bits of
+    word 0, which the twist never reads (it takes that word's top bit) and no draw after
+    it outputs; they come back as 0, which is what ``seed()`` leaves there."""
+    new = np.array(words, dtype=np.uint32)
+
+    def before(z: np.ndarray) -> np.ndarray:
+        # z = (y >> 1) ^ (MATRIX_A if y is odd): the top bit of z is y's low bit
+        odd = z >> np.uint32(31)
+        return ((z ^ (odd * _MATRIX_A)) << np.uint32(1)) | odd
+
+    y = np.empty(_N, dtype=np.uint32)  # y[k] = (old[k] & UPPER) | (old[k + 1] & LOWER)
+    y[227:] = before(new[227:] ^ new[: _N - 227])  # words 227.. read new words 0..396
+    old = np.zeros(_N, dtype=np.uint32)
+    old[228:] = (y[228:] & _UPPER) | (y[227:-1] & _LOWER)
+    y[:227] = before(new[:227] ^ old[397:])  # words 0..226 read old words 397..623
+    old[1:228] = (y[1:228] & _UPPER) | (y[:227] & _LOWER)
+    old[0] = y[0] & _UPPER
+    return tuple(old.tolist())
+
+
+def _before_draws(after: tuple[int, ...], drawn: int) -> tuple[int, ...]:
+    """The state (``getstate`` of the C base class: 624 words and the position) of a
+    Python generator ``drawn`` 32-bit outputs before state ``after``.
+
+    Without a twist among the draws the words are the same and the position ``drawn``
+    lower. A position of ``drawn`` or less after them means a twist came first (a
+    position of 0, which only ``setstate`` makes, gives the same outputs as the position
+    at the end of the untwisted words: both output the twisted words next)."""
+    position = after[_N]
+    if position > drawn:
+        return (*after[:_N], position - drawn)
+    return (*_untwist(after[:_N]), _N - (drawn - position))
+
+
+def caller_python_state() -> Any:
+    """The state of Python's global generator as the caller left it, read between two
+    outermost blocks: when the state put back last is kept, by drawing two 32-bit
+    outputs and comparing them with its own (equal: the caller did not draw; the
+    chance that a moved stream gives the same 64 bits is 2**-64), else by ``getstate``
+    and stepping back over the draws. About 0.2 µs when the caller did not draw, against
+    about 9 µs for ``getstate``. The draws move the generator: the block puts a state
+    back at its end in any case."""
+    kept, first, second = _KEPT
+    if kept is None:
+        return _PY_GETSTATE(PY_RANDOM)
+    if PY_RANDOM.getrandbits(32) != first:
+        return _before_draws(_PY_GETSTATE(PY_RANDOM), 1)
+    if PY_RANDOM.getrandbits(32) != second:
+        return _before_draws(_PY_GETSTATE(PY_RANDOM), 2)
+    return kept
+
+
+def _keep(state: Any) -> None:
+    """Keep ``state`` (just put back by an outermost block) and its next two outputs."""
+    if _KEPT[0] is not state:
+        _PY_SETSTATE(_HELPER, state)
+        _KEPT[:] = [state, _HELPER.getrandbits(32), _HELPER.getrandbits(32)]
+
+
 class CallerStreams:
     """Set the caller's three global streams aside for a block, and put them back after
     it: torch's and Python's states are copied (``get_state``, ``getstate``), NumPy's bit
@@ -107,20 +186,23 @@ class CallerStreams:
     __slots__ = ("_gauss", "_numpy", "_python", "_torch")
 
     def __enter__(self) -> None:
-        self._python = _PY_GETSTATE(PY_RANDOM)  # (what random.getstate() returns beside its version)
+        depth = _DEPTH[0]
+        # (what random.getstate() returns beside its version; read by drawing when outermost)
+        self._python = caller_python_state() if depth == 0 else _PY_GETSTATE(PY_RANDOM)
         self._gauss = PY_RANDOM.gauss_next  # type: ignore[attr-defined]
         self._torch = _TORCH.get_state()
         self._numpy = _get_bit_generator()
-        depth = _DEPTH[0]
         _set_bit_generator(_LOADER_MT[depth] if depth < len(_LOADER_MT) else loader_bit_generator(depth))
         _DEPTH[0] = depth + 1
 
     def __exit__(self, *exc: object) -> None:
-        _DEPTH[0] -= 1
+        depth = _DEPTH[0] = _DEPTH[0] - 1
         _PY_SETSTATE(PY_RANDOM, self._python)
         PY_RANDOM.gauss_next = self._gauss  # type: ignore[attr-defined]
         _TORCH.set_state(self._torch)
         _set_bit_generator(self._numpy)
+        if depth == 0:
+            _keep(self._python)
 
 
 # -- looking at a generator ----------------------------------------------------------

@@ -37,6 +37,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from savable_loader._global_rngs import GlobalRngs
 from savable_loader._guards import exclusive
 from savable_loader._hosting import hosted_by, in_view, interleave
+from savable_loader._inline import inline_small_tensors
 from savable_loader._seeds import pipeline_base, pipeline_item
 from savable_loader._torch_internals import ExceptionWrapper, torch_worker_id
 from savable_loader._values import plain_dataset_state
@@ -53,7 +54,6 @@ from savable_loader.rng import (
     GLOBAL_RNG_NAMES,
     SEED_FORMULA,
     global_seeder,
-    preserve_global_rng,
 )
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
@@ -306,11 +306,13 @@ class WorkerRuntime:
         guard = None if names == GLOBAL_RNG_NAMES else GlobalRngs(names, formula)
         seed_all = global_seeder(names, formula)
         self.carried = None if start is None or start.dataset is not None else start.carried
-        # reset/restore run user code too (reset_state_own): keep the caller's RNG out of it
+        # In the caller's process (num_workers=0) everything below, user code included
+        # (reset_state_own, restore_state, items, collate), runs inside torch's next(), which
+        # the loader runs with the caller's RNG streams set aside (PipelineIteration.caller_scope)
         if self.carried is not None:  # go on from the previous epoch's end (EpochizeDataset)
-            with _ActiveWorker(worker_id, epoch - 1, formula, names), _rng_scope(self.in_process):
+            with _ActiveWorker(worker_id, epoch - 1, formula, names):
                 self.dataset.restore_state(self.carried)
-        with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(self.in_process):
+        with _ActiveWorker(worker_id, epoch, formula, names):
             if start is None:
                 self.dataset.reset_state_deep()
                 index, skip, snapshot = 0, 0, None
@@ -334,9 +336,9 @@ class WorkerRuntime:
         iterator: Iterator[Any] | None = None
         active = _ActiveWorker(worker_id, epoch, formula, names)  # (entered once per item)
         while True:
-            with active, _rng_scope(self.in_process):
+            with active:
                 if guard is not None:  # the generators left out in their fixed state
-                    guard.begin(wc.seed, epoch, changed=self.in_process)  # (the caller's were put back)
+                    guard.begin(wc.seed, epoch)  # (before every item: the check after it draws)
                 if names:  # (global_rngs=(): nothing to re-seed)
                     seed_all(pipeline_item(base_seed, index, formula))
                 t0 = time.perf_counter()
@@ -383,7 +385,7 @@ class WorkerRuntime:
                     # the loader's collate_fn draws right after the item (and its snapshot,
                     # which refuses a state by name first), from the RNG state the item's
                     # seeding left: in the main process too, where the caller's own
-                    # streams are put back after this block
+                    # streams are put back after the batch
                     item = collate(item)
                 if guard is not None:  # a draw the loader did not seed: an error, never the item
                     guard.check(
@@ -397,7 +399,7 @@ class WorkerRuntime:
         if self.carries and self.ring.newest_index() != index:
             # the state at the epoch's end rides with the end marker: the next epoch's
             # (fresh) worker goes on from it (WorkerState.carried)
-            with _ActiveWorker(worker_id, epoch, formula, names), _rng_scope(self.in_process):
+            with _ActiveWorker(worker_id, epoch, formula, names):
                 self._snapshot(index)
         # Tell the main process this worker is done (its final snapshot, if any, rides
         # with the marker): torch may retire the worker as soon as it has sent it, and
@@ -451,19 +453,6 @@ def walk(dataset: SavableDataset) -> Iterator[SavableDataset]:
     yield dataset
     for child in dataset.children():
         yield from walk(child)
-
-
-class _NoScope:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _rng_scope(in_process: bool) -> Any:
-    # In the main process the loader must leave the caller's RNG streams untouched.
-    return preserve_global_rng() if in_process else _NoScope()
 
 
 class PipelineWorkerDataset(IterableDataset):
@@ -599,8 +588,12 @@ def _copy_pipeline(dataset: SavableDataset, workers: int) -> SavableDataset:
 
 def _with_snapshots(runtime: WorkerRuntime, items: Iterator[Item | End]) -> Iterator[Item | End]:
     """Each item (and the end marker) with the snapshot taken since the previous one, if
-    any (see ``WorkerRuntime._snapshot``)."""
+    any (see ``WorkerRuntime._snapshot``), on its way out of a worker process."""
     for item in items:
         outbox = runtime.outbox
         runtime.outbox = None
-        yield item if outbox is None else item._replace(snapshot=outbox)
+        if isinstance(item, Item):  # its small tensors ride in the message (_inline.py)
+            item = item._replace(payload=inline_small_tensors(item.payload), snapshot=outbox)
+        elif outbox is not None:
+            item = item._replace(snapshot=outbox)
+        yield item

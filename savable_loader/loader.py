@@ -520,7 +520,7 @@ class SavableDataLoader(DataLoader[T_co]):
         iteration = record.iteration
         while True:
             try:
-                with loader_call():
+                with loader_call(), iteration.caller_scope():
                     item = next_batch(torch_iter)
             except StopIteration:
                 self._end(record, Fate.FINISHED)

@@ -419,6 +419,7 @@ class _Stream:
     keyless: bool  # some source gives no keys
     after_default_batch: int = 0  # batch size if the last step was a default-collated BatchDataset
     names: list[str] = field(default_factory=list)
+    bos: bool = False  # a packing step put BOS in: a later one must not (its documents start with it)
 
 
 @st.composite
@@ -464,9 +465,10 @@ def step_lists(draw: st.DrawFn, stream: _Stream, max_steps: int) -> tuple[Step, 
                     draw(st.integers(1, 6)),
                     draw(st.sampled_from(["greedy", "best_fit"])),
                     draw(st.integers(1, 4)),
-                    draw(st.sampled_from([None, -1])),
+                    None if stream.bos else draw(st.sampled_from([None, -1])),
                 ),
             )
+            stream.bos = stream.bos or step.args[3] is not None
             stream.stackable = True
         elif name == "limit":
             step = Step(name, (draw(st.integers(0, 12)),))

@@ -191,3 +191,82 @@ def test_draws_between_a_check_and_the_next_put_are_undone() -> None:
     draws()  # between items
     fixed.put(4)
     assert draws() == expected
+
+
+def _words(gen: random.Random) -> tuple[int, ...]:
+    return rs._PY_GETSTATE(gen)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_between_blocks_the_callers_python_stream_is_read_exactly_whatever_it_drew(seed: int) -> None:
+    """Outermost blocks read the caller's Python state by drawing; a caller that draws
+    any number of words between two blocks (across the twist of a new block of words
+    too) or re-seeds goes on exactly as a generator that never met a block: the same
+    draws and, after a seed, the same getstate()."""
+    plan = random.Random(seed)
+    random.seed(seed)
+    twin = random.Random(seed)
+    for step in range(60):
+        with rs.CallerStreams():
+            random.seed(10_000 + step)  # the loader's own draws
+            random.random()
+        action = plan.randrange(5)
+        if action == 0:
+            pass  # the caller draws nothing: the kept state is read by two draws
+        elif action == 1:  # a few draws, or enough to reach the end of the 624 words
+            for _ in range(plan.choice([1, 2, 3, 620, 621, 622, 623, 624, 625, 1300])):
+                assert random.getrandbits(32) == twin.getrandbits(32)
+        elif action == 2:  # re-seeded: position 624, the next draw twists
+            random.seed(step)
+            twin.seed(step)
+        elif action == 3:  # put at a position near the end of the words
+            twin.setstate(random.getstate())
+            for _ in range(plan.randrange(1, 624)):
+                random.getrandbits(32)
+                twin.getrandbits(32)
+        else:
+            assert random.gauss(0, 1) == twin.gauss(0, 1)
+        if action == 2:
+            assert random.getstate() == twin.getstate()
+        assert random.random() == twin.random()
+    assert [random.getrandbits(32) for _ in range(2000)] == [twin.getrandbits(32) for _ in range(2000)]
+
+
+def test_a_twist_among_the_reading_draws_is_stepped_back_over() -> None:
+    """The state before one or two draws is worked out from the state after them, also
+    when a draw began a new block of words: exactly after a seed (word 0's low bits are
+    0 then), and with the same outputs otherwise."""
+    for seed in range(20):
+        seeded = random.Random(seed)
+        before = _words(seeded)
+        for drawn in (1, 2):
+            gen = random.Random(seed)
+            for _ in range(drawn):
+                gen.getrandbits(32)
+            assert rs._before_draws(_words(gen), drawn) == before
+        for position in (621, 622, 623, 624, 300):
+            gen = random.Random(seed)
+            for _ in range(position + 624):
+                gen.getrandbits(32)
+            state = _words(gen)
+            for drawn in (1, 2):
+                rs._PY_SETSTATE(gen, state)
+                for _ in range(drawn):
+                    gen.getrandbits(32)
+                back = random.Random()
+                rs._PY_SETSTATE(back, rs._before_draws(_words(gen), drawn))
+                rs._PY_SETSTATE(gen, state)
+                assert [back.getrandbits(32) for _ in range(1500)] == [gen.getrandbits(32) for _ in range(1500)]
+
+
+def test_a_nested_block_reads_the_outer_blocks_state_with_getstate() -> None:
+    random.seed(3)
+    twin = random.Random(3)
+    with rs.CallerStreams():
+        random.seed(1)
+        random.random()
+        inner_before = random.getstate()
+        with rs.CallerStreams():
+            random.seed(2)
+        assert random.getstate() == inner_before
+    assert random.random() == twin.random()

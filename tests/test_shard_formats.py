@@ -324,5 +324,25 @@ def test_a_shard_truncated_while_open_is_a_data_error_naming_it(tmp_path: Path, 
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-3000:])
     assert out.stdout.startswith("CAUGHT DataError"), out.stdout + out.stderr[-3000:]
     opened = r"the shard was truncated while open: reading byte offset \d+"  # the shard being read
-    later = r"the file has 0 bytes, the folder's manifest says \d+"  # one opened after the cut
-    assert re.search(rf"/[^ /]+: ({opened}|{later})", out.stdout), out.stdout
+    later = r"the file has 0 bytes(, the folder's manifest says \d+)?"  # one opened after the cut
+    assert re.search(rf"/[^ /]+: ({opened}|{later})", out.stdout), out.stdout + out.stderr[-3000:]
+
+
+def test_a_shard_cut_before_the_reader_opened_it_is_named_against_the_manifest(tmp_path: Path) -> None:
+    """The moment between the store's look at a shard and the reader's own open: a file
+    cut there is a DataError naming the manifest's size (or the size it had when opened),
+    never the parser's bare complaint."""
+    from savable_loader.errors import DataError
+    from savable_loader.sources._shard_io import _check_not_cut
+
+    shard = tmp_path / "shard-00000.npy"
+    shard.write_bytes(b"")
+    with pytest.raises(DataError, match=r"shard-00000\.npy: the file has 0 bytes, the folder's manifest says 4224"):
+        _check_not_cut(shard, 0, 4224)
+    with pytest.raises(DataError, match=r"shard-00000\.npy: the shard was truncated while open"):
+        _check_not_cut(shard, 4224, 4224)
+    with pytest.raises(DataError, match=r"shard-00000\.npy: the file has 0 bytes \(something cut"):
+        _check_not_cut(shard, 0, None)  # a manifest without sizes: an empty file is never a shard
+    shard.write_bytes(b"x" * 10)
+    _check_not_cut(shard, 10, None)  # nothing wrong with the size: the parser's own error follows
+    _check_not_cut(shard, 10, 10)

@@ -279,27 +279,34 @@ def test_restore_from_start_state_with_skip_counts_replayed_samples():
     assert got[-1] == End(0, N)
 
 
-def test_in_process_runtime_leaves_caller_rng_untouched():
+def _in_process_loader(ds: sl.SavableDataset) -> sl.SavableDataLoader:
+    return sl.SavableDataLoader(ds, batch_size=None, worker_config=ds.worker_config)
+
+
+def test_in_process_loading_leaves_caller_rng_untouched():
+    """The loader's next() sets the caller's streams aside around the runtime's items
+    (PipelineIteration.caller_scope); the runtime itself, as in a worker process, draws
+    from the global generators."""
+
     def caller_draws():
         return (random.random(), float(np.random.rand()), float(torch.rand(())))
 
     random.seed(11), np.random.seed(11), torch.manual_seed(11)
     expected = [caller_draws() for _ in range(N + 1)]
+    loader = _in_process_loader(stateful_pipeline())
     random.seed(11), np.random.seed(11), torch.manual_seed(11)
-    got = []
+    got = [caller_draws()]
     samples = []
-    for item in runtime(stateful_pipeline()).run(0, 0, None):
+    for payload in loader:
         got.append(caller_draws())
-        if isinstance(item, Item):
-            samples.append(item.payload[1:])
+        samples.append(payload[1:])
     assert got == expected
     # the pipeline did draw: the per-sample draws differ from each other
     assert len({tuple(s.tolist()) for s in samples}) == N
 
-    # contrast: a worker-process runtime (in_process=False) does move the global streams
+    # contrast: the runtime alone (no loader around it) moves the global streams
     random.seed(11)
-    ds = stateful_pipeline()
-    next(WorkerRuntime(ds, ds.worker_config, 1, in_process=False).run(0, 0, None))
+    next(runtime(stateful_pipeline()).run(0, 0, None))
     assert random.random() != expected[0][0]
 
 
@@ -330,18 +337,22 @@ class ResetDrawsSource(sl.SavableDataset):
 
 @pytest.mark.parametrize("restore", [False, True])
 def test_in_process_reset_and_restore_leave_caller_rng_untouched(restore):
+    """reset_state_own draws at an epoch's start and at a restore: inside the loader's
+    next(), so the caller's streams are where they were after the whole epoch."""
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=3)
-    start = None
+    state = None
     if restore:
-        rt = runtime(ResetDrawsSource(wc))
-        run = rt.run(0, 0, None)
-        next(run), next(run)
-        start = rt.checkpoint(0, 2)
-    rt = runtime(ResetDrawsSource(wc))  # the constructor draws too: before the caller seeds
+        it = iter(_in_process_loader(ResetDrawsSource(wc)))
+        next(it), next(it)
+        state = it._loader.save_state_rank()
+        it.close()
+    loader = _in_process_loader(ResetDrawsSource(wc))  # the constructor draws too: before the caller seeds
+    if state is not None:
+        loader.restore_state_rank(state)
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
     before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
-    items = list(rt.run(0, 0, start))
-    assert items[-1] == End(0, 7) and len(items) == (6 if restore else 8)
+    items = list(loader)
+    assert len(items) == (5 if restore else 7)
     assert random.getstate() == before[0]
     assert np.array_equal(np.random.get_state()[1], before[1])
     assert torch.equal(torch.get_rng_state(), before[2])

@@ -44,7 +44,14 @@ from savable_loader.sources._metadata import (
     ShardEntry,
     encode_metadata,
 )
-from savable_loader.sources._store import LocalShardStore, ShardFile, ShardStore, SizeWatch, truncated
+from savable_loader.sources._store import (
+    LocalShardStore,
+    ShardFile,
+    ShardStore,
+    SizeWatch,
+    changed_since_indexed,
+    truncated,
+)
 
 __all__ = ["ReadOptions", "ShardReader", "open_reader", "open_shard", "write_shards"]
 
@@ -121,7 +128,7 @@ class _NpyReader(ShardReader):
         try:
             self.array = np.load(path, mmap_mode="r", allow_pickle=False)
         except Exception as e:  # noqa: BLE001 - any failure means an unreadable file
-            _check_not_cut(path, file.size)
+            _check_not_cut(path, file.size, entry.size)
             raise DataError(f"{path}: cannot read the .npy shard ({type(e).__name__}: {e})") from None
         if not isinstance(self.array, np.ndarray) or self.array.ndim == 0:
             raise DataError(f"{path}: a .npy shard must hold an array with at least one dimension")
@@ -153,7 +160,7 @@ class _PtReader(ShardReader):
         try:
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001
-            _check_not_cut(path, file.size)
+            _check_not_cut(path, file.size, entry.size)
             raise DataError(
                 f"{path}: cannot read the .pt shard ({type(e).__name__}: {str(e).splitlines()[0]})"
             ) from None
@@ -198,15 +205,24 @@ class _PtReader(ShardReader):
         super().close()
 
 
-def _check_not_cut(path: Path, size: int) -> None:
+def _check_not_cut(path: Path, size: int, indexed: int | None) -> None:
     """DataError if the file at ``path`` is now shorter than the ``size`` it had when it
-    was opened (cut while this reader opened it)."""
+    was opened (cut while this reader opened it), or is not the size the folder's
+    manifest records (``indexed``; cut before it was opened, in the moment between the
+    store's look and the reader's own open), or is empty."""
     try:
         found = os.stat(path).st_size
     except OSError:
         return
     if found < size:
         raise truncated(str(path), 0, found, size)
+    if indexed is not None and found != indexed:
+        raise changed_since_indexed(str(path), found, indexed)
+    if found == 0:  # (a manifest without sizes: written by write_shards) never a whole shard
+        raise DataError(
+            f"{path}: the file has 0 bytes (something cut or is rewriting it); restore the file, then resume "
+            "from the last saved state"
+        )
 
 
 def _tensor_offset(t: torch.Tensor, i: int) -> int:

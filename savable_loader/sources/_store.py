@@ -161,10 +161,7 @@ class LocalShardFile(ShardFile):
         if size is not None and self.size != size:
             found = self.size
             self.close()
-            raise DataError(
-                f"{path}: the file has {found} bytes, the folder's manifest says {size} (the shard changed "
-                f"after it was indexed: index the folder again, e.g. `python -m savable_loader index`)"
-            )
+            raise changed_since_indexed(str(path), found, size)
 
     @property
     def local_path(self) -> Path:
@@ -307,6 +304,15 @@ def store_for(
     if store is not None:
         return store
     return LocalShardStore(os.fspath(folder))  # type: ignore[arg-type]  # a Storage gives a store above
+
+
+def changed_since_indexed(name: str, found: int, indexed: int) -> DataError:
+    """The :class:`~savable_loader.errors.DataError` of a shard whose size is not the one
+    the folder's manifest records."""
+    return DataError(
+        f"{name}: the file has {found} bytes, the folder's manifest says {indexed} (the shard changed "
+        f"after it was indexed: index the folder again, e.g. `python -m savable_loader index`)"
+    )
 
 
 def truncated(name: str, offset: int, found: int, expected: int) -> DataError:
