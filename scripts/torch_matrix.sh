@@ -36,6 +36,8 @@ subset=(
     tests/test_owned_rng.py
     tests/test_global_rngs.py
     tests/test_sigchld.py
+    tests/test_rng_states.py
+    tests/test_inline.py
 )
 test_deps=(pytest pytest-timeout pytest-xdist hypothesis psutil)
 

@@ -335,6 +335,34 @@ class ResetDrawsSource(sl.SavableDataset):
         return {}
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_caller_drawing_any_amount_between_batches_keeps_its_python_stream(seed):
+    """Between two next() of an in-process loader the caller draws from Python's random
+    (a few words, up to and across the end of a block of 624, a gauss, a re-seed): its
+    stream is a twin's that never met the loader (the same draws; after a seed the same
+    getstate()), and the batches are the reference's."""
+    plan = random.Random(seed)
+    reference = list(_in_process_loader(stateful_pipeline()))
+    random.seed(seed)
+    twin = random.Random(seed)
+    got = []
+    for payload in _in_process_loader(stateful_pipeline()):
+        got.append(payload)
+        how = plan.randrange(4)
+        if how == 0:
+            for _ in range(plan.choice([1, 2, 3, 300, 622, 623, 624, 625, 2000])):
+                assert random.getrandbits(32) == twin.getrandbits(32)
+        elif how == 1:
+            assert random.gauss(0, 1) == twin.gauss(0, 1)
+        elif how == 2:
+            k = plan.randrange(10**6)
+            random.seed(k)
+            twin.seed(k)
+            assert random.getstate() == twin.getstate()
+    assert [random.getrandbits(32) for _ in range(2000)] == [twin.getrandbits(32) for _ in range(2000)]
+    assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
 @pytest.mark.parametrize("restore", [False, True])
 def test_in_process_reset_and_restore_leave_caller_rng_untouched(restore):
     """reset_state_own draws at an epoch's start and at a restore: inside the loader's
