@@ -170,11 +170,13 @@ def _keep(state: Any) -> None:
 
 class CallerStreams:
     """Set the caller's three global streams aside for a block, and put them back after
-    it: torch's and Python's states are copied (``get_state``, ``getstate``), NumPy's bit
-    generator is swapped for :func:`loader_bit_generator` (see the module docstring for
-    its cached Gaussian). A class (not a generator function): the loader enters one per
-    item when it loads in the caller's process. A block inside a block sets the outer
-    block's streams aside in the same way (another bit generator of the loader's).
+    it: torch's and Python's states are copied (``get_state``; Python's read by
+    :func:`caller_python_state` for an outermost block, ``getstate`` inside another),
+    NumPy's bit generator is swapped for :func:`loader_bit_generator` (see the module
+    docstring for its cached Gaussian). A class (not a generator function): the loader
+    enters one per ``next()`` when it loads in the caller's process. A block inside a
+    block sets the outer block's streams aside in the same way (another bit generator of
+    the loader's).
 
     Example::
 

@@ -313,7 +313,7 @@ class preserve_global_rng(CallerStreams):  # (lower case: a context manager used
     states are copied and put back, NumPy's bit generator is set aside while the block
     draws from one of the loader's (``_rng_states.CallerStreams``; a cached legacy
     Gaussian of the caller's is dropped). A class rather than a generator function: the
-    loader enters one per item in the main process.
+    loader enters one per ``next()`` in the main process.
 
     Example::
 

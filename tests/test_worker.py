@@ -16,7 +16,6 @@ import savable_loader as sl
 import savable_loader._worker as worker_module
 from savable_loader._worker import (
     End,
-    Item,
     PipelineWorkerDataset,
     SnapshotRing,
     WorkerRuntime,
