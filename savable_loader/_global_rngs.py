@@ -113,10 +113,10 @@ class GlobalRngs:
         self._fixed: tuple[int, int] | None = None
         self._seeds: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (seed, epoch) -> the fixed state's seed
 
-    def begin(self, seed: int, epoch: int, changed: bool = False) -> None:
-        """Before a batch: the generators left out in the fixed state of ``(seed, epoch)``
-        (put in again only if anything changed them since; ``changed``: the caller knows
-        it did, as in the main process, where the caller's own states were put back)."""
+    def begin(self, seed: int, epoch: int) -> None:
+        """Before a batch or item: the generators left out in the fixed state of
+        ``(seed, epoch)``, put in every time (cheaper than looking first, and the check
+        after it draws from Python's)."""
         if not self.undeclared:
             return
         key = (seed, epoch)  # (put in every time: cheaper than looking, and the look draws)

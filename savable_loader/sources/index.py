@@ -298,8 +298,8 @@ class IndexedDataset(Dataset):
         set_info_seed = worker_seed_setter()
         if set_info_seed is not None:  # in a worker: get_worker_info().seed follows torch.initial_seed()
             reseed = _both(reseed, set_info_seed)
-        if guard is not None:  # (in the caller's process its streams were just set aside: put in anew)
-            guard.begin(self.seed, key.epoch, changed=set_info_seed is None)
+        if guard is not None:  # the generators left out in their fixed state for this batch
+            guard.begin(self.seed, key.epoch)
         if many is not None or self.reseed == "batch":
             reseed(sample_item(base, key.positions[0], formula))
             owned.seed_sample(key.positions[0])
