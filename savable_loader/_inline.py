@@ -49,9 +49,26 @@ class _Inline:
         return torch.from_numpy, (self.array,)
 
 
+#: Per dtype: whether a tensor of it comes back from NumPy as the same dtype (looked up
+#: once per dtype in each process; a dtype NumPy lacks, or maps to another, stays out).
+_ROUND_TRIPS: dict[torch.dtype, bool] = {}
+
+
+def _round_trips(dtype: torch.dtype) -> bool:
+    known = _ROUND_TRIPS.get(dtype)
+    if known is None:
+        try:
+            known = torch.from_numpy(torch.empty(0, dtype=dtype).numpy()).dtype == dtype
+        except (TypeError, RuntimeError):
+            known = False
+        _ROUND_TRIPS[dtype] = known
+    return known
+
+
 def _eligible(t: torch.Tensor) -> bool:
     return (
         type(t) is torch.Tensor
+        and _round_trips(t.dtype)
         and t.device.type == "cpu"
         and t.layout == torch.strided
         and not t.requires_grad
@@ -110,7 +127,7 @@ def inline_small_tensors(payload: Any) -> Any:
             continue
         try:
             chosen[id(t)] = _Inline(t.numpy())
-        except (TypeError, RuntimeError):  # a dtype NumPy lacks (bfloat16, ...), a conjugate view
+        except (TypeError, RuntimeError):  # a conjugate or negative view
             continue
     if not chosen:
         return payload

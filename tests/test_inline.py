@@ -34,6 +34,8 @@ def test_small_tensors_come_back_equal_in_dtype_shape_and_values() -> None:
         torch.tensor(3.5, dtype=torch.float16),
         torch.arange(6, dtype=torch.uint8),
         torch.randn(3, dtype=torch.complex64),
+        *(torch.arange(4, dtype=d) for d in (torch.int8, torch.int16, torch.int32, torch.float64)),
+        *(torch.arange(4).to(getattr(torch, n)) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)),
     ]
     out = inline_small_tensors(tensors)
     assert all(isinstance(v, _Inline) for v in out[:2])
@@ -61,6 +63,7 @@ def test_containers_keep_their_types_and_a_tensor_seen_twice_stays_one_object() 
         pytest.param(lambda: torch.arange(12).reshape(3, 4).t(), id="not contiguous"),
         pytest.param(lambda: torch.ones(3, requires_grad=True), id="requires grad"),
         pytest.param(lambda: torch.ones(3, dtype=torch.bfloat16), id="a dtype NumPy lacks"),
+        pytest.param(lambda: torch.ones(3, dtype=torch.complex64).conj(), id="a conjugate view"),
         pytest.param(lambda: torch.nn.Parameter(torch.ones(3), requires_grad=False), id="a subclass"),
         pytest.param(lambda: torch.ones(3).to_sparse(), id="sparse"),
     ],
