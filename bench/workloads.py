@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 __all__ = [
     "WORKLOADS",
     "Workload",
+    "augmented_image",
     "cpu_sample",
     "cpu_torch_sample",
     "io_sample",
@@ -51,16 +52,20 @@ def tiny_sample(index: int) -> torch.Tensor:
     return torch.tensor([float(index), random.random(), float(np.random.rand()), float(torch.rand(()))])
 
 
-def cpu_sample(index: int) -> tuple[torch.Tensor, int]:
-    """A 3 x SIDE x SIDE image: random crop, flip (random), brightness (NumPy), noise (torch)."""
-    x = torch.full((3, SIDE + 4, SIDE + 4), (index % 251) / 251.0)
+def augmented_image(index: int, side: int = SIDE) -> torch.Tensor:
+    """A 3 x side x side image: random crop, flip (random), brightness (NumPy), noise (torch)."""
+    x = torch.full((3, side + 4, side + 4), (index % 251) / 251.0)
     i, j = random.randint(0, 4), random.randint(0, 4)
-    x = x[:, i : i + SIDE, j : j + SIDE]
+    x = x[:, i : i + side, j : j + side]
     if random.random() < 0.5:
         x = x.flip(-1)
     x = x * float(np.random.uniform(0.8, 1.2))
-    x = x + 0.05 * torch.randn(3, SIDE, SIDE)
-    return x, index % 10
+    return x + 0.05 * torch.randn(3, side, side)
+
+
+def cpu_sample(index: int) -> tuple[torch.Tensor, int]:
+    """:func:`augmented_image` of SIDE x SIDE, and a label."""
+    return augmented_image(index), index % 10
 
 
 def tiny_torch_sample(index: int) -> torch.Tensor:

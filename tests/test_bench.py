@@ -15,26 +15,11 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quick_run_writes_json_with_every_figure(tmp_path):
-    out = tmp_path / "run.json"
+def run_bench(module: str, *args: str, out: Path) -> tuple[dict, str]:
+    """``python -m <module> <args> --json <out>`` from the repository root: its JSON and
+    what it printed (the test fails with the run's stderr if it exits non-zero)."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            "--quick",
-            "--workloads",
-            "tiny",
-            "--contenders",
-            "savable",
-            "--scale",
-            "0.4",
-            "--no-scaling",
-            "--extras",
-            "costs",
-            "--json",
-            str(out),
-        ],
+        [sys.executable, "-m", module, *args, "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -42,7 +27,16 @@ def test_quick_run_writes_json_with_every_figure(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_quick_run_writes_json_with_every_figure(tmp_path):
+    results, printed = run_bench(
+        "bench",
+        *("--quick", "--workloads", "tiny", "--contenders", "savable", "--scale", "0.4"),
+        *("--no-scaling", "--extras", "costs"),
+        out=tmp_path / "run.json",
+    )
     assert results["mode"] == "quick" and results["machine"]["cpu_count"] >= 1 and results["date"]
     assert results["parameters"]["repeats"] == 2
     tiny = results["workloads"]["tiny"]["contenders"]
@@ -68,7 +62,7 @@ def test_quick_run_writes_json_with_every_figure(tmp_path):
     cpu = results_by_figure["tiny / savable: CPU ratio (all processes)"]
     assert cpu["target"] == ">= 0.9" and cpu["value"] == tiny["savable"]["cpu_ratio"]
     assert "re-seed (seed_global)" in results["costs"]["us_per_sample"]
-    assert "| SavableDataLoader (drop-in)" in proc.stdout  # the table
+    assert "| SavableDataLoader (drop-in)" in printed  # the table
 
 
 def test_verdicts_flag_a_spread_wider_than_the_margin():
@@ -102,30 +96,11 @@ def test_unknown_workload_is_a_usage_error():
 def test_dropin_bench_writes_every_figure(tmp_path):
     """`bench/bench_dropin.py` (#30) on a tiny size: every loader's figures, the paired
     ratios and the per-sample worker steps are in its JSON."""
-    out = tmp_path / "dropin.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.bench_dropin",
-            "--samples",
-            "128",
-            "--repeats",
-            "2",
-            "--batch-reseed",
-            "--step-rounds",
-            "20",
-            "--json",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
+    results, printed = run_bench(
+        "bench.bench_dropin",
+        *("--samples", "128", "--repeats", "2", "--batch-reseed", "--step-rounds", "20"),
+        out=tmp_path / "dropin.json",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(out.read_text())
     assert set(results["loaders"]) == {"torch", "savable", "savable-batch"}
     for figures in results["loaders"].values():
         assert set(figures) == {"samples_per_s", "main_us", "workers_us", "cpu_us"}
@@ -134,4 +109,4 @@ def test_dropin_bench_writes_every_figure(tmp_path):
         assert len(results[name]["values"]) == 2
     assert {"sample", "re-seed all three", "twist random", "twist numpy", "twist torch"} <= set(results["steps_us"])
     assert [t["figure"] for t in results["targets"]] == ["wall ratio", "CPU ratio"]
-    assert "CPU ratio:" in proc.stdout
+    assert "CPU ratio:" in printed
