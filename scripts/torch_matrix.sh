@@ -38,6 +38,8 @@ subset=(
     tests/test_sigchld.py
     tests/test_rng_states.py
     tests/test_inline.py
+    tests/test_pt_layout.py
+    tests/test_held_file.py
 )
 test_deps=(pytest pytest-timeout pytest-xdist hypothesis psutil)
 

@@ -391,6 +391,56 @@ def first_error(folder: Path) -> str:
     return str(info.value)
 
 
+def _layouts() -> dict[str, list[Any]]:
+    """Shards whose rows lie in their files in every way: C and Fortran order, rows of
+    one element and of none, views of a shared storage, rows that are not contiguous."""
+    base = torch.arange(9 * 6, dtype=torch.int16).reshape(9, 6)
+    return {
+        ".npy": [
+            np.arange(5 * 3 * 2, dtype=np.float64).reshape(5, 3, 2),
+            np.asfortranarray(np.arange(4 * 3, dtype=np.int32).reshape(4, 3)),
+            np.arange(6, dtype=np.uint16),
+            np.zeros((3, 0), np.float32),
+            np.array([True, False, True]),
+        ],
+        ".pt": [
+            torch.linspace(0, 1, 4 * 5, dtype=torch.bfloat16).reshape(4, 5),
+            {"a": base[:5, 1:], "b": base[:5, 0], "t": base.t()[:5], "s": base[::2]},
+            {"x": torch.arange(24, dtype=torch.float32).reshape(4, 6).t()[:4], "y": torch.zeros(4, 0)},
+            torch.view_as_complex(torch.arange(3 * 2 * 2, dtype=torch.float32).reshape(3, 2, 2)),
+            torch.arange(5) % 2 == 0,
+        ],
+    }
+
+
+def _rows_of(shard: Any) -> list[Any]:
+    if isinstance(shard, np.ndarray):
+        return [torch.from_numpy(np.array(row)) for row in shard]
+    if isinstance(shard, torch.Tensor):
+        return list(shard)
+    return [{k: v[i] for k, v in shard.items()} for i in range(len(next(iter(shard.values()))))]
+
+
+@pytest.mark.parametrize(("fmt", "located"), [(".npy", True), (".pt", True), (".pt", False)])
+def test_every_row_layout_reads_back_exactly(tmp_path, fmt, located, monkeypatch):
+    """Rows read with pread (C order, contiguous rows), from memory (Fortran order,
+    rows not contiguous in the file) and, for .pt, with the storages' offsets not found
+    (the file loaded whole): each the row written, its dtype and shape included."""
+    import savable_loader.sources._shard_io as shard_io
+
+    if not located:
+        monkeypatch.setattr(shard_io, "storage_offsets", lambda path, storages: None)
+    shards = _layouts()[fmt]
+    write_shards(tmp_path, shards, fmt=fmt)
+    samples, _ = worker_stream(ShardedFileDataset(tmp_path, wconf(), shuffle=False), 0, 0)
+    expected = [row for shard in shards for row in _rows_of(shard)]
+    assert len(samples) == len(expected)
+    for got, want in zip(samples, expected):
+        for g, w in zip(*(list(x.values()) if isinstance(x, dict) else [x] for x in (got, want))):
+            assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w), (g, w)
+            assert g.is_contiguous() and g.untyped_storage().nbytes() == g.nbytes, "a row owns its own memory"
+
+
 def test_shard_length_disagrees_with_metadata(tmp_path):
     # (num_workers=0 only: a loader whose worker raised takes ~10 s to shut its workers
     # down, whatever the dataset; the error text crosses the process boundary unchanged)
@@ -410,6 +460,8 @@ def test_shard_length_disagrees_with_metadata(tmp_path):
         (".pt", {"a": torch.zeros(4), "b": torch.zeros(3)}, r"common first dimension, got \{'a': 4, 'b': 3\}"),
         (".pt", {"a": torch.zeros(4), "b": 1}, "entry 'b' is not a tensor"),
         (".jsonl", b'{"a": 1}\n{"a": 2}\n{"a": \n{"a": 4}\n', "line 3 is not valid JSON"),
+        (".npy", ">f4", r"dtype >f4 \(>f4\) cannot become a torch.Tensor"),  # another byte order
+        (".npy", "<M8[s]", r"dtype <M8\[s\] \(datetime64\[s\]\) cannot become a torch.Tensor"),
     ],
 )
 def test_unreadable_shards(tmp_path, fmt, content, message):
@@ -417,6 +469,8 @@ def test_unreadable_shards(tmp_path, fmt, content, message):
     path = tmp_path / f"shard-00001{fmt}"
     if isinstance(content, bytes):
         path.write_bytes(content)
+    elif isinstance(content, str):
+        np.save(path, np.zeros(4, dtype=content))
     elif content is None:
         np.save(path, np.array([object()] * 4, dtype=object), allow_pickle=True)
     else:

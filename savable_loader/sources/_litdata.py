@@ -338,7 +338,7 @@ class LitDataReader(ShardReader):
         opts = entry.options or {}
         self.leaves = [_leaf_decoder(leaf, where) for leaf in opts["data_format"]]
         self.unflatten = _unflattener(opts.get("data_spec"), len(self.leaves), where)
-        self._get, self._mmap = byte_getter(file)
+        self._get, self._held = byte_getter(file)
         if file.size < 4:
             raise DataError(f"{where}: {file.size} bytes, too short for a LitData chunk")
         n = struct.unpack("<I", self._get(0, 4))[0]
@@ -404,7 +404,7 @@ class LitDataReader(ShardReader):
         return self.project(self.unflatten(values))
 
     def close(self) -> None:
-        if self._mmap is not None:
-            self._mmap.close()
-            self._mmap = None
+        if self._held is not None:
+            self._held.close()
+            self._held = None
         super().close()

@@ -254,7 +254,7 @@ class MdsReader(ShardReader):
         ]
         self.order = list(options.columns) if options.columns is not None else names
         self.variable = sum(1 for _, s, _ in self.columns if not s)
-        self._get, self._mmap = byte_getter(file)
+        self._get, self._held = byte_getter(file)
         if file.size < 4:
             raise DataError(f"{where}: {file.size} bytes, too short for an MDS shard")
         n = _u32(self._get(0, 4), 0)
@@ -299,7 +299,7 @@ class MdsReader(ShardReader):
         return {name: out[name] for name in self.order}
 
     def close(self) -> None:
-        if self._mmap is not None:
-            self._mmap.close()
-            self._mmap = None
+        if self._held is not None:
+            self._held.close()
+            self._held = None
         super().close()

@@ -7,7 +7,8 @@ decodes one row group at a time, only the ``columns`` asked for, and keeps the l
 decoded (the one being iterated and one for ``restore_sample``), so memory holds at
 most two row groups of Python objects per worker.
 
-A local file is memory-mapped; without a local copy (``restore_sample`` on a remote
+A local file is read by pyarrow from the file, not memory-mapped (a file cut while open
+is a DataError naming it, never a ``SIGBUS``); without a local copy (``restore_sample`` on a remote
 store) the reader reads the footer and the row group's column chunks with ranged reads.
 """
 
@@ -20,9 +21,10 @@ from collections import OrderedDict
 from typing import Any
 
 from savable_loader.errors import DataError, LoaderUsageError
+from savable_loader.sources._held_file import HeldFile
 from savable_loader.sources._metadata import ShardEntry
 from savable_loader.sources._shard_io import ReadOptions, ShardReader
-from savable_loader.sources._store import ShardFile, ShardStore, SizeWatch
+from savable_loader.sources._store import ShardFile, ShardStore
 
 __all__ = ["ParquetReader", "require_pyarrow", "row_groups"]
 
@@ -73,7 +75,7 @@ def _open(file: ShardFile) -> Any:
     pq = require_pyarrow(file.name)
     try:
         if file.local_path is not None:
-            return pq.ParquetFile(str(file.local_path), memory_map=False)  # read, not mapped: see SizeWatch
+            return pq.ParquetFile(str(file.local_path), memory_map=False)  # read, not mapped: see HeldFile
         return pq.ParquetFile(_RangeFile(file))
     except DataError:
         raise
@@ -117,8 +119,8 @@ class ParquetReader(ShardReader):
         self.any_nested = any(self.nested)
         self._low = self._high = 0
         self._rows: list[tuple[Any, ...]] = []
-        path = file.local_path  # memory-mapped: a file truncated meanwhile is checked for, not a SIGBUS
-        self.watch = SizeWatch(path, file.name, file.size) if path is not None else None
+        path = file.local_path  # a file truncated meanwhile is checked for before each row group
+        self.watch = HeldFile(path, file.name, file.size) if path is not None else None
 
     def __len__(self) -> int:
         return self.starts[-1]

@@ -5,11 +5,17 @@ A reader gives random access to the samples of one shard: ``len(reader)`` and
 :class:`~savable_loader.sources._store.ShardFile` (the storage seam, see ``_store.py``),
 and is built by :func:`open_reader` from the shard's manifest entry (``_metadata.py``).
 
-* ``npy``: a NumPy array (not an object array), memory-mapped; sample ``i`` is row
-  ``i`` (``array[i]``) copied into a ``torch.Tensor``.
+* ``npy``: a NumPy array (not an object array); sample ``i`` is row ``i``
+  (``array[i]``) read from the file into a ``torch.Tensor``.
 * ``pt``: a file written by ``torch.save`` holding a tensor or a dict of tensors with
-  a common first dimension, loaded with ``weights_only=True`` and ``mmap=True``; sample
-  ``i`` is ``tensor[i]`` (or ``{name: tensor[i]}``), cloned.
+  a common first dimension, opened with ``weights_only=True`` and ``mmap=True`` (which
+  reads no data); sample ``i`` is ``tensor[i]`` (or ``{name: tensor[i]}``) read from the
+  file into a tensor of its own (``_pt_layout.py`` finds where each tensor lies).
+
+Rows are read with ``pread`` (``_held_file.py``), never through a memory map: a shard cut
+while open is a DataError naming it and the offset, never a ``SIGBUS``. Rows that do not
+lie contiguously in the file (a Fortran-order array, a transposed tensor) are read into
+memory once when the shard is opened.
 * ``jsonl``: one JSON value per line (UTF-8, ``\\n`` separated, a final newline
   optional), each decoded with msgspec when it is read.
 * ``tar`` (``_tar.py``), ``parquet`` (``_parquet.py``), ``mds`` (``_mds.py``),
@@ -36,6 +42,7 @@ import numpy as np
 import torch
 
 from savable_loader.errors import DataError
+from savable_loader.sources._held_file import FileRows, HeldFile, truncated
 from savable_loader.sources._metadata import (
     METADATA_NAME,
     SUFFIX_FORMATS,
@@ -44,14 +51,8 @@ from savable_loader.sources._metadata import (
     ShardEntry,
     encode_metadata,
 )
-from savable_loader.sources._store import (
-    LocalShardStore,
-    ShardFile,
-    ShardStore,
-    SizeWatch,
-    changed_since_indexed,
-    truncated,
-)
+from savable_loader.sources._pt_layout import storage_offsets
+from savable_loader.sources._store import LocalShardStore, ShardFile, ShardStore, changed_since_indexed
 
 __all__ = ["ReadOptions", "ShardReader", "open_reader", "open_shard", "write_shards"]
 
@@ -90,7 +91,7 @@ class ShardReader:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Release the file (memory maps are released when the last view goes)."""
+        """Release the file."""
         self.file.close()
 
     def _local(self) -> Path:
@@ -125,29 +126,40 @@ class _NpyReader(ShardReader):
         path = self.path = self._local()
         if options.columns is not None:
             raise DataError(f"{path}: columns= selects fields of dict samples; an .npy shard holds rows")
-        try:
-            self.array = np.load(path, mmap_mode="r", allow_pickle=False)
+        try:  # the header only: a memory map that is never read, the rows are read with pread
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
         except Exception as e:  # noqa: BLE001 - any failure means an unreadable file
             _check_not_cut(path, file.size, entry.size)
             raise DataError(f"{path}: cannot read the .npy shard ({type(e).__name__}: {e})") from None
-        if not isinstance(self.array, np.ndarray) or self.array.ndim == 0:
+        if not isinstance(array, np.ndarray) or array.ndim == 0:
             raise DataError(f"{path}: a .npy shard must hold an array with at least one dimension")
         try:
-            torch.from_numpy(np.zeros(0, dtype=self.array.dtype))
-        except TypeError:
-            raise DataError(f"{path}: dtype {self.array.dtype} cannot become a torch.Tensor") from None
-        self.watch = SizeWatch(path, str(path), os.stat(path).st_size)
+            dtype = torch.from_numpy(np.zeros(0, dtype=array.dtype)).dtype
+        except (TypeError, ValueError):  # (ValueError: another byte order than this machine's)
+            raise DataError(f"{path}: dtype {array.dtype.str} ({array.dtype}) cannot become a torch.Tensor") from None
+        self.length = int(array.shape[0])
+        self.held = HeldFile(path, str(path))
+        offset = int(getattr(array, "offset", 0))
+        self.whole: np.ndarray | None = None
+        self.rows: FileRows | None = None
+        if array.flags.c_contiguous:
+            self.rows = FileRows(self.held, offset, int(array.strides[0]), tuple(array.shape[1:]), dtype)
+        else:  # Fortran order: a row is not contiguous in the file; read the array once
+            whole = np.empty(array.shape, array.dtype, order="F")
+            self.held.readinto(offset, whole.T.reshape(-1).view(np.uint8))
+            self.whole = whole
 
     def __len__(self) -> int:
-        return int(self.array.shape[0])
+        return self.length
 
     def read(self, i: int) -> torch.Tensor:
-        self.watch.check(int(getattr(self.array, "offset", 0)) + i * int(self.array.strides[0]))
-        return torch.from_numpy(np.array(self.array[i]))
+        if self.rows is not None:
+            return self.rows.read(i)
+        return torch.from_numpy(np.array(self.whole[i]))  # type: ignore[index]  # set when rows is None
 
     def close(self) -> None:
-        self.__dict__.pop("array", None)
-        self.watch.close()
+        self.whole = self.rows = None
+        self.held.close()
         super().close()
 
 
@@ -157,7 +169,7 @@ class _PtReader(ShardReader):
     def __init__(self, file: ShardFile, entry: ShardEntry, store: ShardStore, options: ReadOptions) -> None:
         super().__init__(file, entry, store, options)
         path = self.path = self._local()
-        try:
+        try:  # (mmap=True reads no data: the tensors give their layout, the rows are read with pread)
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001
             _check_not_cut(path, file.size, entry.size)
@@ -185,24 +197,51 @@ class _PtReader(ShardReader):
             if missing:
                 raise DataError(f"{path}: no field {missing[0]!r} (fields: {sorted(tensors)})")
             tensors = {c: tensors[c] for c in options.columns}
-        self.tensors = tensors
         self.single = isinstance(data, torch.Tensor)
         self.length = int(lengths.pop())
-        self.watch = SizeWatch(path, str(path), os.stat(path).st_size)
+        self.held = HeldFile(path, str(path))
+        self.rows = self._rows(path, tensors)
+
+    def _rows(self, path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, FileRows | torch.Tensor]:
+        """Per tensor, a :class:`FileRows` reading its rows from the file, or the tensor
+        in memory (rows not contiguous in the file, or a layout not found)."""
+        offsets = storage_offsets(path, [t.untyped_storage() for t in tensors.values()])
+        if offsets is None:  # read the whole file (not mapped): never a row from a map
+            try:
+                loaded = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - cut or rewritten since it was opened
+                _check_not_cut(path, self.held.size, self.entry.size)
+                raise DataError(f"{path}: cannot read the .pt shard ({type(e).__name__}: {e})") from None
+            return {k: (loaded if self.single else loaded[k]) for k in tensors}
+        rows: dict[str, FileRows | torch.Tensor] = {}
+        for (name, t), at in zip(tensors.items(), offsets):
+            size = t.element_size()
+            if self.length == 0 or t[0].is_contiguous():
+                first = at + int(t.storage_offset()) * size
+                rows[name] = FileRows(self.held, first, int(t.stride(0)) * size, tuple(t.shape[1:]), t.dtype)
+            else:  # rows not contiguous: read the tensor's storage once
+                storage = np.empty(t.untyped_storage().nbytes(), np.uint8)
+                self.held.readinto(at, storage)
+                memory = torch.from_numpy(storage).view(t.dtype) if storage.size else torch.empty(0, dtype=t.dtype)
+                rows[name] = memory.as_strided(t.shape, t.stride(), t.storage_offset())
+        return rows
 
     def __len__(self) -> int:
         return self.length
 
     def read(self, i: int) -> Any:
-        self.watch.check(_tensor_offset(next(iter(self.tensors.values())), i))
         if self.single:
-            return self.tensors[""][i].clone()
-        return {k: v[i].clone() for k, v in self.tensors.items()}
+            return _row(self.rows[""], i)
+        return {k: _row(v, i) for k, v in self.rows.items()}
 
     def close(self) -> None:
-        self.__dict__.pop("tensors", None)
-        self.watch.close()
+        self.rows = {}
+        self.held.close()
         super().close()
+
+
+def _row(rows: FileRows | torch.Tensor, i: int) -> torch.Tensor:
+    return rows.read(i) if isinstance(rows, FileRows) else rows[i].clone()
 
 
 def _check_not_cut(path: Path, size: int, indexed: int | None) -> None:
@@ -223,12 +262,6 @@ def _check_not_cut(path: Path, size: int, indexed: int | None) -> None:
             f"{path}: the file has 0 bytes (something cut or is rewriting it); restore the file, then resume "
             "from the last saved state"
         )
-
-
-def _tensor_offset(t: torch.Tensor, i: int) -> int:
-    """Where row ``i`` of a memory-mapped tensor starts, counted from its storage (the
-    file offset of the storage is not public): for messages only."""
-    return int((t.storage_offset() + i * (t.stride(0) if t.dim() else 0)) * t.element_size())
 
 
 class _JsonlReader(ShardReader):

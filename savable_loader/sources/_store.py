@@ -38,9 +38,10 @@ The contract, all of it:
     * ``read(offset, length)``: exactly ``length`` bytes from ``offset``; a short read is a
       :class:`~savable_loader.errors.DataError` naming the file and the range.
     * ``local_path``: a local file holding the whole shard, or None. Readers that need a
-      file (``.npy`` and ``.pt`` are memory-mapped, ``.jsonl`` is read whole) are opened
-      with ``whole=True``; the tar, Parquet, MDS and LitData readers use ``local_path``
-      when there is one (memory map) and ``read`` otherwise.
+      file (``.npy`` and ``.pt`` rows are read from it, ``.jsonl`` is read whole) are
+      opened with ``whole=True``; the tar, Parquet, MDS and LitData readers use
+      ``local_path`` when there is one and ``read`` otherwise. Local files are read with
+      ``pread`` through a held descriptor, never memory-mapped (``_held_file.py``).
     * ``close()``.
 
 Stores and files are created in the process that uses them (a dataset drops its open
@@ -53,7 +54,6 @@ maps to a remote store there.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import secrets
 from abc import ABC, abstractmethod
@@ -62,6 +62,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from savable_loader.errors import DataError, LoaderUsageError
+from savable_loader.sources._held_file import HeldFile, truncated
 
 if TYPE_CHECKING:
     from savable_loader.sources._metadata import ShardEntry
@@ -315,73 +316,20 @@ def changed_since_indexed(name: str, found: int, indexed: int) -> DataError:
     )
 
 
-def truncated(name: str, offset: int, found: int, expected: int) -> DataError:
-    """The :class:`~savable_loader.errors.DataError` of a shard that became shorter while
-    it was open (a sync job rewriting it, a full disk), met reading byte ``offset``."""
-    return DataError(
-        f"{name}: the shard was truncated while open: reading byte offset {offset}, the file has {found} bytes, "
-        f"{expected} expected (something rewrote or cut it during the run); restore the file, then resume "
-        "from the last saved state"
-    )
-
-
-class SizeWatch:
-    """The size of an open local file, from a descriptor held since it was opened: a
-    memory-mapped read of a file truncated meanwhile kills the process (``SIGBUS``), so
-    readers of memory maps call :meth:`check` first (one ``fstat``, about a microsecond).
-
-    Example::
-
-        watch = SizeWatch(path, name, size); watch.check(offset); ...; watch.close()
-    """
-
-    def __init__(self, path: Path, name: str, size: int) -> None:
-        self.fd: int | None = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self.name = name
-        self.size = size
-
-    def check(self, offset: int) -> None:
-        """DataError if the file is now shorter than it was when opened."""
-        if self.fd is None:
-            return
-        found = os.fstat(self.fd).st_size
-        if found < self.size:
-            raise truncated(self.name, offset, found, self.size)
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except OSError:
-            pass
-
-
-def byte_getter(file: ShardFile) -> tuple[Callable[[int, int], bytes], mmap.mmap | None]:
-    """``(get, mm)``: ``get(offset, length)`` reads bytes of ``file``, from a memory map
-    ``mm`` when it has a local copy (close ``mm`` when done), else with ``file.read``.
-    Reads past the end of a memory map come back short: callers check lengths. A file
-    truncated while mapped is a DataError naming the offset (never a ``SIGBUS``)."""
+def byte_getter(file: ShardFile) -> tuple[Callable[[int, int], bytes], HeldFile | None]:
+    """``(get, held)``: ``get(offset, length)`` reads bytes of ``file``, through a
+    :class:`~savable_loader.sources._held_file.HeldFile` ``held`` when it has a local copy
+    (close ``held`` when done), else with ``file.read``. Reads past the end come back
+    short: callers check lengths. A file truncated while open is a DataError naming the
+    offset (never a ``SIGBUS``: nothing is memory-mapped)."""
     path = file.local_path
     if path is None or file.size == 0:
         return file.read, None
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if len(mm) != file.size:
-        size = len(mm)
-        mm.close()
+    held = HeldFile(path, file.name, file.size)
+    size = os.fstat(held.fd).st_size  # type: ignore[arg-type]  # just opened
+    if size != file.size:
+        held.close()
         if size < file.size:
             raise truncated(file.name, 0, size, file.size)
         raise DataError(f"{file.name}: the file has {size} bytes, expected {file.size} (it changed while open)")
-    expected = file.size
-
-    def get(offset: int, length: int) -> bytes:
-        found = mm.size()  # the file's size now (fstat of the map's descriptor)
-        if found < expected:
-            raise truncated(file.name, offset, found, expected)
-        return mm[offset : offset + length]
-
-    return get, mm
+    return held.get, held

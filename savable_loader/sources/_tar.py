@@ -187,7 +187,7 @@ def iter_members(get: Callable[[int, int], bytes], start: int, stop: int, size: 
 def scan_tar(file: ShardFile) -> np.ndarray:
     """Build the index of a tar (Energon's layout, see the module docstring)."""
     where = file.name
-    get, mm = byte_getter(file)
+    get, held = byte_getter(file)
     try:
         if file.size >= 2 and get(0, 2) == b"\x1f\x8b":
             raise DataError(f"{where}: a gzip-compressed tar; random access needs an uncompressed tar (gunzip it)")
@@ -212,8 +212,8 @@ def scan_tar(file: ShardFile) -> np.ndarray:
         offsets.append(end)
         return np.array(offsets, dtype="<u8")
     finally:
-        if mm is not None:
-            mm.close()
+        if held is not None:
+            held.close()
 
 
 def encode_index(offsets: np.ndarray) -> bytes:
@@ -335,7 +335,7 @@ class TarReader(ShardReader):
         except TarIndexError as e:
             raise TarIndexError(f"{e}{self.hint}") from None
         self.columns = frozenset(options.columns) if options.columns is not None else None
-        self._get, self._mmap = byte_getter(file)
+        self._get, self._held = byte_getter(file)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -355,7 +355,7 @@ class TarReader(ShardReader):
             raise TarIndexError(f"{e}{self.hint}") from None
 
     def close(self) -> None:
-        if self._mmap is not None:
-            self._mmap.close()
-            self._mmap = None
+        if self._held is not None:
+            self._held.close()
+            self._held = None
         super().close()
