@@ -17,6 +17,13 @@ view of a larger buffer, or two tensors on one storage, keep torch's way, which 
 the sharing). It is found in the item's payload itself or in lists, tuples, named tuples
 and dicts, nested; anything else travels as torch sends it.
 
+In a worker, torch's ``default_collate`` stacks a batch of tensors straight into shared
+memory (a new shared-memory file per batch, its pages faulted in fresh), to save a copy
+when it is sent. A batch that goes inline never uses that memory: the pipeline's batching
+wrappers collate with :func:`inline_default_collate` instead, which is
+``default_collate`` but stacks such a batch in ordinary memory (larger batches, dtypes
+NumPy lacks and tensor subclasses keep torch's way). Same values, dtypes and shapes.
+
 Example (in a worker, on the way out)::
 
     payload = inline_small_tensors(payload)   # pickled by the worker's result queue
@@ -27,8 +34,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
-__all__ = ["INLINE_MAX_BYTES", "inline_small_tensors"]
+from savable_loader._torch_internals import collate_with_tensor_rule
+
+__all__ = ["INLINE_MAX_BYTES", "collate_for_inline", "inline_default_collate", "inline_small_tensors"]
 
 #: The largest tensor (bytes of its values) sent inside the message; larger ones go
 #: through shared memory, whose fixed cost is then small against copying them.
@@ -132,3 +142,30 @@ def inline_small_tensors(payload: Any) -> Any:
     if not chosen:
         return payload
     return _replace(payload, chosen, 0)
+
+
+def _stack_inline(batch: Any, torch_rule: Any, *, collate_fn_map: Any = None) -> Any:
+    """A batch of tensors that will go inline stacked in ordinary memory; torch's rule
+    (shared memory in a worker) for any other."""
+    elem = batch[0]
+    if (
+        type(elem) is torch.Tensor
+        and elem.layout == torch.strided
+        and not elem.is_nested
+        and elem.device.type == "cpu"
+        and _round_trips(elem.dtype)
+        and sum(x.numel() for x in batch) * elem.element_size() <= INLINE_MAX_BYTES
+    ):
+        return torch.stack(batch, 0)
+    return torch_rule(batch, collate_fn_map=collate_fn_map)
+
+
+#: torch's ``default_collate``, small tensor batches stacked in ordinary memory (see the
+#: module docstring): what ``BatchDataset`` and ``GroupBatchDataset`` collate with by default.
+inline_default_collate = collate_with_tensor_rule(_stack_inline)
+
+
+def collate_for_inline(collate_fn: Any) -> Any:
+    """:func:`inline_default_collate` for torch's ``default_collate``, any other
+    ``collate_fn`` as it is."""
+    return inline_default_collate if collate_fn is default_collate else collate_fn

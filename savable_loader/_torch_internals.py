@@ -44,6 +44,7 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import DataLoader
 from torch.utils.data import _utils as _torch_data_utils
+from torch.utils.data._utils import collate as _torch_collate
 from torch.utils.data._utils import worker as _torch_worker
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
@@ -54,8 +55,10 @@ __all__ = [
     "TIMEOUT_TEXT",
     "WORKER_PROCESS_TEXT",
     "ExceptionWrapper",
+    "RESULT_PIPE_BYTES",
     "ShutdownEventLoader",
     "allow_bytes_in_weights_only_loads",
+    "collate_with_tensor_rule",
     "died_pids",
     "loader_iterator",
     "next_batch",
@@ -67,6 +70,7 @@ __all__ = [
     "shutdown_workers",
     "torch_worker_id",
     "worker_processes",
+    "widen_pipe",
     "worker_seed_setter",
 ]
 
@@ -112,14 +116,16 @@ _PROFILING: Callable[[], bool] = _attr(torch._C._autograd, "_profiler_enabled", 
 
 
 def next_batch(torch_iter: Any) -> Any:
-    """``next(torch_iter)``. torch's single-process iterator is stepped as its
-    ``__next__`` steps it (``_next_data``, ``_num_yielded``) but without the
-    ``record_function`` span around it while no profiler records: that span costs about
-    4 µs a batch even unrecorded, which a loader reading in the main process pays on
-    every item. With a profiler on, with a length reported to torch (its warning when
-    more items come) or before torch's first ``_reset``, it is ``next(torch_iter)``.
-    (An execution-trace observer alone does not see the span on this path.)"""
-    if type(torch_iter) is not _SingleProcessDataLoaderIter or _PROFILING():
+    """``next(torch_iter)``. torch's iterators are stepped as their ``__next__`` steps
+    them (``_next_data``, ``_num_yielded``) but without the ``record_function`` span
+    around it while no profiler records: that span costs about 4 µs a batch even
+    unrecorded, which a loader reading in the main process pays on every item, and with
+    worker processes its exit waits for the GIL behind the queues' feeder threads (up to
+    a switch interval, on few cores). With a profiler on, with a length reported to torch
+    (its warning when more items come) or before torch's first ``_reset``, it is
+    ``next(torch_iter)``. (An execution-trace observer alone does not see the span on
+    this path.)"""
+    if type(torch_iter) not in _STEPPED or _PROFILING():
         return next(torch_iter)
     try:
         plain = torch_iter._sampler_iter is not None and torch_iter._IterableDataset_len_called is None
@@ -276,12 +282,42 @@ class _SignallingIterator(_MultiProcessingDataLoaderIter):
     def __init__(self, loader: DataLoader[Any], on_shutdown: Callable[[], None]) -> None:
         self._on_shutdown = on_shutdown  # first: a failing __init__ shuts down too (__del__)
         super().__init__(loader)
+        widen_pipe(_attr(self, "_worker_result_queue", "_MultiProcessingDataLoaderIter._worker_result_queue"))
 
     def _shutdown_workers(self) -> None:
         utils = _torch_data_utils  # (None when the interpreter tears this module down)
         if utils is not None and utils.python_exit_status is False:  # torch does nothing while Python exits
             self._on_shutdown()
         super()._shutdown_workers()
+
+
+#: torch's iterators that ``next_batch`` steps itself (exactly these types: a subclass may
+#: change ``__next__``).
+_STEPPED = frozenset({_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter, _SignallingIterator})
+
+
+def collate_with_tensor_rule(rule: Callable[..., Any]) -> Callable[[Any], Any]:
+    """torch's ``default_collate`` with its rule for a batch of tensors replaced by
+    ``rule(batch, torch_rule, collate_fn_map=...)`` (``torch_rule``: torch's own,
+    ``collate_tensor_fn``); every other rule (NumPy arrays, numbers, strings, mappings,
+    sequences, and what libraries register, as tensordict does) stays torch's, read from
+    ``default_collate_fn_map`` at each call (``_utils.collate.collate``)."""
+    collate = _attr(_torch_collate, "collate", "torch.utils.data._utils.collate.collate")
+    fn_map = _attr(_torch_collate, "default_collate_fn_map", "torch.utils.data._utils.collate.default_collate_fn_map")
+    torch_rule = _attr(_torch_collate, "collate_tensor_fn", "torch.utils.data._utils.collate.collate_tensor_fn")
+
+    def tensor_rule(batch: Any, *, collate_fn_map: Any = None) -> Any:
+        return rule(batch, torch_rule, collate_fn_map=collate_fn_map)
+
+    def collate_batch(batch: Any) -> Any:
+        return collate(batch, collate_fn_map={**fn_map, torch.Tensor: tensor_rule})
+
+    return collate_batch
+
+
+#: torch's iterators that ``next_batch`` steps itself (exactly these types: a subclass may
+#: change ``__next__``).
+_STEPPED = frozenset({_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter, _SignallingIterator})
 
 
 for _name in ("_get_iterator", "check_worker_number_rationality"):
@@ -342,6 +378,28 @@ def set_queue_feeder_hook(hook: Callable[..., None]) -> None:
     (CPython calls ``self._on_queue_feeder_error(e, obj)`` when ``obj`` cannot be sent)."""
     _attr(multiprocessing.queues.Queue, "_on_queue_feeder_error", "multiprocessing.queues.Queue._on_queue_feeder_error")
     multiprocessing.queues.Queue._on_queue_feeder_error = hook  # type: ignore[attr-defined]
+
+
+#: The pipe buffer asked for the workers' results: a message of up to about 1 MiB (a batch
+#: that goes inline, ``_inline.py``) is written whole, not 64 KiB at a time with the worker
+#: waiting for the main process to read each part. Linux's default cap for a user.
+RESULT_PIPE_BYTES = 1 << 20
+
+
+def widen_pipe(queue: Any, size: int = RESULT_PIPE_BYTES) -> int | None:
+    """Grow the pipe under a multiprocessing queue (``Queue._reader``) to ``size`` bytes
+    where the system allows it (Linux ``F_SETPIPE_SZ``); returns the size it has then,
+    None where it cannot be changed (another system, a cap, the user's pipe quota: the
+    queue works as before, only with smaller writes)."""
+    reader = _attr(queue, "_reader", "multiprocessing.queues.Queue._reader")
+    try:
+        import fcntl  # (not on Windows)
+
+        return int(fcntl.fcntl(reader.fileno(), fcntl.F_SETPIPE_SZ, size))  # (Linux only)
+    except (ImportError, AttributeError):
+        return None
+    except OSError:  # EPERM above /proc/sys/fs/pipe-max-size or the quota; EBUSY
+        return None
 
 
 def queue_push_front(queue: Any, item: Any) -> None:

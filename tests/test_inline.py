@@ -8,11 +8,19 @@ import pickle
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 import savable_loader as sl
-from savable_loader._inline import INLINE_MAX_BYTES, _Inline, inline_small_tensors
+from savable_loader._inline import (
+    INLINE_MAX_BYTES,
+    _Inline,
+    collate_for_inline,
+    inline_default_collate,
+    inline_small_tensors,
+)
 from savable_loader.wrappers import BatchDataset
 
 Pair = collections.namedtuple("Pair", "tokens label")
@@ -144,3 +152,108 @@ def test_samples_from_worker_processes_equal_those_made_in_process() -> None:
     for i, (tokens, w) in outside.items():
         assert tokens.dtype == inside[i][0].dtype and torch.equal(tokens, inside[i][0])
         assert w.dtype == inside[i][1].dtype and torch.equal(w, inside[i][1])
+
+
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
+def _collate_cases() -> list[list[Any]]:
+    big = INLINE_MAX_BYTES // 4 // 4 + 1  # four float32 rows of it: just over the inline limit
+    return [
+        [torch.arange(6, dtype=torch.int64).reshape(2, 3) + i for i in range(4)],
+        [torch.full((big,), float(i)) for i in range(4)],  # over the limit: torch's rule
+        [torch.ones(3, dtype=torch.bfloat16) * i for i in range(3)],  # NumPy lacks it: torch's rule
+        [np.arange(4, dtype=np.float32) * i for i in range(3)],
+        [{"x": torch.tensor([i, i + 1]), "n": i, "f": i / 2, "s": f"t{i}"} for i in range(3)],
+        [(torch.tensor(float(i)), [torch.tensor([i])]) for i in range(3)],
+        [_Pair(torch.zeros(2) + i, i) for i in range(3)],
+        [torch.zeros(0, 2) for _ in range(2)],
+    ]
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("case", range(len(_collate_cases())))
+def test_inline_default_collate_gives_what_default_collate_gives(case: int) -> None:
+    batch = _collate_cases()[case]
+    _assert_same(inline_default_collate(batch), default_collate(batch))
+
+
+def test_mismatched_tensors_are_torchs_error() -> None:
+    batch = [torch.zeros(2), torch.zeros(3)]
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        default_collate(batch)
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        inline_default_collate(batch)
+
+
+class _Where(torch.utils.data.Dataset):
+    """Collates in a worker process and says where each batch's tensors landed."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> dict[str, bool]:
+        cases = _collate_cases()
+        return {
+            "small_ours": inline_default_collate(cases[0]).is_shared(),
+            "small_torch": default_collate(cases[0]).is_shared(),
+            "big_ours": inline_default_collate(cases[1]).is_shared(),
+            "bfloat16_ours": inline_default_collate(cases[2]).is_shared(),
+        }
+
+
+@pytest.mark.timeout(120)
+def test_in_a_worker_a_small_batch_is_stacked_in_ordinary_memory_and_others_in_shared() -> None:
+    loader = torch.utils.data.DataLoader(_Where(), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    where = next(iter(loader))
+    assert where == {"small_ours": False, "small_torch": True, "big_ours": True, "bfloat16_ours": True}
+
+
+def test_batching_wrappers_collate_small_batches_inline_and_keep_default_collate_in_their_config() -> None:
+    wc = sl.WorkerConfig(num_workers=0, seed=0)
+    ds = BatchDataset(Rows(8, wc), 4)
+    assert ds.collate_fn is default_collate and ds.config()["collate_fn"] is default_collate
+    assert collate_for_inline(ds.collate_fn) is inline_default_collate
+    mine = lambda batch: batch
+    assert collate_for_inline(mine) is mine
+
+
+class Rows(Tokens):
+    """Rows of one length (default_collate stacks them) and their ids."""
+
+    def __iter__(self) -> Any:
+        for sample in super().__iter__():
+            yield {"x": sample["tokens"][:40], "id": sample["id"]}
+
+
+@pytest.mark.timeout(120)
+def test_batches_collated_by_default_in_workers_equal_those_made_in_process() -> None:
+    def batches(num_workers: int) -> dict[int, torch.Tensor]:
+        wc = sl.WorkerConfig(num_workers=num_workers, seed=0)
+        loader = sl.SavableDataLoader(BatchDataset(Rows(64, wc), 4), batch_size=None, worker_config=wc)
+        out = {}
+        for batch in loader:
+            assert type(batch["x"]) is torch.Tensor and batch["x"].shape == (4, 40)
+            for k, i in enumerate(batch["id"].tolist()):
+                out[i] = batch["x"][k]
+        return out
+
+    inside, outside = batches(0), batches(2)
+    assert sorted(inside) == sorted(outside) == list(range(64))
+    for i, row in outside.items():
+        assert row.dtype == inside[i].dtype and torch.equal(row, inside[i])

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import re
+import sys
 import time
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+import savable_loader as sl
 from savable_loader import _torch_internals as ti
 from savable_loader._feeder import WorkerInit, worker_done_event
 from savable_loader._torch_internals import replace_worker_info, torch_worker_id, worker_seed_setter
@@ -307,6 +310,54 @@ def test_multiprocessing_queue_internals():
     ti.queue_push_front(q, "x")
     assert {q.get(timeout=10), q.get(timeout=10)} == {"a", "x"}
     q.close()
+
+
+def _pipe_bytes(queue) -> int:
+    import fcntl
+
+    return int(fcntl.fcntl(queue._reader.fileno(), fcntl.F_GETPIPE_SZ))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pipe sizes are set on Linux only")
+def test_widen_pipe_grows_a_queues_pipe_and_the_loaders_result_pipe():
+    q = multiprocessing.get_context("fork").Queue()
+    assert _pipe_bytes(q) == 65536  # Linux's default
+    assert ti.widen_pipe(q) == ti.RESULT_PIPE_BYTES == _pipe_bytes(q)
+    q.put(b"x" * 300_000)  # one write: no reader needed while it goes in
+    assert q.get(timeout=10) == b"x" * 300_000
+    q.close()
+    loader = sl.SavableDataLoader(list(range(8)), batch_size=2, num_workers=2, seed=0)
+    it = iter(loader)
+    next(it)
+    torch_iter = it._started().torch_iter
+    assert _pipe_bytes(torch_iter._worker_result_queue) == ti.RESULT_PIPE_BYTES
+    del it
+
+
+def test_widen_pipe_leaves_a_pipe_it_cannot_grow_as_it_is(monkeypatch):
+    import fcntl
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    q = multiprocessing.get_context("fork").Queue()
+    monkeypatch.setattr(fcntl, "fcntl", refuse)
+    assert ti.widen_pipe(q) is None
+    q.put(1)
+    assert q.get(timeout=10) == 1
+    q.close()
+
+
+def test_next_batch_steps_the_iterator_of_workers_as_next_does():
+    loader = DataLoader(list(range(9)), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    it = iter(loader)
+    assert type(it) in ti._STEPPED
+    got = []
+    with pytest.raises(StopIteration):
+        while True:
+            got.append(ti.next_batch(it).tolist())
+    assert got == [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7], [8]]
+    assert it._num_yielded == 5
 
 
 class _Count(torch.utils.data.IterableDataset):

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
+from savable_loader._inline import collate_for_inline
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError, UsageTypeError
 from savable_loader.wrappers.base import BaseWrapperDataset
@@ -17,7 +18,9 @@ __all__ = ["BatchDataset"]
 class BatchDataset(BaseWrapperDataset):
     """Collates every ``batch_size`` consecutive samples into one batch.
 
-    ``collate_fn`` defaults to torch's ``default_collate``. The last, shorter batch of an
+    ``collate_fn`` defaults to torch's ``default_collate`` (in a worker process, a small
+    batch of tensors is stacked in ordinary memory, not shared memory: it travels inside
+    the worker's message, see ``savable_loader/_inline.py``). The last, shorter batch of an
     epoch is yielded unless ``drop_last``. The batch under construction is local to the
     iterator: a batch is only yielded whole, and the state is taken between batches. The
     state's ``ended`` says that the wrapped dataset has ended this epoch (the short last
@@ -59,23 +62,24 @@ class BatchDataset(BaseWrapperDataset):
         batch: list[Any] = []
         keys: list[Any] = []
         inner = self.dataset
+        collate = collate_for_inline(self.collate_fn)
         for sample in inner:
             batch.append(sample)
             keys.append(inner.sample_key)
             if len(batch) == self.batch_size:
                 self.sample_key = None if None in keys else keys
-                yield self.collate_fn(batch)
+                yield collate(batch)
                 batch, keys = [], []
         self.ended = True
         if batch and not self.drop_last:
             self.sample_key = None if None in keys else keys
-            yield self.collate_fn(batch)
+            yield collate(batch)
 
     def restore_sample(self, key: Any) -> Any:
         """The batch whose samples have the keys in the list ``key``."""
         if not isinstance(key, (list, tuple)) or not key:
             raise RestoreKeyError(f"BatchDataset key must be a non-empty list of sample keys, got {key!r}")
-        return self.collate_fn([self.dataset.restore_sample(k) for k in key])
+        return collate_for_inline(self.collate_fn)([self.dataset.restore_sample(k) for k in key])
 
     def config(self) -> dict[str, Any]:
         return {"batch_size": self.batch_size, "drop_last": self.drop_last, "collate_fn": self.collate_fn}

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import default_collate
 
+from savable_loader._inline import collate_for_inline
 from savable_loader.dataset import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers.base import BaseWrapperDataset
@@ -55,7 +56,7 @@ class GroupBatchDataset(BaseWrapperDataset):
 
     Typical use: batches of similar length (``key_fn=lambda s: len(s["tokens"]) // 64``)
     or of one modality. At the end of the epoch the partial buckets are yielded, oldest
-    first, unless ``drop_last``. ``collate_fn`` defaults to torch's ``default_collate``.
+    first, unless ``drop_last``. ``collate_fn`` defaults to torch's ``default_collate`` (small tensor batches stacked in ordinary memory in a worker, as ``BatchDataset`` does).
     Group keys must be plain values (None, bool, int, float, str, tuples of them);
     subclasses and NumPy scalars of these (``torch.Size``, ``IntEnum``, ``np.int64``)
     are taken as the plain value they equal.
@@ -105,7 +106,7 @@ class GroupBatchDataset(BaseWrapperDataset):
         _, samples, keys = bucket
         # the RNG rule: re-seed from the batch's key (None: a sample has no key, no re-seed)
         self.mark_sample(None if any(k is None for k in keys) else list(keys))
-        return self.collate_fn(samples)
+        return collate_for_inline(self.collate_fn)(samples)
 
     def __iter__(self) -> Iterator[Any]:
         inner = self.dataset
@@ -136,7 +137,7 @@ class GroupBatchDataset(BaseWrapperDataset):
             raise RestoreKeyError(f"GroupBatchDataset key must be a non-empty list of sample keys, got {key!r}")
         samples = [self.dataset.restore_sample(k) for k in key]
         self.mark_sample(list(key))
-        return self.collate_fn(samples)
+        return collate_for_inline(self.collate_fn)(samples)
 
     def config(self) -> dict[str, Any]:
         return {
