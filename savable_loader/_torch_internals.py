@@ -382,7 +382,10 @@ def set_queue_feeder_hook(hook: Callable[..., None]) -> None:
 
 #: The pipe buffer asked for the workers' results: a message of up to about 1 MiB (a batch
 #: that goes inline, ``_inline.py``) is written whole, not 64 KiB at a time with the worker
-#: waiting for the main process to read each part. Linux's default cap for a user.
+#: waiting for the main process to read each part. Linux's default cap for one pipe
+#: (``/proc/sys/fs/pipe-max-size``); it counts towards an unprivileged user's pipe quota
+#: (``pipe-user-pages-soft``, 64 MiB by default: 64 live loader iterators with workers),
+#: and once that is used up the pipe keeps its 64 KiB (the request is refused, not forced).
 RESULT_PIPE_BYTES = 1 << 20
 
 
