@@ -315,11 +315,6 @@ def collate_with_tensor_rule(rule: Callable[..., Any]) -> Callable[[Any], Any]:
     return collate_batch
 
 
-#: torch's iterators that ``next_batch`` steps itself (exactly these types: a subclass may
-#: change ``__next__``).
-_STEPPED = frozenset({_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter, _SignallingIterator})
-
-
 for _name in ("_get_iterator", "check_worker_number_rationality"):
     _attr(DataLoader, _name, f"DataLoader.{_name}")
 _attr(_MultiProcessingDataLoaderIter, "_shutdown_workers", "_MultiProcessingDataLoaderIter._shutdown_workers")

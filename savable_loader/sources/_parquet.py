@@ -8,8 +8,9 @@ decoded (the one being iterated and one for ``restore_sample``), so memory holds
 most two row groups of Python objects per worker.
 
 A local file is read by pyarrow from the file, not memory-mapped (a file cut while open
-is a DataError naming it, never a ``SIGBUS``); without a local copy (``restore_sample`` on a remote
-store) the reader reads the footer and the row group's column chunks with ranged reads.
+is a DataError naming it, never a ``SIGBUS``); without a local copy (``restore_sample``
+on a remote store) the reader reads the footer and the row group's column chunks with
+ranged reads.
 """
 
 from __future__ import annotations

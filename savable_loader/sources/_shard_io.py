@@ -11,15 +11,15 @@ and is built by :func:`open_reader` from the shard's manifest entry (``_metadata
   a common first dimension, opened with ``weights_only=True`` and ``mmap=True`` (which
   reads no data); sample ``i`` is ``tensor[i]`` (or ``{name: tensor[i]}``) read from the
   file into a tensor of its own (``_pt_layout.py`` finds where each tensor lies).
-
-Rows are read with ``pread`` (``_held_file.py``), never through a memory map: a shard cut
-while open is a DataError naming it and the offset, never a ``SIGBUS``. Rows that do not
-lie contiguously in the file (a Fortran-order array, a transposed tensor) are read into
-memory once when the shard is opened.
 * ``jsonl``: one JSON value per line (UTF-8, ``\\n`` separated, a final newline
   optional), each decoded with msgspec when it is read.
 * ``tar`` (``_tar.py``), ``parquet`` (``_parquet.py``), ``mds`` (``_mds.py``),
   ``litdata`` (``_litdata.py``): dicts, see those modules.
+
+Local rows and bytes are read with ``pread`` (``_held_file.py``), never through a memory
+map: a shard cut while open is a DataError naming it and the offset, never a
+``SIGBUS``. Rows that do not lie contiguously in the file (a Fortran-order array, a
+transposed tensor) are read into memory once when the shard is opened.
 
 ``columns`` keeps only some fields of dict samples (tar extensions, Parquet columns,
 MDS / LitData fields, the tensors of a ``.pt`` dict, the keys of JSON objects);

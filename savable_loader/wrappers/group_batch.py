@@ -56,7 +56,9 @@ class GroupBatchDataset(BaseWrapperDataset):
 
     Typical use: batches of similar length (``key_fn=lambda s: len(s["tokens"]) // 64``)
     or of one modality. At the end of the epoch the partial buckets are yielded, oldest
-    first, unless ``drop_last``. ``collate_fn`` defaults to torch's ``default_collate`` (small tensor batches stacked in ordinary memory in a worker, as ``BatchDataset`` does).
+    first, unless ``drop_last``. ``collate_fn`` defaults to torch's ``default_collate``
+    (small tensor batches stacked in ordinary memory in a worker, as ``BatchDataset``
+    does).
     Group keys must be plain values (None, bool, int, float, str, tuples of them);
     subclasses and NumPy scalars of these (``torch.Size``, ``IntEnum``, ``np.int64``)
     are taken as the plain value they equal.
