@@ -1,1 +1,1 @@
-"""Benchmarks of savable_loader against plain ``torch.utils.data.DataLoader`` (see README.md)."""
+"""Benchmarks of savable_loader against plain ``torch.utils.data.DataLoader`` (see docs/performance.md)."""

@@ -48,10 +48,10 @@ import torch
 
 import savable_loader as sl
 from bench import measure as M
-from savable_loader import rng
-from savable_loader._global_rngs import GlobalRngs, global_rngs_setting
-from savable_loader._seeds import key_prefix, key_seed_of
-from savable_loader.sources.index import IndexedDataset, IndexPlan
+from savable_loader.index.source import IndexedDataset, IndexPlan
+from savable_loader.rng import seeding as rng
+from savable_loader.rng.formulas import key_prefix, key_seed_of
+from savable_loader.rng.global_rngs import GlobalRngs, global_rngs_setting
 
 BATCH = 64
 

@@ -52,12 +52,12 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # `python bench/bench_formats.py` puts bench/ first, not the root
     sys.path.insert(0, str(_REPO))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-import savable_loader as sl  # noqa: E402
-from savable_loader.sources import ShardedFileDataset, index_folder  # noqa: E402
-from savable_loader.wrappers import BatchDataset  # noqa: E402
+import savable_loader as sl
+from savable_loader.sources import ShardedFileDataset, index_folder
+from savable_loader.wrappers import BatchDataset
 
 BATCH = 32
 TARGETS = {"tar": 0.9, "parquet": 0.5}
@@ -90,7 +90,31 @@ def write_parquet(folder: Path, files: int, rows: int) -> int:
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(1)
-    words = np.array([w.encode() for w in "the of and to in a is that for it as was with be by on not he".split()])
+    words = np.array(
+        [
+            w.encode()
+            for w in [
+                "the",
+                "of",
+                "and",
+                "to",
+                "in",
+                "a",
+                "is",
+                "that",
+                "for",
+                "it",
+                "as",
+                "was",
+                "with",
+                "be",
+                "by",
+                "on",
+                "not",
+                "he",
+            ]
+        ]
+    )
     folder.mkdir()
     j = 0
     for f in range(files):

@@ -13,11 +13,11 @@ IterableDataset yielding the same ints, in the same run (interleaved repeats), f
 ``B`` of ``--batch-sizes`` (``none``: ``batch_size=None``, one item a ``next()``; 32: 32
 items a ``next()``, collated as a list). The figures are µs per item and the ratio to
 torch's. What the loader adds: once per ``next()``, the caller's three random streams
-set aside and put back (``_rng_states.CallerStreams``: torch's and Python's states
+set aside and put back (``rng.states.CallerStreams``: torch's and Python's states
 copied through their public APIs, NumPy's bit generator swapped); per item, the
 runtime's bookkeeping (position, snapshot policy), the re-seeding, and with
 ``global_rngs=()`` the three generators put in their fixed state and checked after the
-item (``_rng_states.FixedStates``). Issue 30's targets compare these with the figures of
+item (``rng.states.FixedStates``). Issue 30's targets compare these with the figures of
 the release that copied the generators' memory (docs/performance.md).
 
 ``main(argv)`` returns the results as a dict.

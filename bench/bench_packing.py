@@ -62,7 +62,7 @@ import torch
 
 import savable_loader as sl
 from bench import measure as M
-from savable_loader._worker import WorkerRuntime
+from savable_loader.pipeline.worker import WorkerRuntime
 from savable_loader.sources import ShardedFileDataset, index_folder
 from savable_loader.state.codec import encode_part
 from savable_loader.wrappers import BatchDataset, MapDataset, PackingDataset

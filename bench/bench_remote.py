@@ -40,12 +40,12 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-import savable_loader as sl  # noqa: E402
-from bench.bench_formats import interleaved, save_json, write_tars  # noqa: E402
-from savable_loader.config import _ActiveWorker  # noqa: E402
-from savable_loader.sources import ShardedFileDataset, index_folder  # noqa: E402
-from savable_loader.storage import Storage  # noqa: E402
-from tests.storage_servers import MotoServer, ServerProcess  # noqa: E402
+import savable_loader as sl
+from bench.bench_formats import interleaved, save_json, write_tars
+from savable_loader.config import _ActiveWorker
+from savable_loader.sources import ShardedFileDataset, index_folder
+from savable_loader.storage import Storage
+from tests.storage_servers import MotoServer, ServerProcess
 
 TARGET = 0.8
 WC = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=0)

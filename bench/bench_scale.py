@@ -54,7 +54,7 @@ import torch
 
 import savable_loader as sl
 from bench import measure as M
-from savable_loader._permutation import ORDER_FEISTEL, ORDER_LEGACY
+from savable_loader.index.permutation import ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.state import IndexPosition, RankState
 
 BATCH = 64

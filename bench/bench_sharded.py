@@ -43,14 +43,14 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # `python bench/bench_sharded.py` puts bench/ first, not the root
     sys.path.insert(0, str(_REPO))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-import savable_loader as sl  # noqa: E402
-from savable_loader.config import _ActiveWorker  # noqa: E402
-from savable_loader.sources import ShardedFileDataset, write_shards  # noqa: E402
-from savable_loader.state import decode, encode  # noqa: E402
-from savable_loader.wrappers import BatchDataset  # noqa: E402
+import savable_loader as sl
+from savable_loader.config import _ActiveWorker
+from savable_loader.sources import ShardedFileDataset, write_shards
+from savable_loader.state import decode, encode
+from savable_loader.wrappers import BatchDataset
 
 BATCH = 32
 FEATURES = 256

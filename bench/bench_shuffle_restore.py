@@ -49,8 +49,8 @@ import savable_loader as sl
 from bench import measure as M
 from bench.contenders import CONTENDERS, savable_pipeline
 from bench.workloads import Workload, make_workloads
-from savable_loader._values import freeze, plain_dataset_state
-from savable_loader._worker import WorkerRuntime
+from savable_loader.dataset.values import freeze, plain_dataset_state
+from savable_loader.pipeline.worker import WorkerRuntime
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState
 

@@ -48,11 +48,11 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # `python bench/bench_streams.py` puts bench/ first, not the root
     sys.path.insert(0, str(_REPO))
 
-import savable_loader as sl  # noqa: E402
-from bench import measure as M  # noqa: E402
-from savable_loader.sources import RedisStreamSource  # noqa: E402
-from savable_loader.wrappers import BatchDataset  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+import savable_loader as sl
+from bench import measure as M
+from savable_loader.sources import RedisStreamSource
+from savable_loader.wrappers import BatchDataset
+from tests.redis_server import RedisServer
 
 WORKERS = 2
 BATCH = 64

@@ -193,7 +193,7 @@ def run_scaling(ws: dict[str, Workload], args: argparse.Namespace) -> dict[str, 
 def snapshot_share(w: Workload, num_workers: int) -> dict[str, Any]:
     """Fraction of a worker's time spent taking (and encoding) snapshots: worker 0's loop
     run in this process exactly as a worker process runs it (attached snapshots)."""
-    from savable_loader._worker import WorkerRuntime
+    from savable_loader.pipeline.worker import WorkerRuntime
 
     ds = savable_pipeline(w, num_workers)
     rt = WorkerRuntime(ds, ds.worker_config, max_in_flight=2 * num_workers + 2, in_process=False)

@@ -78,8 +78,8 @@ _LAZY = {
     "RestoreKey": "savable_loader.state.schema",
     "RestoreKeyError": "savable_loader.errors",
     "ResumeMismatchError": "savable_loader.errors",
-    "SavableDataLoader": "savable_loader.loader",
-    "SavableDataset": "savable_loader.dataset",
+    "SavableDataLoader": "savable_loader.loader.dataloader",
+    "SavableDataset": "savable_loader.dataset.base",
     "SavableLoaderError": "savable_loader.errors",
     "StateError": "savable_loader.errors",
     "StateFileError": "savable_loader.errors",
@@ -120,7 +120,7 @@ if "torch" in sys.modules:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from savable_loader import errors, rng, sources, state, storage, testing, wrappers
     from savable_loader.config import WorkerConfig
-    from savable_loader.dataset import SavableDataset
+    from savable_loader.dataset.base import SavableDataset
     from savable_loader.errors import (
         ConfigMismatchError,
         DataError,
@@ -145,5 +145,5 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         WorkerError,
         WorkerTimeoutError,
     )
-    from savable_loader.loader import SavableDataLoader
+    from savable_loader.loader.dataloader import SavableDataLoader
     from savable_loader.state.schema import RestoreKey

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from savable_loader._frameworks import check_not_rebuilt
-from savable_loader._seeds import worker_epoch_seed, worker_seed
+from savable_loader.core.frameworks import check_not_rebuilt
 from savable_loader.errors import LoaderUsageError
-from savable_loader.rng import GLOBAL_RNG_NAMES, SEED_FORMULA, global_seeder
+from savable_loader.rng.formulas import worker_epoch_seed, worker_seed
+from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, SEED_FORMULA, global_seeder
 
 __all__ = ["WorkerConfig"]
 
@@ -95,7 +95,7 @@ class WorkerConfig:
         """Number of logical workers per rank: ``num_workers``, or 1 in-process.
 
         While a loading context hosts a logical worker of a state saved under another
-        ``num_workers`` (see ``savable_loader/_hosting.py``), the number of logical
+        ``num_workers`` (see ``savable_loader/pipeline/hosting.py``), the number of logical
         workers of that state."""
         view = getattr(_active, "workers", None)
         return max(self.num_workers, 1) if view is None else int(view)
@@ -106,7 +106,7 @@ class WorkerConfig:
         Raises :class:`LoaderUsageError` in a worker process of a torch ``DataLoader``
         that no SavableDataLoader runs (one rebuilt from a SavableDataLoader's
         attributes, e.g. by ``accelerator.prepare``): each of its workers would read the
-        same data (see ``savable_loader/_frameworks.py``)."""
+        same data (see ``savable_loader/core/frameworks.py``)."""
         worker_id = getattr(_active, "worker_id", None)
         if worker_id is None:
             check_not_rebuilt(self)

@@ -34,9 +34,10 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from savable_loader._tensordict import compare, is_collection, is_jagged
-from savable_loader.dataset import SavableDataset
+from savable_loader.core.tensordict import compare, is_collection, is_jagged
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError, ResumeMismatchError
+from savable_loader.loader.dataloader import SavableDataLoader
 from savable_loader.state import decode, encode
 
 __all__ = ["ResumeMismatchError", "assert_same", "assert_streams", "check_resume"]
@@ -274,8 +275,6 @@ def _loader_factory(factory: Callable[[], Any]) -> Callable[[], Any]:
     def make() -> Any:
         built = factory()
         if isinstance(built, SavableDataset):
-            from savable_loader.loader import SavableDataLoader
-
             return SavableDataLoader(built, batch_size=None, worker_config=built.worker_config)
         if not (hasattr(built, "save_state_rank") and hasattr(built, "restore_state_rank")):
             raise LoaderUsageError(

@@ -28,18 +28,18 @@ python=${PYTHON:-python3}
 # The core resume subset: needs only torch, numpy, msgspec, cloudpickle, fsspec, pytest
 # (with pytest-timeout, pytest-xdist), hypothesis and psutil.
 subset=(
-    tests/test_torch_internals.py
-    tests/test_feeder.py
-    tests/test_loader_dropin.py
-    tests/test_loader_samplers.py
-    tests/test_loader_arguments.py
-    tests/test_owned_rng.py
-    tests/test_global_rngs.py
-    tests/test_sigchld.py
-    tests/test_rng_states.py
-    tests/test_inline.py
-    tests/test_pt_layout.py
-    tests/test_held_file.py
+    tests/torch_internals/test_torch_internals.py
+    tests/loader/test_feeder.py
+    tests/loader/test_loader_dropin.py
+    tests/loader/test_loader_samplers.py
+    tests/loader/test_loader_arguments.py
+    tests/rng/test_owned_rng.py
+    tests/rng/test_global_rngs.py
+    tests/loader/test_sigchld.py
+    tests/rng/test_rng_states.py
+    tests/dataset/test_inline.py
+    tests/sources/test_pt_layout.py
+    tests/sources/test_held_file.py
 )
 test_deps=(pytest pytest-timeout pytest-xdist hypothesis psutil)
 

@@ -114,6 +114,6 @@ class RangeSource(sl.SavableDataset):
 
 def empty_numpy_gaussian_cache() -> None:
     """Drop NumPy's legacy cached Gaussian (``np.random.randn`` makes two and keeps one),
-    as loading in the caller's process does at every ``next()`` (``_rng_states``): a no-op
+    as loading in the caller's process does at every ``next()`` (``rng.states``): a no-op
     swap of the global RandomState's bit generator empties it and keeps every word."""
     np.random.set_bit_generator(np.random.get_bit_generator())  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """Loaders whose datasets draw from NumPy's and torch's global RNGs side by side, one per
 loading path (drop-in with the loader's order or a sampler of the user's drawing from
-NumPy, savable pipeline with and without restore keys, plain IterableDataset), for the seed-formula tests (``tests/test_seed_formula.py``).
+NumPy, savable pipeline with and without restore keys, plain IterableDataset), for the seed-formula tests (``tests/rng/test_seed_formula.py``).
 
 Every item is ``[value, numpy word x3, torch word x3]`` (ints below ``2**31``): under seed
 formulas 1 and 2 the NumPy and torch words of an item are one Mersenne Twister stream

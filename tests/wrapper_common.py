@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import savable_loader as sl
-import savable_loader._worker as worker_module
+import savable_loader.pipeline.worker as worker_module
 
 #: ``(num_workers, snapshot policy)`` for the resume-at-every-step tests.
 RESUME_CASES = [
@@ -181,6 +181,6 @@ def encode_state(ds: sl.SavableDataset) -> bytes:
     """The pipeline's state as bytes (to compare two states)."""
     import msgspec
 
-    from savable_loader._values import plain_dataset_state
+    from savable_loader.dataset.values import plain_dataset_state
 
     return msgspec.msgpack.encode(plain_dataset_state(ds.save_state()))

@@ -18,6 +18,8 @@ docs/transformers.md):
 A loader with its own order (or torch's ``DistributedSampler``) needs none of them under
 Lightning, Fabric and Accelerate; ``torch.distributed.checkpoint`` needs none for any.
 
+May import: ``loader``, ``index``, ``core``, ``state``, ``errors`` (frameworks only inside their own module, imported lazily).
+
 Example::
 
     from savable_loader.integrations.transformers import SavableTrainer

@@ -4,7 +4,7 @@ Accelerate's ``save_state`` and Lightning Fabric's ``save`` call ``state_dict()`
 objects they checkpoint on every process and write the main process's answer. The
 loader's own ``state_dict()`` answers with this rank's entry only (never a collective):
 another rank then derives its position from rank 0's where it can (the loader's own
-order, torch's ``DistributedSampler``: see ``savable_loader/_rank_zero.py``). Where it
+order, torch's ``DistributedSampler``: see ``savable_loader/index/rank_zero.py``). Where it
 cannot (a savable pipeline, a sampler of the user's), put this object where the loader's
 state goes: its ``state_dict()`` gathers every rank's entry into rank 0's answer (a
 collective, run where the framework asks every rank), and its ``load_state_dict()``
@@ -20,7 +20,7 @@ With Accelerate, one line in place of ``accelerator.register_for_checkpointing(l
 
 It also states that nothing holds batches fetched ahead of the loader (a loader without
 ``len()`` whose epochs a framework sets refuses ``state_dict()`` mid-epoch unless a hook
-says so: see ``savable_loader/_frameworks.py``).
+says so: see ``savable_loader/core/frameworks.py``).
 Call its ``state_dict()`` on every rank of the data-parallel group, or on none.
 """
 
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from savable_loader._frameworks import claim
-from savable_loader._rank_zero import entries_of_every_rank
+from savable_loader.core.frameworks import claim
 from savable_loader.errors import UsageTypeError
-from savable_loader.loader import SavableDataLoader
+from savable_loader.index.rank_zero import entries_of_every_rank
+from savable_loader.loader.dataloader import SavableDataLoader
 
 __all__ = ["EveryRankState"]
 
@@ -56,7 +56,7 @@ class EveryRankState:
         """On global rank 0, every rank's entry where another rank's position cannot be
         derived from rank 0's (a collective: call it on every rank); else this rank's."""
         loader = self.loader
-        with loader._state_lock:
+        with loader._iterations.lock:
             state = loader._save(0)
         return entries_of_every_rank(loader, state)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from savable_loader.errors import LoaderUsageError
 from savable_loader.integrations.every_rank import EveryRankState
-from savable_loader.loader import SavableDataLoader
+from savable_loader.loader.dataloader import SavableDataLoader
 
 __all__ = ["FabricLoaderState"]
 
@@ -63,4 +63,4 @@ class FabricLoaderState(EveryRankState):
 
     def __init__(self, loader: Any) -> None:
         super().__init__(_unwrap(loader))
-        self.loader._own_epochs = True
+        self.loader._iterations.own_epochs = True

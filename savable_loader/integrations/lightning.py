@@ -35,10 +35,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from savable_loader._frameworks import claim
-from savable_loader._rank_zero import entries_of_every_rank
+from savable_loader.core.frameworks import claim
 from savable_loader.errors import LoaderUsageError
-from savable_loader.loader import SavableDataLoader
+from savable_loader.index.rank_zero import entries_of_every_rank
+from savable_loader.loader.dataloader import SavableDataLoader
 
 try:
     import lightning.pytorch as pl
@@ -114,6 +114,6 @@ class SavableLoaderCallback(pl.Callback):
                 "loaders a length (Lightning then fetches nothing ahead) or train from one loader"
             )
         for index, loader in loaders:
-            with loader._state_lock:
+            with loader._iterations.lock:
                 state = loader._save(held)
             entries[index] = entries_of_every_rank(loader, state)

@@ -61,7 +61,7 @@ import transformers.trainer as _hf_trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from savable_loader.errors import LoaderUsageError, StateError
-from savable_loader.loader import SavableDataLoader
+from savable_loader.loader.dataloader import SavableDataLoader
 from savable_loader.state import load_file, save_file
 from savable_loader.state.schema import IndexPosition, RankState
 

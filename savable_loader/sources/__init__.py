@@ -14,8 +14,10 @@
 * ``TorchIterableSource``: a plain ``torch.utils.data.IterableDataset`` (the loader builds
   it for one; resumed from its ``state_dict()`` when it has one, by replay otherwise).
 
-The index source of the drop-in path (``savable_loader.sources.index``) is built by the
+The index source of the drop-in path (``savable_loader.index.source``) is built by the
 loader itself and is not part of the public API.
+
+May import: ``dataset``, ``core``, ``config``, ``rng``, ``state``, ``storage``, ``errors``, ``_torch``.
 
 Example::
 
@@ -25,14 +27,14 @@ Example::
     ds = ShardedFileDataset("data", worker_config=wc)   # a savable pipeline source
 """
 
-from savable_loader.sources._metadata import read_metadata
-from savable_loader.sources._shard_io import open_shard, write_shards
 from savable_loader.sources.decoders import DEFAULT_DECODERS, decode_sample
 from savable_loader.sources.indexing import index_folder
 from savable_loader.sources.iterable import IterableSource, ReplayWarning, StreamInfo
 from savable_loader.sources.polling import END, PollingSource
 from savable_loader.sources.redis_stream import RedisStreamSource
 from savable_loader.sources.sharded import ShardedFileDataset
+from savable_loader.sources.shards.folder import read_metadata
+from savable_loader.sources.shards.readers import open_shard, write_shards
 from savable_loader.sources.torch_iterable import TorchIterableSource
 
 __all__ = [

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from savable_loader._pipeline_resize import ALL_CONSUMED
+from savable_loader.core.elastic import ALL_CONSUMED
 from savable_loader.errors import StateError
 
 __all__ = ["ORIGIN", "Stage", "check_id", "checked_fields", "current_ordinal", "parse_id", "resplit_state", "stages_of"]

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 import msgspec
 
 from savable_loader.errors import DataError, LoaderUsageError
-from savable_loader.sources._metadata import (
+from savable_loader.sources.shards.folder import foreign_metadata
+from savable_loader.sources.shards.manifest import (
     ENERGON_INFO,
     INDEX_JSON,
     METADATA_NAME,
@@ -54,11 +55,13 @@ from savable_loader.sources._metadata import (
     SplitRequired,
     choose_files,
     encode_metadata,
-    foreign_metadata,
     parse_metadata,
 )
-from savable_loader.sources._shard_io import ReadOptions, reader_class
-from savable_loader.sources._store import ShardFile, ShardStore, store_for
+from savable_loader.sources.shards.parquet import row_groups
+from savable_loader.sources.shards.readers import ReadOptions, reader_class
+from savable_loader.sources.shards.remote import store_for
+from savable_loader.sources.shards.store import ShardFile, ShardStore
+from savable_loader.sources.shards.tar import TarIndexError, check_index, encode_index, scan_tar, tar_sample
 
 if TYPE_CHECKING:
     from savable_loader.storage import Storage
@@ -196,14 +199,6 @@ def _sha256(file: ShardFile) -> str:
 
 
 def _index_tar(store: ShardStore, entry: ShardEntry, file: ShardFile, stamp: int, force: bool) -> int:
-    from savable_loader.sources._tar import (
-        TarIndexError,
-        check_index,
-        encode_index,
-        scan_tar,
-        tar_sample,
-    )
-
     name = entry.tar_index
     raw = None if force else store.read_small(name)
     if raw is not None and store.stat(name)[1] >= stamp:
@@ -230,8 +225,6 @@ def _index_one(store: ShardStore, entry: ShardEntry, size: int, stamp: int, sha2
             out.index = entry.tar_index
             out.samples = _index_tar(store, out, file, stamp, force)
         elif entry.format == "parquet":
-            from savable_loader.sources._parquet import row_groups
-
             out.row_groups = row_groups(file)
             out.samples = sum(out.row_groups)
         else:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from savable_loader.config import WorkerConfig, active_repetitions
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import DataError, LoaderUsageError, RestoreKeyError
 
 __all__ = ["IterableSource", "ReplayWarning", "StreamInfo"]

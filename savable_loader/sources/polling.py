@@ -46,9 +46,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Final, final
 
-from savable_loader._feeder import worker_done_event
 from savable_loader.config import WorkerConfig, active_repetitions
-from savable_loader.dataset import SavableDataset
+from savable_loader.core.shutdown import worker_done_event
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError, StreamTimeoutError, UsageTypeError
 from savable_loader.sources.iterable import StreamInfo, is_index_pair, stream_info
 

@@ -58,9 +58,9 @@ import urllib.parse
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-from savable_loader._feeder import worker_done_event
 from savable_loader.config import WorkerConfig, request_snapshot
-from savable_loader.dataset import SavableDataset, type_name
+from savable_loader.core.shutdown import worker_done_event
+from savable_loader.dataset.base import SavableDataset, type_name
 from savable_loader.errors import (
     DataError,
     LoaderUsageError,

@@ -1,8 +1,8 @@
 """ShardedFileDataset: samples from a folder of shard files, split over ranks and workers.
 
 The folder's manifest (``metadata.json``, or the manifest of Energon, MosaicML Streaming
-or LitData) is described in ``_metadata.py``; the formats (``npy``, ``pt``, ``jsonl``,
-WebDataset ``tar``, ``parquet``, ``mds``, ``litdata``) in ``_shard_io.py`` and the
+or LitData) is described in ``sources/shards/manifest.py``; the formats (``npy``, ``pt``, ``jsonl``,
+WebDataset ``tar``, ``parquet``, ``mds``, ``litdata``) in ``sources/shards/readers.py`` and the
 modules it names. ``write_shards`` writes a folder, ``index_folder`` indexes one.
 
 How an epoch is laid out (the same computation on every rank and worker):
@@ -36,8 +36,8 @@ at most two open (the current one and, for ``restore_sample``, one more). Sample
 one unit come out together (shuffled inside the unit): put a ``ShuffleBufferDataset``
 after the source to mix units.
 
-Storage: the dataset reads the folder only through a ``ShardStore`` (``_store.py``; a
-URL or a ``Storage`` becomes a ``StorageShardStore``, ``_remote_store.py``): iteration
+Storage: the dataset reads the folder only through a ``ShardStore`` (``sources/shards/store.py``; a
+URL or a ``Storage`` becomes a ``StorageShardStore``, ``sources/shards/remote.py``): iteration
 opens a shard with ``whole=True`` (a remote store hands over a local copy),
 ``restore_sample`` with ``whole=False`` (a few ranged reads). Each time iteration moves
 to another shard it names the next ``prefetch_depth`` shards of its reading order
@@ -71,21 +71,24 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from savable_loader._seeds import shard_order_seed, shard_samples_seed
 from savable_loader.config import WorkerConfig, active_repetition_limits, active_repetitions
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import DataError, LoaderUsageError, RestoreKeyError
-from savable_loader.sources._metadata import (
+from savable_loader.rng.formulas import shard_order_seed, shard_samples_seed
+from savable_loader.sources.decoders import DEFAULT_DECODERS
+from savable_loader.sources.shards.folder import load_metadata
+from savable_loader.sources.shards.manifest import (
     FileChoice,
     Metadata,
     choose_files,
     files_config,
-    load_metadata,
     order_digest_input,
     units_of,
 )
-from savable_loader.sources._shard_io import ReadOptions, ShardReader, open_reader
-from savable_loader.sources._store import LocalShardStore, ShardStore, store_for
+from savable_loader.sources.shards.parquet import require_pyarrow
+from savable_loader.sources.shards.readers import ReadOptions, ShardReader, open_reader
+from savable_loader.sources.shards.remote import store_for
+from savable_loader.sources.shards.store import LocalShardStore, ShardStore
 
 if TYPE_CHECKING:
     from savable_loader.storage import Storage
@@ -249,8 +252,6 @@ class ShardedFileDataset(SavableDataset):
         self.unit_first = np.array(unit_first, dtype=np.int64)
         self.unit_count = np.array(unit_count, dtype=np.int64)
         if any(e.format == "parquet" for e in self.metadata.shards):
-            from savable_loader.sources._parquet import require_pyarrow
-
             require_pyarrow(self.store.describe())
         world = worker_config.world_size
         if rank_layout == "strided":
@@ -410,7 +411,7 @@ class ShardedFileDataset(SavableDataset):
     # -- shards -----------------------------------------------------------------------
 
     def _reader(self, shard: int, whole: bool) -> ShardReader:
-        """An open reader of ``shard``; ``whole``: for iteration (see ``_store.py``)."""
+        """An open reader of ``shard``; ``whole``: for iteration (see ``sources/shards/store.py``)."""
         reader = self._readers.get(shard)
         if reader is not None and (shard in self._whole or not whole):
             self._readers.move_to_end(shard)
@@ -577,8 +578,6 @@ def _decoders(
     if decode is None or decode is False:
         return None
     if decode is True:
-        from savable_loader.sources.decoders import DEFAULT_DECODERS
-
         return DEFAULT_DECODERS
     if isinstance(decode, Mapping) and all(isinstance(k, str) and callable(v) for k, v in decode.items()):
         return dict(decode)

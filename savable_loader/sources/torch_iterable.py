@@ -2,7 +2,7 @@
 
 ``SavableDataLoader(my_iterable_dataset, batch_size=32, num_workers=4)`` builds one of
 these and runs it on the savable-pipeline path (snapshots attached to items, see
-``_worker.py``). What torch does, it does:
+``pipeline/worker.py``). What torch does, it does:
 
 * each worker iterates its own copy of the dataset, which shards itself by
   ``torch.utils.data.get_worker_info()``; after a restore, physical worker ``p`` plays
@@ -15,7 +15,7 @@ these and runs it on the savable-pipeline path (snapshots attached to items, see
   or dropped with ``drop_last`` (torch's ``_IterableDatasetFetcher``). With
   ``batch_size=None`` every item is one pipeline item (``default_convert``);
 * ``len(loader)`` is torch's, from ``len(dataset)``, with torch's warning when an epoch
-  yields more than that (``_iterable_mode.py``);
+  yields more than that (``pipeline/iterable.py``);
 * an exception the dataset raises for a batch counts as that batch: the loader raises
   it and goes on with the next batch if called again, as torch does.
 
@@ -33,7 +33,7 @@ taken from the dataset's iterator) and ``user_state``:
 
 Random draws are exact: before the dataset's ``__iter__`` and before each batch the
 source re-seeds Python ``random``, NumPy's and torch's global RNGs from ``(seed, rank,
-logical worker, epoch, batch)`` (``savable_loader.rng.item_seed``: below ``2**63``, the
+logical worker, epoch, batch)`` (``savable_loader.rng.seeding.item_seed``: below ``2**63``, the
 legacy formula for a state that records it), during a replay as in the run being
 resumed.
 """
@@ -54,12 +54,12 @@ from torch.utils.data import (
     graph_settings,
 )
 
-from savable_loader._seeds import datapipe_shuffle_seed, torch_iterable_base, torch_worker_info_seed
-from savable_loader._torch_internals import replace_worker_info
+from savable_loader._torch.internals import replace_worker_info
 from savable_loader.config import WorkerConfig, active_global_rngs, active_repetitions
-from savable_loader.dataset import SavableDataset, type_name
+from savable_loader.dataset.base import SavableDataset, type_name
 from savable_loader.errors import DataError, LoaderUsageError, StateError
-from savable_loader.rng import (
+from savable_loader.rng.formulas import datapipe_shuffle_seed, torch_iterable_base, torch_worker_info_seed
+from savable_loader.rng.seeding import (
     SEED_FORMULA,
     counter_seed,
     global_seeder,
@@ -142,7 +142,7 @@ class TorchIterableSource(SavableDataset):
         #: without one, or one whose own restore is known to be inexact: a Hugging Face
         #: shuffle buffer, replayed from the epoch's start under the same seed instead)
         self.stateful = is_stateful(dataset) and not self._shufflers
-        #: The per-batch seed formula (``savable_loader.rng.item_seed``; the loader sets a
+        #: The per-batch seed formula (``savable_loader.rng.seeding.item_seed``; the loader sets a
         #: restored state's).
         self.seed_formula = SEED_FORMULA
         self._live: Any = None  # the dataset object being iterated (a restored copy or `dataset`)

@@ -1,5 +1,7 @@
 """State schema, encoding and files. Imports only msgspec and the standard library.
 
+May import: ``errors``, ``_version`` (msgspec and the standard library; never torch).
+
 Example::
 
     import savable_loader as sl

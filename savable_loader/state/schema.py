@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from savable_loader.errors import RestoreKeyError
+
 __all__ = [
     "ARRAY_TYPECODES",
     "SCHEMA_VERSION",
@@ -154,7 +156,7 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     drop_last: bool
     dataset_fingerprint: str
     dataset_config: dict[str, Any] = {}
-    #: Version of the per-item seed formula (``savable_loader.rng.SEED_FORMULA``); states
+    #: Version of the per-item seed formula (``savable_loader.rng.seeding.SEED_FORMULA``); states
     #: written before the field existed used formula 1 and keep it on restore.
     seed_formula: Positive = 1
     #: Drop-in path: ``""`` when the loader builds the order itself, else the qualified
@@ -168,7 +170,7 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     #: default). ``"numpy-permutation"``: a materialised ``Generator.permutation``, the
     #: only order before this field existed, hence the default, so that older states keep
     #: their stream; ``"feistel-1"``: the constant-memory keyed bijection of
-    #: ``savable_loader/_permutation.py``, which new drop-in loaders write.
+    #: ``savable_loader/index/permutation.py``, which new drop-in loaders write.
     order_algorithm: str = "numpy-permutation"
     #: The global RNGs re-seeded per sample, sorted (``SavableDataLoader(global_rngs=...)``;
     #: drop-in path: before every sample; pipelines and IterableDatasets: in ``mark_sample``
@@ -223,7 +225,7 @@ class IndexPosition(msgspec.Struct, kw_only=True, frozen=True, tag="index"):
 
     ``stages`` is empty unless the epoch was resumed on another world size: then the
     rank's share is its part of the samples the earlier stages left (see
-    ``savable_loader/_elastic.py``). With a sampler of the user's, ``consumed`` counts the
+    ``savable_loader/core/elastic.py``). With a sampler of the user's, ``consumed`` counts the
     items drawn from it (indices, or batches of a batch sampler) and ``sampler`` holds
     what decided its order.
 
@@ -279,7 +281,7 @@ class PipelinePosition(msgspec.Struct, kw_only=True, frozen=True, tag="pipeline"
     ``workers`` holds one state per logical worker: as many as the ``num_workers`` the
     epoch started with (at least 1), which after a restore under another
     ``num_workers`` may differ from ``LoaderConfig.num_workers`` (the logical workers
-    were then hosted by the loader's workers, see ``savable_loader/_hosting.py``);
+    were then hosted by the loader's workers, see ``savable_loader/pipeline/hosting.py``);
     ``next_worker`` is then the lowest logical worker of the hosting worker that yields
     next.
 
@@ -391,8 +393,6 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     @classmethod
     def parse(cls, text: str | bytes) -> RestoreKey:
         """A key from ``str(key)`` (one line of JSON)."""
-        from savable_loader.errors import RestoreKeyError
-
         try:
             return msgspec.json.decode(text, type=cls)
         except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:

@@ -12,6 +12,8 @@ Importing this package imports no backend (not even fsspec): a filesystem is ope
 first use in each process. ``pip install 'savable_loader[s3]'`` (or ``[gcs]``,
 ``[azure]``, ``[hf]``, ``[http]``) installs a backend.
 
+May import: ``errors``.
+
 Example::
 
     from savable_loader.storage import FileRef, RetryPolicy, Storage

@@ -1,5 +1,7 @@
 """Wrappers that compose savable pipelines, one per module.
 
+May import: ``dataset``, ``core``, ``config``, ``rng``, ``state``, ``errors``.
+
 Example::
 
     ds = sl.wrappers.BatchDataset(sl.wrappers.MapDataset(source, augment), batch_size=32)

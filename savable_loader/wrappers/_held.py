@@ -11,7 +11,7 @@ sample where a payload is the sample itself (kilobytes of tokens), and a snapsho
 keys only.
 
 The protocol is the restore-key protocol every source and wrapper already has
-(``mark_sample`` / ``restore_sample``, see ``savable_loader.dataset``): a dataset that
+(``mark_sample`` / ``restore_sample``, see ``savable_loader.dataset.base``): a dataset that
 implements ``restore_sample`` promises to build the sample its key names, the same as
 iteration built it, without changing its iteration state. A sample without a key (None)
 cannot be fetched again: a buffer holding one saves payload. A source whose read samples
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError
-from savable_loader.rng import preserve_global_rng
+from savable_loader.rng.seeding import preserve_global_rng
 
 __all__ = ["HELD_MODES", "check_held_mode", "refetch", "uses_keys"]
 

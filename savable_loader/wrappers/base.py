@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 
 __all__ = ["BaseWrapperDataset", "check_datasets", "split_index_key"]

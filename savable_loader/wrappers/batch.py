@@ -7,8 +7,8 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
-from savable_loader._inline import collate_for_inline
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
+from savable_loader.dataset.inline import collate_for_inline
 from savable_loader.errors import LoaderUsageError, RestoreKeyError, UsageTypeError
 from savable_loader.wrappers.base import BaseWrapperDataset
 
@@ -20,7 +20,7 @@ class BatchDataset(BaseWrapperDataset):
 
     ``collate_fn`` defaults to torch's ``default_collate`` (in a worker process, a small
     batch of tensors is stacked in ordinary memory, not shared memory: it travels inside
-    the worker's message, see ``savable_loader/_inline.py``). The last, shorter batch of an
+    the worker's message, see ``savable_loader/dataset/inline.py``). The last, shorter batch of an
     epoch is yielded unless ``drop_last``. The batch under construction is local to the
     iterator: a batch is only yielded whole, and the state is taken between batches. The
     state's ``ended`` says that the wrapped dataset has ended this epoch (the short last

@@ -6,9 +6,9 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from savable_loader._seeds import draw
-from savable_loader.dataset import SavableDataset, wrap_key
+from savable_loader.dataset.base import SavableDataset, wrap_key
 from savable_loader.errors import LoaderUsageError
+from savable_loader.rng.formulas import draw
 from savable_loader.wrappers.base import check_datasets, split_index_key
 
 __all__ = ["BlendDataset"]

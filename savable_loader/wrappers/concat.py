@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from savable_loader.dataset import SavableDataset, wrap_key
+from savable_loader.dataset.base import SavableDataset, wrap_key
 from savable_loader.wrappers.base import check_datasets, split_index_key
 
 __all__ = ["ConcatDataset"]

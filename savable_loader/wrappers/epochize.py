@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from savable_loader.config import _ActiveWorker, active_repetitions
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers.base import BaseWrapperDataset
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.utils.data import get_worker_info
 
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError
 from savable_loader.wrappers.base import BaseWrapperDataset
 

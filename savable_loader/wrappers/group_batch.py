@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import default_collate
 
-from savable_loader._inline import collate_for_inline
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
+from savable_loader.dataset.inline import collate_for_inline
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers.base import BaseWrapperDataset
 

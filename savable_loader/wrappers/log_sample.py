@@ -8,7 +8,7 @@ from typing import IO, Any
 
 import msgspec
 
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError
 from savable_loader.wrappers.base import BaseWrapperDataset
 

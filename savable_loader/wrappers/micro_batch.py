@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from savable_loader._tensordict import (
+from savable_loader.core.tensordict import (
     collection_size,
     contains_collection,
     decode_rest,
@@ -18,9 +18,10 @@ from savable_loader._tensordict import (
     slice_collection,
     slice_jagged,
 )
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.wrappers.base import BaseWrapperDataset
+from savable_loader.wrappers.batch import BatchDataset
 
 __all__ = ["MicroBatchDataset"]
 
@@ -54,7 +55,7 @@ def batch_sizes(batch: Any, path: str = "batch") -> dict[str, int]:
 
 def slice_batch(batch: Any, start: int, stop: int, path: str = "batch") -> Any:
     """Samples ``start:stop`` of a batch: tensors, arrays, dicts, lists and tuples (nested),
-    tensordict collections and jagged nested tensors (``savable_loader._tensordict``)."""
+    tensordict collections and jagged nested tensors (``savable_loader.core.tensordict``)."""
     if is_collection(batch):
         return slice_collection(batch, start, stop, path)
     if is_jagged(batch):
@@ -107,11 +108,8 @@ class MicroBatchDataset(BaseWrapperDataset):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LoaderUsageError(f"MicroBatchDataset {name} must be a positive int, got {value!r}")
-        if batch_size is None:
-            from savable_loader.wrappers.batch import BatchDataset
-
-            if isinstance(dataset, BatchDataset):
-                batch_size = dataset.batch_size
+        if batch_size is None and isinstance(dataset, BatchDataset):
+            batch_size = dataset.batch_size
         if batch_size is not None and micro_batch_size > batch_size:
             raise LoaderUsageError(
                 f"MicroBatchDataset micro_batch_size={micro_batch_size} is larger than the batch size "
@@ -130,7 +128,7 @@ class MicroBatchDataset(BaseWrapperDataset):
     def rest(self) -> Any:
         """The state's view of the part of the current batch not yet yielded: the batch
         itself, or a tagged tree of plain values when it holds a ``tensordict`` collection
-        or a jagged tensor (``savable_loader._tensordict.encode_rest``)."""
+        or a jagged tensor (``savable_loader.core.tensordict.encode_rest``)."""
         live = self._rest
         return encode_rest(live, "MicroBatchDataset.rest") if contains_collection(live) else live
 

@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import torch
 
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.wrappers._held import check_held_mode, refetch, uses_keys
 from savable_loader.wrappers.base import BaseWrapperDataset

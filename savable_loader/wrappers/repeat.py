@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from savable_loader.config import _Repetition
-from savable_loader.dataset import SavableDataset, wrap_key
+from savable_loader.dataset.base import SavableDataset, wrap_key
 from savable_loader.errors import LoaderUsageError, RestoreKeyError
 from savable_loader.state.schema import DatasetState
 from savable_loader.wrappers.base import BaseWrapperDataset

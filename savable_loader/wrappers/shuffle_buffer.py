@@ -6,9 +6,9 @@ import array
 from collections.abc import Iterator
 from typing import Any, cast
 
-from savable_loader._seeds import draw
-from savable_loader.dataset import SavableDataset
+from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError, StateError
+from savable_loader.rng.formulas import draw
 from savable_loader.wrappers._held import check_held_mode, refetch, uses_keys
 from savable_loader.wrappers.base import BaseWrapperDataset
 

@@ -1,7 +1,7 @@
 """Write the state fixtures of the current schema version into tests/data/.
 
 States written by every released schema version are kept here, and
-tests/test_schema_fixtures.py decodes them (and restores them) in every later version.
+tests/state/test_schema_fixtures.py decodes them (and restores them) in every later version.
 Run this once per new schema version, from the repository root, and commit the new
 files; never regenerate or delete the files of older versions once a version with them
 is released (the schema-1 files were last regenerated before the first release, for

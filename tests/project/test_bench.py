@@ -1,0 +1,112 @@
+"""The benchmark suite (bench/): a quick run on a tiny size writes the expected JSON and
+finds SavableDataLoader's resumed stream bit-identical."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(module: str, *args: str, out: Path) -> tuple[dict, str]:
+    """``python -m <module> <args> --json <out>`` from the repository root: its JSON and
+    what it printed (the test fails with the run's stderr if it exits non-zero)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_quick_run_writes_json_with_every_figure(tmp_path):
+    results, printed = run_bench(
+        "bench",
+        *("--quick", "--workloads", "tiny", "--contenders", "savable", "--scale", "0.4"),
+        *("--no-scaling", "--extras", "costs"),
+        out=tmp_path / "run.json",
+    )
+    assert results["mode"] == "quick" and results["machine"]["cpu_count"] >= 1 and results["date"]
+    assert results["parameters"]["repeats"] == 2
+    tiny = results["workloads"]["tiny"]["contenders"]
+    assert set(tiny) == {"savable", "torch-map"}  # the baseline is added
+    for name in ("savable",):
+        d = tiny[name]
+        assert d["bit_identical"] is True, d["resume_detail"]
+        # every ratio: paired per interleaved repeat, median with min and max
+        for figure in ("throughput_ratio", "cpu_ratio", "restore_ratio"):
+            f = d[figure]
+            assert len(f["values"]) == 2 and f["min"] <= f["median"] <= f["max"] and f["min"] > 0, figure
+        assert d["throughput_ratio"]["values"] == [a / b for a, b in zip(d["rates"], tiny["torch-map"]["rates"])]
+        assert d["cpu_ratio"]["values"] == [b / a for a, b in zip(d["cpu_us"], tiny["torch-map"]["cpu_us"])]
+        assert d["samples_per_s"]["median"] > 0 and d["cpu_us_per_sample"]["median"] > 0
+        assert set(d["save_ms"]) == {"p50", "p99", "max"} and 0 < d["save_ms"]["p50"] <= d["save_ms"]["max"]
+        assert len(d["save_series_ms"]) == min(60, -(-results["workloads"]["tiny"]["samples"] // 64) - 1)
+        assert d["state_bytes"] > 0 and d["restore_ms"]["median"] > 0 and d["cold_ms"]["median"] > 0
+    assert tiny["torch-map"]["samples_per_s"]["median"] > 0 and "save_ms" not in tiny["torch-map"]
+    results_by_figure = {t["figure"]: t for t in results["targets"]}
+    assert "tiny / savable: resume bit-identical" in results_by_figure
+    assert "tiny / savable: save p99 (ms)" in results_by_figure
+    assert {t["result"] for t in results["targets"]} <= {"PASS", "NOISY", "MISS"}
+    cpu = results_by_figure["tiny / savable: CPU ratio (all processes)"]
+    assert cpu["target"] == ">= 0.9" and cpu["value"] == tiny["savable"]["cpu_ratio"]
+    assert "re-seed (seed_global)" in results["costs"]["us_per_sample"]
+    assert "| SavableDataLoader (drop-in)" in printed  # the table
+
+
+def test_verdicts_flag_a_spread_wider_than_the_margin():
+    from bench.measure import interleaved, paired, verdict
+
+    assert verdict({"median": 0.99, "min": 0.975, "max": 1.1}, 0.97, higher_is_better=True) == "PASS"
+    assert verdict({"median": 0.99, "min": 0.95, "max": 1.1}, 0.97, higher_is_better=True) == "NOISY"
+    assert verdict({"median": 0.96, "min": 0.95, "max": 0.99}, 0.97, higher_is_better=True) == "MISS"
+    assert verdict({"median": 1.2, "min": 1.0, "max": 1.6}, 1.5, higher_is_better=False) == "NOISY"
+    assert verdict({"median": 1.2, "min": 1.0, "max": 1.4}, 1.5, higher_is_better=False) == "PASS"
+    order: list[str] = []
+    got = interleaved({"a": lambda r: order.append("a") or r, "b": lambda r: order.append("b") or 10 * r}, 4)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]  # A B, then B A: the order rotates
+    assert got == {"a": [0, 1, 2, 3], "b": [0, 10, 20, 30]}
+    ratio = paired([2.0, 3.0, 8.0], [1.0, 1.0, 2.0])
+    assert (ratio["median"], ratio["min"], ratio["max"]) == (3.0, 2.0, 4.0)
+
+
+def test_unknown_workload_is_a_usage_error():
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--workloads", "nope"],
+        cwd=ROOT,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "unknown workload 'nope'" in proc.stderr
+
+
+def test_dropin_bench_writes_every_figure(tmp_path):
+    """`bench/bench_dropin.py` (#30) on a tiny size: every loader's figures, the paired
+    ratios and the per-sample worker steps are in its JSON."""
+    results, printed = run_bench(
+        "bench.bench_dropin",
+        *("--samples", "128", "--repeats", "2", "--batch-reseed", "--step-rounds", "20"),
+        out=tmp_path / "dropin.json",
+    )
+    assert set(results["loaders"]) == {"torch", "savable", "savable-batch"}
+    for figures in results["loaders"].values():
+        assert set(figures) == {"samples_per_s", "main_us", "workers_us", "cpu_us"}
+        assert len(figures["cpu_us"]["values"]) == 2 and figures["workers_us"]["median"] > 0
+    for name in ("wall_ratio", "cpu_ratio", "wall_ratio_batch", "cpu_ratio_batch", "per_sample_reseed_us"):
+        assert len(results[name]["values"]) == 2
+    assert {"sample", "re-seed all three", "twist random", "twist numpy", "twist torch"} <= set(results["steps_us"])
+    assert [t["figure"] for t in results["targets"]] == ["wall ratio", "CPU ratio"]
+    assert "CPU ratio:" in printed
