@@ -41,8 +41,13 @@ class Iterations:
     def __init__(self, loader: Any, mode: Mode[Any], engine: Any) -> None:
         # weak: the loader holds this object, and a loader in a reference cycle would take
         # its persistent workers' queues to the cycle collector (see ``iterator.RUNNING``);
-        # its iterators hold it strongly
+        # its iterators hold it strongly. What ending an iteration needs is kept here, so
+        # that an iteration ended by the cycle collector stops its workers all the same.
         self._loader = weakref.ref(loader)
+        self.num_workers: int = loader.num_workers
+        self.persistent = bool(loader.persistent_workers and loader.num_workers > 0)
+        self.timeout: float = loader.timeout
+        self.seed: int = loader.seed  # the loader's (a restore may adopt the state's)
         self.mode = mode
         self.engine = engine
         # Held by a save for its whole duration and by the iterating thread while it books
@@ -67,20 +72,15 @@ class Iterations:
     def __len__(self) -> int:
         return len(self.loader)
 
-    @property
-    def persistent(self) -> bool:
-        return bool(self.loader.persistent_workers and self.loader.num_workers > 0)
-
     def live(self) -> list[Record]:
         return [r for r in self.records if r.fate is Fate.LIVE]
 
     def begin(self) -> Record:
         """Begin an iteration (the first ``next()`` of a SavableIterator)."""
         with self.lock:
-            mode, persistent = self.mode, self.persistent
-            policy = mode.policy(persistent, self.loader.num_workers)
+            mode, persistent, workers = self.mode, self.persistent, self.num_workers
             live = self.live()
-            if live and not policy.concurrent:
+            if live and not mode.policy(persistent, workers).concurrent:
                 for record in live:  # torch resets its single iterator: the old one is stale
                     record.stale = True
                     self.end(record, Fate.ABANDONED)
@@ -95,7 +95,7 @@ class Iterations:
                 # epoch an uninterrupted run has here, as the loader's own order does
                 self.set_sampler_epochs(epoch)
             reuse = persistent and loader_iterator(self.engine) is not None
-            if reuse and not policy.workers_reusable:  # (see PipelineMode.policy)
+            if reuse and not mode.policy(persistent, workers).workers_reusable:  # (see PipelineMode.policy)
                 self.shutdown(loader_iterator(self.engine))
                 reuse = False
             iteration = mode.begin(epoch, resume, reuse)
@@ -104,7 +104,7 @@ class Iterations:
             self.started += 1
             record = Record(iteration, self.started, beside=bool(live))
             self.records = [*self.live(), record]
-            self.engine.generator.manual_seed(engine_generator_seed(self.loader.seed, epoch))
+            self.engine.generator.manual_seed(engine_generator_seed(self.seed, epoch))
             try:
                 with loader_call():
                     torch_iter = iter(self.engine)
@@ -114,7 +114,7 @@ class Iterations:
                 raise
             record.torch_iter = torch_iter
             RUNNING[id(record)] = torch_iter
-            if self.loader.num_workers > 0:
+            if self.num_workers > 0:
                 install()
         return record
 
@@ -152,7 +152,7 @@ class Iterations:
         """An exception from torch's iterator: one batch's (the iteration goes on), or
         the end of the iteration (a worker died or hung; an engine that cannot go on)."""
         torch_iter = record.torch_iter
-        translated = translate_worker_error(error, torch_iter, record.iteration.logical, self.loader.timeout)
+        translated = translate_worker_error(error, torch_iter, record.iteration.logical, self.timeout)
         with self.lock:
             goes_on = not isinstance(translated, WorkerError) and record.iteration.on_error(error)
         if goes_on:
@@ -191,7 +191,7 @@ class Iterations:
                 and record.serial == self.started
                 and not iteration.resumed
                 and self.next_epoch == iteration.epoch + 1
-                and self.mode.policy(persistent, self.loader.num_workers).reuses_epochs
+                and self.mode.policy(persistent, self.num_workers).reuses_epochs
             ):
                 record.fate = Fate.FORGOTTEN  # a peek: the next loop runs this epoch
                 self.next_epoch = iteration.epoch
@@ -287,7 +287,7 @@ class Iterations:
             except RuntimeError as e:
                 if isinstance(e, SavableLoaderError):
                     raise
-                raise translate_worker_error(e, record.torch_iter, record.iteration.logical, self.loader.timeout) from e
+                raise translate_worker_error(e, record.torch_iter, record.iteration.logical, self.timeout) from e
         if record.fate is Fate.ABANDONED:
             if record.error is not None:
                 raise LoaderUsageError(
@@ -307,7 +307,6 @@ class Iterations:
         """Continue the position of ``[state]`` (or of the ``states`` of every rank of
         another world size, restored on ``world_size`` ranks) at the next iteration; the
         seed the loader runs with from now on (a drawn seed gives way to the state's)."""
-        loader = self.loader
         with self.lock:
             live = self.live()
             if live:
@@ -315,11 +314,11 @@ class Iterations:
                     f"cannot restore while an iteration of epoch {live[-1].iteration.epoch} is in progress: finish "
                     "it or close it (it.close(), del it) first"
                 )
-            position, seed = self.mode.restore(states, loader.num_workers, loader.seed, world_size)
+            position, self.seed = self.mode.restore(states, self.num_workers, self.seed, world_size)
             self.records = []
             self.pending = position
             self.restored = True  # its epoch count is the loader's from then on
             self.next_epoch = position.epoch + 1
             if loader_iterator(self.engine) is not None:  # persistent workers start anew
                 self.shutdown(loader_iterator(self.engine))
-        return seed
+        return self.seed

@@ -405,7 +405,7 @@ def warn_replays(pipeline: SavableDataset, position: PipelinePosition) -> None:
             f"produced ({'; '.join(counts)}), which costs as long as producing them did. To restore without "
             f"replay: {way_out}"
         ),
-        stacklevel=5,  # the restore_state_rank(...) call (through IterableMode.check)
+        stacklevel=6,  # the restore_state_rank(...) call (through IterableMode.check, Mode.restore, Iterations.restore)
     )
 
 

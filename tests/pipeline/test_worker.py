@@ -371,7 +371,7 @@ def test_in_process_reset_and_restore_leave_caller_rng_untouched(restore):
     if restore:
         it = iter(_in_process_loader(ResetDrawsSource(wc)))
         next(it), next(it)
-        state = it._loader.save_state_rank()
+        state = it._owner.save_state_rank()
         it.close()
     loader = _in_process_loader(ResetDrawsSource(wc))  # the constructor draws too: before the caller seeds
     if state is not None:

@@ -86,3 +86,12 @@ def test_the_readme_progress_bar_shows_the_batches_done_of_the_epoch_after_a_res
     bar = eval(line, {"tqdm": quiet, "loader": loader, "len": len})
     assert (bar.n, bar.total) == (8, 13)
     assert len(list(bar)) == 5 and (bar.n, bar.total) == (13, 13)
+
+
+def test_the_readme_checkpoint_example_is_the_one_docs_quickstart_runs():
+    # docs/quickstart.md runs it (tests/project/test_docs.py): killed after step 35,
+    # started again, it must end with the uninterrupted run's weights
+    block = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)[0]
+    example = block.split('\n\nif __name__ == "__main__":', 1)[0].strip()
+    assert "def train(" in example and "torch.get_rng_state()" in example
+    assert example in (ROOT / "docs" / "quickstart.md").read_text()
