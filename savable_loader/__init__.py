@@ -15,6 +15,12 @@ Example::
     loader = sl.SavableDataLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=4)
     loader.restore_state_rank(sl.state.load_file("loader.state"))
 
+The top level holds what a user types: the loader, ``SavableDataset``, ``WorkerConfig``,
+the base error and the errors users catch (``ConfigMismatchError``, ``DataError``,
+``LoaderUsageError``, ``StateError``, ``WorkerError``) and the public packages. Every other
+name lives in its package: each exception in ``savable_loader.errors``, ``RestoreKey`` and
+the state schema in ``savable_loader.state``.
+
 Names are imported lazily, so ``savable_loader.state`` (and ``python -m savable_loader
 inspect``) work without importing torch. When torch is already imported, the loader class
 is created at once: frameworks that record the arguments of ``DataLoader`` subclasses
@@ -33,30 +39,13 @@ from savable_loader._version import __version__
 __all__ = [
     "ConfigMismatchError",
     "DataError",
-    "DatasetContractError",
-    "IntegrityError",
-    "InternalError",
     "LoaderUsageError",
-    "RangeIgnoredError",
-    "RestoreKey",
-    "RestoreKeyError",
-    "ResumeMismatchError",
     "SavableDataLoader",
     "SavableDataset",
     "SavableLoaderError",
     "StateError",
-    "StateFileError",
-    "StateVersionError",
-    "StorageError",
-    "StreamTimeoutError",
-    "StreamTrimmedError",
-    "UndeclaredRngError",
-    "UnsavedRngWarning",
-    "UsageTypeError",
     "WorkerConfig",
-    "WorkerDiedError",
     "WorkerError",
-    "WorkerTimeoutError",
     "__version__",
     "errors",
     "rng",
@@ -70,30 +59,13 @@ __all__ = [
 _LAZY = {
     "ConfigMismatchError": "savable_loader.errors",
     "DataError": "savable_loader.errors",
-    "DatasetContractError": "savable_loader.errors",
-    "IntegrityError": "savable_loader.errors",
-    "InternalError": "savable_loader.errors",
     "LoaderUsageError": "savable_loader.errors",
-    "RangeIgnoredError": "savable_loader.errors",
-    "RestoreKey": "savable_loader.state.schema",
-    "RestoreKeyError": "savable_loader.errors",
-    "ResumeMismatchError": "savable_loader.errors",
     "SavableDataLoader": "savable_loader.loader.dataloader",
     "SavableDataset": "savable_loader.dataset.base",
     "SavableLoaderError": "savable_loader.errors",
     "StateError": "savable_loader.errors",
-    "StateFileError": "savable_loader.errors",
-    "StateVersionError": "savable_loader.errors",
-    "UndeclaredRngError": "savable_loader.errors",
-    "UnsavedRngWarning": "savable_loader.errors",
-    "StorageError": "savable_loader.errors",
-    "StreamTimeoutError": "savable_loader.errors",
-    "StreamTrimmedError": "savable_loader.errors",
-    "UsageTypeError": "savable_loader.errors",
     "WorkerConfig": "savable_loader.config",
-    "WorkerDiedError": "savable_loader.errors",
     "WorkerError": "savable_loader.errors",
-    "WorkerTimeoutError": "savable_loader.errors",
 }
 _SUBMODULES = {"errors", "rng", "sources", "state", "storage", "testing", "wrappers"}
 
@@ -124,26 +96,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from savable_loader.errors import (
         ConfigMismatchError,
         DataError,
-        DatasetContractError,
-        IntegrityError,
-        InternalError,
         LoaderUsageError,
-        RangeIgnoredError,
-        RestoreKeyError,
-        ResumeMismatchError,
         SavableLoaderError,
         StateError,
-        StateFileError,
-        StateVersionError,
-        StorageError,
-        StreamTimeoutError,
-        StreamTrimmedError,
-        UndeclaredRngError,
-        UnsavedRngWarning,
-        UsageTypeError,
-        WorkerDiedError,
         WorkerError,
-        WorkerTimeoutError,
     )
     from savable_loader.loader.dataloader import SavableDataLoader
-    from savable_loader.state.schema import RestoreKey

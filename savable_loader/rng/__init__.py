@@ -43,10 +43,10 @@ from savable_loader.rng.seeding import (
 
 __all__ = [
     "GLOBAL_RNG_NAMES",
+    "GlobalRngState",
     "LEGACY_SEED_FORMULA",
     "SEED_FORMULA",
     "SEED_FORMULAS",
-    "GlobalRngState",
     "capture_generator",
     "capture_global",
     "counter_seed",

@@ -289,7 +289,13 @@ def global_seeder(names: Collection[str], formula: int = SEED_FORMULA) -> Callab
 
 @dataclass(frozen=True)
 class GlobalRngState:
-    """The states of Python ``random``, NumPy's global RNG and torch's CPU RNG."""
+    """The states of Python ``random``, NumPy's global RNG and torch's CPU RNG.
+
+    Example::
+
+        state = capture_global()   # a GlobalRngState
+        state.torch.dtype          # torch.uint8
+    """
 
     python: Any
     numpy: Any
@@ -297,12 +303,28 @@ class GlobalRngState:
 
 
 def capture_global() -> GlobalRngState:
-    """Capture the three global RNG states of the calling process."""
+    """Capture the three global RNG states of the calling process.
+
+    Example::
+
+        state = capture_global()
+        first = torch.rand(())
+        restore_global(state)
+        assert torch.rand(()) == first
+    """
     return GlobalRngState(random.getstate(), np.random.get_state(), torch.get_rng_state())
 
 
 def restore_global(state: GlobalRngState) -> None:
-    """Put back states taken by :func:`capture_global`."""
+    """Put back states taken by :func:`capture_global`.
+
+    Example::
+
+        state = capture_global()
+        first = random.random()
+        restore_global(state)
+        assert random.random() == first
+    """
     random.setstate(state.python)
     np.random.set_state(state.numpy)
     torch.set_rng_state(state.torch)
@@ -329,6 +351,10 @@ def capture_generator(gen: Any) -> dict[str, Any]:
 
     Supports ``random.Random``, ``numpy.random.Generator``, ``numpy.random.RandomState``
     and ``torch.Generator``; raises :class:`StateError` for anything else.
+
+    Example::
+
+        capture_generator(random.Random(0))["kind"]   # 'python'
     """
     if isinstance(gen, random.Random):
         version, internal, gauss = gen.getstate()
@@ -343,7 +369,16 @@ def capture_generator(gen: Any) -> dict[str, Any]:
 
 
 def restore_generator(gen: Any, plain: Any) -> None:
-    """Put a state from :func:`capture_generator` back into ``gen`` (same kind)."""
+    """Put a state from :func:`capture_generator` back into ``gen`` (same kind).
+
+    Example::
+
+        gen = np.random.default_rng(0)
+        plain = capture_generator(gen)
+        first = gen.random()
+        restore_generator(gen, plain)
+        assert gen.random() == first
+    """
     if not isinstance(plain, dict) or "kind" not in plain:
         raise StateError(f"RNG state must be a dict with a 'kind', got {type(plain).__name__}")
     kind = plain["kind"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import re
 
@@ -114,11 +115,23 @@ def test_builtin_bases() -> None:
     assert issubclass(IntegrityError, ValueError) and not issubclass(IntegrityError, StorageError)
 
 
+# The errors users catch: also at the top level (docs/concepts.md, "Errors").
+TOP_LEVEL = {ConfigMismatchError, DataError, LoaderUsageError, SavableLoaderError, StateError, WorkerError}
+
+
 def test_all_exports_and_top_level_names() -> None:
+    defined = [
+        name
+        for name, obj in vars(errors).items()
+        if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == errors.__name__
+    ]
+    assert errors.__all__ == sorted(defined), "errors.__all__ lists every exception errors.py defines, sorted"
     assert sorted(errors.__all__) == sorted([c.__name__ for c in ALL] + ["UnsavedRngWarning"])
-    assert errors.__all__ == sorted(errors.__all__)
-    for cls in ALL:
-        assert getattr(savable_loader, cls.__name__) is cls
+    for cls in [*ALL, errors.UnsavedRngWarning]:
+        if cls in TOP_LEVEL:
+            assert getattr(savable_loader, cls.__name__) is cls
+        else:
+            assert not hasattr(savable_loader, cls.__name__), f"{cls.__name__} lives in savable_loader.errors only"
 
 
 def test_base_catches_everything() -> None:

@@ -109,7 +109,7 @@ def test_fails_on_a_loader_that_forgets_its_rng() -> None:
         def config(self):
             return {}
 
-    with pytest.warns(sl.UnsavedRngWarning), pytest.raises(ResumeMismatchError, match="save at step 1"):
+    with pytest.warns(sl.errors.UnsavedRngWarning), pytest.raises(ResumeMismatchError, match="save at step 1"):
         check_resume(lambda: Noisy(_wc()), 1)
 
 

@@ -311,7 +311,7 @@ def test_restore_sample():
     run = [(loader.restore_key, item) for item in loader]
     fresh = make_loader(pipeline(2, ragged_sample, collate=jagged_collate))
     for key, item in run[::3]:
-        assert_same(fresh.restore_sample(sl.RestoreKey.parse(str(key))), item, str(key))
+        assert_same(fresh.restore_sample(sl.state.RestoreKey.parse(str(key))), item, str(key))
 
 
 def test_a_pipeline_may_yield_tensordicts_unbatched():

@@ -77,7 +77,7 @@ def test_on_one_process_the_hook_holds_the_loaders_own_entry():
 
 
 def test_the_hooks_take_only_savable_loaders():
-    with pytest.raises(sl.UsageTypeError, match="SavableDataLoader"):
+    with pytest.raises(sl.errors.UsageTypeError, match="SavableDataLoader"):
         EveryRankState(torch.utils.data.DataLoader(range(4)))
     with pytest.raises(sl.LoaderUsageError, match="setup_dataloaders"):
         FabricLoaderState(torch.utils.data.DataLoader(range(4)))

@@ -82,12 +82,12 @@ def test_restore_keys_carry_the_setting():
     assert key.reseed == "batch" and '"reseed":"batch"' in str(key)
     assert torch.equal(make().restore_sample(str(key)), batch)
     assert torch.equal(make(num_workers=2).restore_sample(key), batch)
-    with pytest.raises(sl.RestoreKeyError, match="reseed"):
+    with pytest.raises(sl.errors.RestoreKeyError, match="reseed"):
         make(reseed="sample").restore_sample(key)
     plain = make(reseed="sample")
     plain_key = [plain.restore_key for _ in plain][0]
     assert "reseed" not in str(plain_key)  # the default is left out, as earlier versions wrote keys
-    with pytest.raises(sl.RestoreKeyError, match="reseed"):
+    with pytest.raises(sl.errors.RestoreKeyError, match="reseed"):
         make().restore_sample(plain_key)
 
 

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 import savable_loader as sl
+from savable_loader.errors import RestoreKeyError
+from savable_loader.state import RestoreKey
 from savable_loader.wrappers import (
     BatchDataset,
     FilterDataset,
@@ -71,7 +73,7 @@ def keyed_run(loader, epochs=2):
 def test_rebuilt_batches_equal_the_yielded_ones(make):
     run = keyed_run(make(2))
     keys = [k for k, _ in run]
-    assert all(isinstance(k, sl.RestoreKey) for k in keys)
+    assert all(isinstance(k, RestoreKey) for k in keys)
     assert len({str(k) for k in keys}) == len(keys), "two batches share a key"
     assert {k.epoch for k in keys} == {0, 1}
     rnd = random.Random(0)
@@ -82,7 +84,7 @@ def test_rebuilt_batches_equal_the_yielded_ones(make):
         key, batch = run[i]
         assert_same(same.restore_sample(key), batch, f"batch {i} ({key})")
         assert_same(fresh.restore_sample(str(key)), batch, f"batch {i} from str(key)")
-        assert sl.RestoreKey.parse(str(key)) == key
+        assert RestoreKey.parse(str(key)) == key
 
 
 def test_restore_sample_leaves_iteration_and_caller_rng_alone():
@@ -136,19 +138,19 @@ def test_foreign_and_malformed_keys_are_refused():
     next(iter(loader))
     key = loader.restore_key
     other_seed = sl.SavableDataLoader(RandomMapDataset(30), batch_size=4, shuffle=True, seed=SEED + 1)
-    with pytest.raises(sl.RestoreKeyError, match="key.seed is 13"):
+    with pytest.raises(RestoreKeyError, match="key.seed is 13"):
         other_seed.restore_sample(key)
     other_data = sl.SavableDataLoader(RandomMapDataset(31), batch_size=4, shuffle=True, seed=SEED)
-    with pytest.raises(sl.RestoreKeyError, match="key.fingerprint"):
+    with pytest.raises(RestoreKeyError, match="key.fingerprint"):
         other_data.restore_sample(key)
-    with pytest.raises(sl.RestoreKeyError, match="not a restore key"):
+    with pytest.raises(RestoreKeyError, match="not a restore key"):
         loader.restore_sample("{garbage")
-    with pytest.raises(sl.RestoreKeyError, match="RestoreKey or its str"):
+    with pytest.raises(RestoreKeyError, match="RestoreKey or its str"):
         loader.restore_sample(42)
     far = msgspec.structs.replace(key, positions=[(10**6, 10**6 + 1, 1)])
-    with pytest.raises(sl.RestoreKeyError, match="positions below"):
+    with pytest.raises(RestoreKeyError, match="positions below"):
         loader.restore_sample(far)
-    with pytest.raises(sl.RestoreKeyError, match="expects 'pipeline'"):
+    with pytest.raises(RestoreKeyError, match="expects 'pipeline'"):
         pipeline(0).restore_sample(msgspec.structs.replace(key, fingerprint=pipeline(0)._mode.fingerprint))
 
 
@@ -159,12 +161,12 @@ def test_a_pipeline_key_needs_the_same_world_size_and_rebuilds_under_any_num_wor
     assert (key.num_workers, key.world_size) == (2, 1)
     # (refused before hosting) the key's logical worker view is rebuilt: 1 of 2 workers
     assert_same(pipeline(0).restore_sample(key), run[[k for k, _ in run].index(key)][1])
-    with pytest.raises(sl.RestoreKeyError, match="key.world_size is 2, this loader's world_size is 1"):
+    with pytest.raises(RestoreKeyError, match="key.world_size is 2, this loader's world_size is 1"):
         loader.restore_sample(msgspec.structs.replace(key, world_size=2))
     # a key made before num_workers was recorded is checked as before: its worker must exist
     old = msgspec.structs.replace(key, num_workers=None, world_size=None)
     assert_same(loader.restore_sample(old), run[[k for k, _ in run].index(key)][1])
-    with pytest.raises(sl.RestoreKeyError, match="key.worker is 1.*num_workers"):
+    with pytest.raises(RestoreKeyError, match="key.worker is 1.*num_workers"):
         pipeline(0).restore_sample(old)
 
 
@@ -176,7 +178,7 @@ def test_a_pipeline_that_cannot_rebuild_says_why():
     batch = next(iter(loader))
     key = loader.restore_key
     assert key.sample is None and batch is not None  # no source key: no batch key
-    with pytest.raises(sl.RestoreKeyError, match="cannot rebuild samples: RangeSource"):
+    with pytest.raises(RestoreKeyError, match="cannot rebuild samples: RangeSource"):
         loader.restore_sample(key)
 
 
@@ -195,7 +197,7 @@ def test_a_source_without_keys_names_itself():
     loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=wc)
     assert list(loader) == [0, 1, 2]
     assert loader.restore_key.sample is None
-    with pytest.raises(sl.RestoreKeyError, match="Plain does not implement"):
+    with pytest.raises(RestoreKeyError, match="Plain does not implement"):
         loader.restore_sample(loader.restore_key)
 
 
@@ -208,9 +210,9 @@ def test_a_key_of_another_shuffle_setting_is_refused():
     key, batch = batches[2]
     assert key.shuffle is True
     in_order = sl.SavableDataLoader(RandomMapDataset(30), batch_size=4, shuffle=False, seed=SEED)
-    with pytest.raises(sl.RestoreKeyError, match="key.shuffle is True, this loader's shuffle is False"):
+    with pytest.raises(RestoreKeyError, match="key.shuffle is True, this loader's shuffle is False"):
         in_order.restore_sample(key)
-    with pytest.raises(sl.RestoreKeyError, match="key.shuffle is True, this loader's shuffle is False"):
+    with pytest.raises(RestoreKeyError, match="key.shuffle is True, this loader's shuffle is False"):
         in_order.restore_sample(str(key))
     assert_same(dropin(0).restore_sample(key), batch)
 
@@ -221,12 +223,12 @@ def test_a_key_of_another_batching_is_refused():
     single = unbatched.restore_key
     batched = dropin(0)
     next(iter(batched))
-    with pytest.raises(sl.RestoreKeyError, match="key.batched is False, this loader's batched is True"):
+    with pytest.raises(RestoreKeyError, match="key.batched is False, this loader's batched is True"):
         batched.restore_sample(single)
-    with pytest.raises(sl.RestoreKeyError, match="key.batched is True, this loader's batched is False"):
+    with pytest.raises(RestoreKeyError, match="key.batched is True, this loader's batched is False"):
         unbatched.restore_sample(batched.restore_key)
     # even with the setting removed, an unbatched loader does not rebuild a 4-sample key as one sample
-    with pytest.raises(sl.RestoreKeyError, match="names 4 samples, this loader is unbatched"):
+    with pytest.raises(RestoreKeyError, match="names 4 samples, this loader is unbatched"):
         unbatched.restore_sample(msgspec.structs.replace(batched.restore_key, batched=None))
 
 
@@ -238,7 +240,7 @@ def test_keys_made_by_earlier_versions():
     for name in ("shuffle", "batched", "world_size"):
         del old[name]
     text = msgspec.json.encode(old).decode()
-    with pytest.raises(sl.RestoreKeyError, match='key.shuffle is missing .* add "shuffle": true or false'):
+    with pytest.raises(RestoreKeyError, match='key.shuffle is missing .* add "shuffle": true or false'):
         loader.restore_sample(text)
     # the order it names is unambiguous once the shuffle setting is known
     old["shuffle"] = True
@@ -253,7 +255,7 @@ def test_padding_positions_follow_the_key_s_world_size():
     assert last_key.positions[-1][1] - 1 == 31 and last_key.world_size == 4
     one_rank = dropin(0)  # world size 1 rebuilds it
     assert_same(one_rank.restore_sample(last_key), last_batch)
-    with pytest.raises(sl.RestoreKeyError, match="reaches position 31, expected positions below 30"):
+    with pytest.raises(RestoreKeyError, match="reaches position 31, expected positions below 30"):
         one_rank.restore_sample(msgspec.structs.replace(last_key, world_size=1))
 
 
@@ -331,7 +333,7 @@ def test_parsed_keys_with_bad_values_are_refused():
     next(iter(loader))
     good = msgspec.json.decode(str(loader.restore_key).encode())
     for field, value in [("positions", [[-1, 3, 1]]), ("positions", [[0, 3, 0]]), ("epoch", -1), ("world_size", 0)]:
-        with pytest.raises(sl.RestoreKeyError, match="not a restore key"):
+        with pytest.raises(RestoreKeyError, match="not a restore key"):
             loader.restore_sample(msgspec.json.encode({**good, field: value}))
 
 

@@ -320,7 +320,7 @@ def test_restore_keys_carry_the_dataset_indices():
     fresh = factory("random+generator", num_workers=0)()
     assert_streams([fresh.restore_sample(key)], [batch], "rebuilt by another loader")
     own = sl.SavableDataLoader(data(), batch_size=3, shuffle=True, seed=11)
-    with pytest.raises(sl.RestoreKeyError, match="sampler"):
+    with pytest.raises(sl.errors.RestoreKeyError, match="sampler"):
         own.restore_sample(key)
 
 

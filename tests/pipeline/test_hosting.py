@@ -366,7 +366,7 @@ def test_restore_sample_rebuilds_a_key_made_under_other_logical_workers() -> Non
     assert_same(shuffled(1).restore_sample(key), first)
     # a key's num_workers is checked like its other fields
     for bad, message in ((-1, "expected an int >= 0"), (True, "expected an int >= 0"), (10**6, "at most 1024")):
-        with pytest.raises(sl.RestoreKeyError, match=message):
+        with pytest.raises(sl.errors.RestoreKeyError, match=message):
             shuffled(1).restore_sample(msgspec.structs.replace(key, num_workers=bad))
 
 

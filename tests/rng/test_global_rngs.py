@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import IterableDataset, default_collate
 
 import savable_loader as sl
+from savable_loader.errors import RestoreKeyError, UndeclaredRngError
 from savable_loader.rng import GLOBAL_RNG_NAMES, capture_global, global_seeder, seed_global
 from savable_loader.rng.global_rngs import GlobalRngs, global_rngs_setting
 from tests.common import RangeSource, assert_streams, check_resume_everywhere
@@ -187,7 +188,7 @@ def test_a_draw_from_a_generator_left_out_on_some_samples_raises(num_workers: in
     culprit_batch = order.index(SometimesNumpy.culprit) // 4
     got = []
     it = iter(loader)
-    with pytest.raises(sl.UndeclaredRngError) as info:
+    with pytest.raises(UndeclaredRngError) as info:
         while True:  # StopIteration (no error) fails the test
             got.append(next(it))
     assert len(got) == culprit_batch  # every batch before the culprit's came, none after
@@ -200,16 +201,16 @@ def test_a_draw_from_a_generator_left_out_on_some_samples_raises(num_workers: in
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_seeding_numpy_in_the_dataset_while_it_is_left_out_raises_what_to_declare(num_workers: int) -> None:
-    with pytest.raises(sl.UndeclaredRngError, match=r"(NumPy|np.random.seed).*Pass global_rngs=\(.numpy., .torch.\)"):
+    with pytest.raises(UndeclaredRngError, match=r"(NumPy|np.random.seed).*Pass global_rngs=\(.numpy., .torch.\)"):
         list(make(SeedsNumpyByIndex(), num_workers))
     declared = list(make(SeedsNumpyByIndex(), num_workers, ("numpy",)))
     assert_streams(declared, list(make(SeedsNumpyByIndex(), 0, None)), "declared: the default's data")
 
 
 def test_a_gauss_draw_from_pythons_random_raises() -> None:
-    with pytest.raises(sl.UndeclaredRngError, match="Python's random module.*Pass global_rngs=\\('random', 'torch'\\)"):
+    with pytest.raises(UndeclaredRngError, match="Python's random module.*Pass global_rngs=\\('random', 'torch'\\)"):
         list(make(SometimesGauss(), 0))
-    with pytest.raises(sl.UndeclaredRngError, match="Python's random module"):
+    with pytest.raises(UndeclaredRngError, match="Python's random module"):
         list(make(SometimesGauss(), 0, reseed="batch"))
 
 
@@ -219,7 +220,7 @@ def test_a_draw_in_the_collate_function_raises(num_workers: int) -> None:
         batch = default_collate(samples)
         return batch * (1 + random.random()) if int(batch[0, 0]) % 2 else batch
 
-    with pytest.raises(sl.UndeclaredRngError, match="Python's random module"):
+    with pytest.raises(UndeclaredRngError, match="Python's random module"):
         list(make(TorchOnly(), num_workers, collate_fn=collate))
     assert len(list(make(TorchOnly(), num_workers, ("random",), collate_fn=collate))) == 6  # declared: fine
 
@@ -233,7 +234,7 @@ def test_the_batches_after_a_refused_one_come_as_in_a_run_without_it() -> None:
     while True:
         try:
             got.append(next(it))
-        except sl.UndeclaredRngError:
+        except UndeclaredRngError:
             errors += 1
         except StopIteration:
             break
@@ -277,7 +278,7 @@ def test_global_rngs_empty_reseeds_none_and_checks_all_three() -> None:
     # the drop-in path under (): a dataset that draws nothing gets the default's data
     assert_streams(list(make(NoDraws(), 0, ())), list(make(NoDraws(), 0, None)), "()")
     assert_streams(list(make(NoDraws(), 2, ())), list(make(NoDraws(), 0, None)), "() with 2 workers")
-    with pytest.raises(sl.UndeclaredRngError) as info:  # a draw from torch is not re-seeded either
+    with pytest.raises(UndeclaredRngError) as info:  # a draw from torch is not re-seeded either
         list(make(TorchOnly(), 0, ()))
     assert "torch's CPU RNG" in str(info.value) and "Pass global_rngs=('torch',)" in str(info.value)
 
@@ -285,7 +286,7 @@ def test_global_rngs_empty_reseeds_none_and_checks_all_three() -> None:
         def __getitem__(self, i: int) -> torch.Tensor:
             return torch.tensor([float(i), random.gauss(0.0, 1.0) if i == 5 else 0.0])
 
-    with pytest.raises(sl.UndeclaredRngError, match="Python's random module.*Pass global_rngs=\\('random', 'torch'\\)"):
+    with pytest.raises(UndeclaredRngError, match="Python's random module.*Pass global_rngs=\\('random', 'torch'\\)"):
         list(make(GaussOnce(), 2, ()))
 
 
@@ -314,12 +315,12 @@ def test_restore_keys_carry_the_setting() -> None:
     key, batch = batches[2]
     assert key.global_rngs == ("torch",) and '"global_rngs":["torch"]' in str(key)
     assert torch.equal(make().restore_sample(str(key)), batch)
-    with pytest.raises(sl.RestoreKeyError, match="global_rngs"):
+    with pytest.raises(RestoreKeyError, match="global_rngs"):
         make(global_rngs=None).restore_sample(key)
     plain = make(global_rngs=None)
     plain_key = [plain.restore_key for _ in plain][0]
     assert "global_rngs" not in str(plain_key)  # the default is left out, as earlier versions wrote keys
-    with pytest.raises(sl.RestoreKeyError, match="global_rngs"):
+    with pytest.raises(RestoreKeyError, match="global_rngs"):
         make().restore_sample(plain_key)
 
 
@@ -333,7 +334,7 @@ def test_a_sampler_of_the_users_records_and_checks_the_setting_too() -> None:
     next(it)
     assert loader.save_state_rank().config.global_rngs == ["torch"]
     key = loader.restore_key
-    with pytest.raises(sl.RestoreKeyError, match="global_rngs"):
+    with pytest.raises(RestoreKeyError, match="global_rngs"):
         with_sampler(None).restore_sample(key)
     with pytest.raises(sl.ConfigMismatchError, match="global_rngs"):
         with_sampler(None).restore_state_rank(loader.save_state_rank())
@@ -384,11 +385,11 @@ def test_the_guard_sees_every_kind_of_draw() -> None:
             draw()
         except TypeError as e:  # np.random.seed() on the fixed state's PCG64: explained
             with pytest.raises(
-                sl.UndeclaredRngError, match=r"called np.random.seed\(\).*Pass global_rngs=\('numpy', 'torch'\)"
+                UndeclaredRngError, match=r"called np.random.seed\(\).*Pass global_rngs=\('numpy', 'torch'\)"
             ):
                 guard.explain(e, "this batch")
             continue
-        with pytest.raises(sl.UndeclaredRngError):
+        with pytest.raises(UndeclaredRngError):
             guard.check("this batch")
     guard.begin(seed=0, epoch=1)
     torch.rand(3)
@@ -404,7 +405,7 @@ def test_draws_from_a_swapped_in_numpy_generator_are_seen() -> None:
     guard.check("batch 0")
     try:
         np.random.set_bit_generator(np.random.MT19937(5))
-        with pytest.raises(sl.UndeclaredRngError):  # the swap itself changed what NumPy draws from
+        with pytest.raises(UndeclaredRngError):  # the swap itself changed what NumPy draws from
             guard.check("the batch that swapped it")
         for _ in range(3):
             try:
@@ -413,7 +414,7 @@ def test_draws_from_a_swapped_in_numpy_generator_are_seen() -> None:
                 break
             guard.check("a batch without draws")
             np.random.rand()
-            with pytest.raises(sl.UndeclaredRngError):
+            with pytest.raises(UndeclaredRngError):
                 guard.check("a batch that drew from the swapped-in generator")
     finally:
         np.random.set_bit_generator(old)
@@ -423,7 +424,7 @@ def test_numpys_refusal_to_reseed_the_fixed_state_is_explained() -> None:
     # NumPy < 2 refuses np.random.seed() on a bit generator other than MT19937 (the fixed
     # state's PCG64): the loader turns that TypeError into what to declare
     refusal = TypeError("can only re-seed a MT19937 BitGenerator")
-    with pytest.raises(sl.UndeclaredRngError, match=r"item 3 called np.random.seed\(\)") as info:
+    with pytest.raises(UndeclaredRngError, match=r"item 3 called np.random.seed\(\)") as info:
         GlobalRngs(("torch",)).explain(refusal, "item 3")
     assert info.value.__cause__ is refusal
     GlobalRngs(("numpy", "torch")).explain(refusal, "item 3")  # declared: not the loader's doing

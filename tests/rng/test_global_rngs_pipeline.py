@@ -27,8 +27,10 @@ import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 import savable_loader as sl
+from savable_loader.errors import RestoreKeyError, UndeclaredRngError
 from savable_loader.rng import GLOBAL_RNG_NAMES, capture_global
 from savable_loader.rng.global_rngs import global_rngs_setting
+from savable_loader.state import RestoreKey
 from savable_loader.wrappers import BatchDataset, MapDataset
 from tests.common import (
     RangeSource,
@@ -220,7 +222,7 @@ def test_a_draw_as_the_epoch_ends_raises() -> None:
         global_rngs=("torch",),
     )
     got, error = drain(loader)
-    assert len(got) == 4 and isinstance(error, sl.UndeclaredRngError)
+    assert len(got) == 4 and isinstance(error, UndeclaredRngError)
     assert "the end of worker 0's epoch 0" in str(error)
 
 
@@ -250,11 +252,11 @@ def test_a_malformed_recorded_setting_is_refused(value: Any) -> None:
     with pytest.raises(sl.ConfigMismatchError, match="global_rngs"):
         fresh.restore_state_rank(bad)
     assert_streams(list(fresh), list(pipeline(0, ("torch",))), "after the refused restore")
-    with pytest.raises(sl.RestoreKeyError, match="key.global_rngs"):
+    with pytest.raises(RestoreKeyError, match="key.global_rngs"):
         pipeline(0, ("torch",)).restore_sample(msgspec.structs.replace(key, global_rngs=value))
     edited = json.loads(str(key))
     edited["global_rngs"] = value
-    with pytest.raises(sl.RestoreKeyError):
+    with pytest.raises(RestoreKeyError):
         pipeline(0, None).restore_sample(json.dumps(edited))
 
 
@@ -266,7 +268,7 @@ def test_a_malformed_recorded_setting_is_refused(value: Any) -> None:
 def test_a_draw_from_numpy_on_one_sample_raises(num_workers: int, global_rngs: Any) -> None:
     reference = list(pipeline(num_workers, GLOBAL_RNG_NAMES, numpy_once))
     got, error = drain(pipeline(num_workers, global_rngs, numpy_once))
-    assert isinstance(error, sl.UndeclaredRngError), error  # the type, in the main process too
+    assert isinstance(error, UndeclaredRngError), error  # the type, in the main process too
     message = str(error)
     assert "drew from NumPy's global RNG (np.random) (in the pipeline)" in message
     assert f"global_rngs={global_rngs!r} does not list 'numpy'" in message
@@ -283,7 +285,7 @@ def test_a_draw_from_numpy_on_one_sample_raises(num_workers: int, global_rngs: A
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_draw_from_torch_under_empty_raises(num_workers: int) -> None:
     got, error = drain(pipeline(num_workers, (), torch_noise))
-    assert got == [] and isinstance(error, sl.UndeclaredRngError), error
+    assert got == [] and isinstance(error, UndeclaredRngError), error
     message = str(error)
     assert "drew from torch's CPU RNG" in message and "global_rngs=() does not list 'torch'" in message
     assert "Pass global_rngs=('torch',)" in message
@@ -305,7 +307,7 @@ def test_a_gaussian_taken_from_a_cache_primed_before_the_item_is_seen(global_rng
             random.gauss(0.0, 1.0)
             assert random.getstate()[2] is not None  # gauss_next cached
         got, error = drain(loader)
-        assert got == [] and isinstance(error, sl.UndeclaredRngError), (name, error)
+        assert got == [] and isinstance(error, UndeclaredRngError), (name, error)
         assert name in str(error) and "item 0 of worker 0 in epoch 0" in str(error)
 
 
@@ -315,14 +317,14 @@ def test_a_gaussian_taken_from_a_cache_primed_in_a_worker_init_fn_is_seen() -> N
         np.random.randn()  # a cached Gaussian in the worker
 
     got, error = drain(pipeline(2, ("torch",), numpy_gauss_first, worker_init_fn=prime))
-    assert isinstance(error, sl.UndeclaredRngError), error
+    assert isinstance(error, UndeclaredRngError), error
     assert "NumPy's global RNG" in str(error) and "item 0 of worker 0 in epoch 0" in str(error)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_draw_in_batch_datasets_collate_function_raises(num_workers: int) -> None:
     got, error = drain(pipeline(num_workers, ("torch",), no_draw, collate_with_random))
-    assert isinstance(error, sl.UndeclaredRngError), error
+    assert isinstance(error, UndeclaredRngError), error
     assert "Python's random module" in str(error) and "Pass global_rngs=('random', 'torch')" in str(error)
     # declared, it is exact and the default's data
     declared = epochs_of(pipeline(num_workers, ("random",), no_draw, collate_with_random), 2)
@@ -350,7 +352,7 @@ def test_a_draw_in_the_loaders_collate_function_is_exact_or_raises(num_workers: 
 
     try:
         reference = epochs_of(make(), 2)
-    except sl.UndeclaredRngError as e:
+    except UndeclaredRngError as e:
         assert "NumPy's global RNG" in str(e)
         return
     check_resume_everywhere(make, 2, steps=[0, 1, 2, 5, 7], reference=reference)
@@ -432,14 +434,14 @@ def test_an_item_taking_a_gaussian_the_caller_put_back_raises() -> None:
     it = iter(loader)
     next(it)  # item 0: samples 0..2
     np.random.set_state(cached)
-    with pytest.raises(sl.UndeclaredRngError, match="NumPy's global RNG"):
+    with pytest.raises(UndeclaredRngError, match="NumPy's global RNG"):
         next(it)  # item 1: sample 3 takes the cached Gaussian
 
 
 # -- restore keys ------------------------------------------------------------------------
 
 
-def keyed(loader: sl.SavableDataLoader, epochs: int = 2) -> list[tuple[sl.RestoreKey, Any]]:
+def keyed(loader: sl.SavableDataLoader, epochs: int = 2) -> list[tuple[RestoreKey, Any]]:
     return [(loader.restore_key, item) for _ in range(epochs) for item in loader]
 
 
@@ -457,9 +459,9 @@ def test_restore_keys_carry_the_setting_and_rebuild_under_it_only(num_workers: i
         assert_same(same.restore_sample(k), item, f"{k} under ('torch',)")
         assert_same(same.restore_sample(str(k)), item, f"str({k}) under ('torch',)")
         assert_same(default.restore_sample(dk), ditem, f"{dk} under the default")
-    with pytest.raises(sl.RestoreKeyError, match="key.global_rngs"):
+    with pytest.raises(RestoreKeyError, match="key.global_rngs"):
         default.restore_sample(key)
-    with pytest.raises(sl.RestoreKeyError, match="key.global_rngs"):
+    with pytest.raises(RestoreKeyError, match="key.global_rngs"):
         same.restore_sample(default_run[0][0])
     quiet = keyed(pipeline(num_workers, (), no_draw), 1)
     assert quiet[0][0].global_rngs == () and '"global_rngs":[]' in str(quiet[0][0])
@@ -479,7 +481,7 @@ def test_restore_sample_raises_for_a_draw_left_out_and_leaves_the_callers_stream
     before = capture_global()
     for k, b in others:  # the items without the numpy draw: exact
         assert_same(loader.restore_sample(k), b)
-    with pytest.raises(sl.UndeclaredRngError, match="NumPy's global RNG .*restore_sample"):
+    with pytest.raises(UndeclaredRngError, match="NumPy's global RNG .*restore_sample"):
         loader.restore_sample(culprit)
     after = capture_global()
     assert before.python == after.python and torch.equal(before.torch, after.torch)
@@ -528,7 +530,7 @@ def test_an_iterable_dataset_that_keeps_to_its_declaration(num_workers: int) -> 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_an_iterable_dataset_drawing_from_numpy_raises(num_workers: int) -> None:
     got, error = drain(stream(num_workers, ("torch",), numpy_at=6))
-    assert isinstance(error, sl.UndeclaredRngError), error
+    assert isinstance(error, UndeclaredRngError), error
     assert "NumPy's global RNG" in str(error) and NUMPY_FIX in str(error)
     assert all(6 not in b[:, 0].tolist() for b in got)
 
@@ -559,7 +561,7 @@ def test_a_draw_in_an_iterable_datasets_collate_function_is_exact_or_raises(num_
 
     try:
         reference = epochs_of(make(), 2)
-    except sl.UndeclaredRngError as e:
+    except UndeclaredRngError as e:
         assert "NumPy's global RNG" in str(e)
         return
     check_resume_everywhere(make, 2, steps=[0, 1, 2, 5], reference=reference)

@@ -146,7 +146,7 @@ def test_keys_record_and_rebuild_their_formula(path, formula):
     for item in loader:
         key = loader.restore_key
         assert key.seed_formula == formula
-        parsed = sl.RestoreKey.parse(str(key))
+        parsed = sl.state.RestoreKey.parse(str(key))
         assert parsed == key
         for rebuilder in (make(path), at_formula(make(path), 2), at_formula(make(path), 3)):
             assert rebuilder.restore_sample(parsed) == item, "the key's own formula, whatever the loader's"
@@ -181,7 +181,7 @@ OLD_KEYS = {
 @pytest.mark.parametrize("path", sorted(OLD_KEYS))
 def test_a_key_made_before_the_field_rebuilds_the_formula_2_sample(path):
     text, batch = OLD_KEYS[path]
-    key = sl.RestoreKey.parse(text)
+    key = sl.state.RestoreKey.parse(text)
     assert key.seed_formula is None
     assert make(path).restore_sample(key) == batch  # a fresh (formula 3) loader
     assert make(path).restore_sample(text) == batch

@@ -267,7 +267,7 @@ IMPORTS = textwrap.dedent("""
     from savable_loader.storage import Storage, RetryPolicy
     s = Storage("s3://bucket/train", storage_options={"anon": True}, cache_dir=sys.argv[1])
     Storage(sys.argv[1])
-    savable_loader.sources, savable_loader.StorageError
+    savable_loader.sources, savable_loader.errors.StorageError
     savable_loader.sources.RedisStreamSource("redis://127.0.0.1:1/0", "s", savable_loader.WorkerConfig(0, 1, 0))
     heavy = sorted({m.split(".")[0] for m in sys.modules} & {"fsspec", "s3fs", "gcsfs", "adlfs", "aiohttp",
                    "botocore", "aiobotocore", "huggingface_hub", "pyarrow", "requests", "redis"})

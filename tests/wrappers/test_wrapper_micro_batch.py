@@ -207,4 +207,4 @@ def test_loader_restore_keys_through_the_new_wrappers(tmp_path):
     for i in random.Random(0).sample(range(len(run)), 10):
         key, item = run[i]
         assert_same(loader.restore_sample(key), item, f"item {i} ({key})")
-        assert_same(fresh.restore_sample(sl.RestoreKey.parse(str(key))), item, f"item {i} in a fresh loader")
+        assert_same(fresh.restore_sample(sl.state.RestoreKey.parse(str(key))), item, f"item {i} in a fresh loader")
