@@ -114,11 +114,6 @@ def steps() -> dict[str, tuple[Callable[[int], Any], int, int]]:
         "  python random": (lambda i: rng._PY_SEED(rng._PY_RANDOM, i * 7919), 20_000, 1),
         "  numpy": (lambda i: rng._NP_SEED(((i * 0x9E3779B97F4A7C15) & (2**64 - 1)) >> 32), 20_000, 1),
         "  torch": (lambda i: rng._TORCH_SEED(i), 20_000, 1),
-        "re-seed, a run of seed formula 2 (seed_global(s, 2))": (
-            lambda i: rng.seed_global(rng.counter_seed(base, i), 2),
-            20_000,
-            1,
-        ),
         "seed derivation (counter_seed)": (lambda i: rng.counter_seed(base, i), 50_000, 1),
         "collate seed (derive_seed per batch)": (lambda i: rng.derive_seed(0, "collate", 0, i), 20_000, BATCH),
         "batch keys in the main process": (make_keys, 20, 200 * BATCH),

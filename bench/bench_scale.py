@@ -28,9 +28,7 @@ reported as NOISY, not met.
 subprocess (``--probe N``) that reports the peak resident set size while they ran over
 the RSS before them (Linux: the peak is reset through ``/proc/self/clear_refs`` after the
 imports, so that it measures the operations, not the import of torch); the growth over
-N = 10^3 (paired, interleaved the same way) must stay below 64 MiB. The legacy order (a materialised
-``numpy`` permutation, still used to resume states written before ``order_algorithm``
-existed) is measured beside it at 10^6 and 10^7 for contrast.
+N = 10^3 (paired, interleaved the same way) must stay below 64 MiB.
 
 ``main(argv)`` returns the results as a dict (``python -m bench`` includes them).
 """
@@ -54,14 +52,12 @@ import torch
 
 import savable_loader as sl
 from bench import measure as M
-from savable_loader.index.permutation import ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.state import IndexPosition, RankState
 
 BATCH = 64
 RANK, WORLD, NEW_RANK, NEW_WORLD = 3, 8, 1, 6
 SEED = 0
 SIZES = (10**3, 10**6, 10**9, 10**10)
-LEGACY_SIZES = (10**6, 10**7)
 TIME_TARGET = 2.0
 RSS_TARGET_MIB = 64.0
 OPERATIONS = ("first_batch", "restore_90", "restore_sample", "resized_restore_90")
@@ -83,39 +79,37 @@ class Synthetic:
         return {"n": self.n}
 
 
-def make(n: int, rank: int = RANK, world: int = WORLD, order: str = ORDER_FEISTEL) -> sl.SavableDataLoader:
+def make(n: int, rank: int = RANK, world: int = WORLD) -> sl.SavableDataLoader:
     wc = sl.WorkerConfig(rank=rank, world_size=world, num_workers=0, seed=SEED)
-    loader = sl.SavableDataLoader(Synthetic(n), batch_size=BATCH, shuffle=True, worker_config=wc)
-    loader._mode.set_order(order)  # the legacy order only for the contrast rows
-    return loader
+    return sl.SavableDataLoader(Synthetic(n), batch_size=BATCH, shuffle=True, worker_config=wc)
 
 
-def state_at_90(n: int, rank: int = RANK, order: str = ORDER_FEISTEL) -> RankState:
+def state_at_90(n: int, rank: int = RANK) -> RankState:
     """The state of ``rank`` of ``WORLD`` after 90 % of its epoch (whole batches)."""
-    loader = make(n, rank, order=order)
+    loader = make(n, rank)
     epoch_len = loader._mode.plan.epoch_len()
     consumed = epoch_len * 9 // 10 // BATCH * BATCH
     config = loader.save_state_rank().config
     return RankState(config=config, position=IndexPosition(epoch=0, consumed=consumed, dataset_len=n))
 
 
-def operations(n: int, order: str = ORDER_FEISTEL) -> dict[str, Any]:
+def operations(n: int) -> dict[str, Any]:
     """The four operations at size ``n``: one callable each, returning seconds."""
-    state = state_at_90(n, order=order)
-    states = [state_at_90(n, r, order=order) for r in range(WORLD)]
-    probe = make(n, order=order)
+    state = state_at_90(n)
+    states = [state_at_90(n, r) for r in range(WORLD)]
+    probe = make(n)
     probe.restore_state_rank(state)
     expected = next(iter(probe))
     key = str(probe.restore_key)
 
     def first_batch() -> tuple[float, float]:
         with M.Timer() as t:
-            next(iter(make(n, order=order)))
+            next(iter(make(n)))
         return t.wall, t.cpu
 
     def restore_90() -> tuple[float, float]:
         with M.Timer() as t:
-            loader = make(n, order=order)
+            loader = make(n)
             loader.restore_state_rank(state)
             batch = next(iter(loader))
         if not torch.equal(batch, expected):
@@ -124,14 +118,14 @@ def operations(n: int, order: str = ORDER_FEISTEL) -> dict[str, Any]:
 
     def restore_sample() -> tuple[float, float]:
         with M.Timer() as t:
-            batch = make(n, order=order).restore_sample(key)
+            batch = make(n).restore_sample(key)
         if not torch.equal(batch, expected):
             raise RuntimeError(f"N={n}: restore_sample rebuilt another batch")
         return t.wall, t.cpu
 
     def resized_restore_90() -> tuple[float, float]:
         with M.Timer() as t:
-            loader = make(n, NEW_RANK, NEW_WORLD, order=order)
+            loader = make(n, NEW_RANK, NEW_WORLD)
             loader.restore_state_global(states)
             next(iter(loader))
         return t.wall, t.cpu
@@ -144,18 +138,17 @@ def operations(n: int, order: str = ORDER_FEISTEL) -> dict[str, Any]:
     }
 
 
-def probe(n: int, order: str) -> dict[str, Any]:
+def probe(n: int) -> dict[str, Any]:
     """Run the four operations once in this (fresh) process: the peak RSS while they ran,
     over the RSS before (imports done)."""
     Synthetic(1)[0], make(1000)  # first-use allocations of torch and the library, not of N
     before = M.rss_mib()
     fresh_peak = M.reset_peak_rss()
-    ops = operations(n, order)
+    ops = operations(n)
     seconds = {name: fn()[0] for name, fn in ops.items()}
     peak = M.peak_rss_mib()
     return {
         "n": n,
-        "order": order,
         "rss_before_mib": before,
         "peak_rss_mib": peak,
         "peak_over_start_mib": peak - before if fresh_peak else None,
@@ -163,9 +156,9 @@ def probe(n: int, order: str) -> dict[str, Any]:
     }
 
 
-def run_probe(n: int, order: str) -> dict[str, Any]:
+def run_probe(n: int) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.bench_scale", "--probe", str(n), "--order", order],
+        [sys.executable, "-m", "bench.bench_scale", "--probe", str(n)],
         cwd=_REPO,
         capture_output=True,
         text=True,
@@ -173,11 +166,11 @@ def run_probe(n: int, order: str) -> dict[str, Any]:
         check=False,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"probe N={n} {order} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"probe N={n} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def run(repeats: int, sizes: tuple[int, ...] = SIZES, legacy_sizes: tuple[int, ...] = LEGACY_SIZES) -> dict[str, Any]:
+def run(repeats: int, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
     """Interleaved timings and RSS probes; figures against the smallest size."""
     base = sizes[0]
     torch_threads = torch.get_num_threads()
@@ -195,16 +188,13 @@ def run(repeats: int, sizes: tuple[int, ...] = SIZES, legacy_sizes: tuple[int, .
     finally:
         torch.set_num_threads(torch_threads)
     M.log("scale: peak RSS, one fresh process per size and repeat")
-    probes = [(n, ORDER_FEISTEL) for n in sizes] + [(n, ORDER_LEGACY) for n in (base, *legacy_sizes)]
 
-    def peak(n: int, order: str) -> float:
-        got = run_probe(n, order)
+    def peak(n: int) -> float:
+        got = run_probe(n)
         over = got["peak_over_start_mib"]
         return got["peak_rss_mib"] if over is None else over
 
-    rss = M.interleaved(
-        {f"{n}/{order}": (lambda r, n=n, order=order: peak(n, order)) for n, order in probes}, max(3, repeats)
-    )
+    rss = M.interleaved({str(n): (lambda r, n=n: peak(n)) for n in sizes}, max(3, repeats))
     out: dict[str, Any] = {
         "repeats": repeats,
         "batch_size": BATCH,
@@ -212,7 +202,6 @@ def run(repeats: int, sizes: tuple[int, ...] = SIZES, legacy_sizes: tuple[int, .
         "world_size": WORLD,
         "resized_to": [NEW_RANK, NEW_WORLD],
         "sizes": {},
-        "legacy": {},
     }
     for n in sizes:
         row: dict[str, Any] = {}
@@ -223,24 +212,9 @@ def run(repeats: int, sizes: tuple[int, ...] = SIZES, legacy_sizes: tuple[int, .
             row[f"{name}_cpu_ms"] = M.spread([c * 1e3 for c in cpu])
             row[f"{name}_ratio"] = M.paired(wall, [w for w, _ in times[name][base]])
             row[f"{name}_cpu_ratio"] = M.paired(cpu, [c for _, c in times[name][base]])
-        row["peak_rss_mib"] = M.spread(rss[f"{n}/{ORDER_FEISTEL}"])
-        row["rss_growth_mib"] = M.spread(
-            [a - b for a, b in zip(rss[f"{n}/{ORDER_FEISTEL}"], rss[f"{base}/{ORDER_FEISTEL}"])]
-        )
+        row["peak_rss_mib"] = M.spread(rss[str(n)])
+        row["rss_growth_mib"] = M.spread([a - b for a, b in zip(rss[str(n)], rss[str(base)])])
         out["sizes"][str(n)] = row
-    for n in legacy_sizes:
-        out["legacy"][str(n)] = {
-            "peak_rss_mib": M.spread(rss[f"{n}/{ORDER_LEGACY}"]),
-            "rss_growth_mib": M.spread(
-                [a - b for a, b in zip(rss[f"{n}/{ORDER_LEGACY}"], rss[f"{base}/{ORDER_LEGACY}"])]
-            ),
-        }
-    M.log("scale: legacy order first batch (contrast)")
-    for n in legacy_sizes:
-        legacy = operations(n, ORDER_LEGACY)
-        runs = [legacy["first_batch"]() for _ in range(3)]
-        out["legacy"][str(n)]["first_batch_ms"] = M.spread([w * 1e3 for w, _ in runs])
-        out["legacy"][str(n)]["first_batch_cpu_ms"] = M.spread([c * 1e3 for _, c in runs])
     out["targets"] = targets(out)
     return out
 
@@ -291,11 +265,6 @@ def render(out: dict[str, Any]) -> str:
             if kind:
                 row += [M.fmt_spread(r["peak_rss_mib"]), M.fmt_spread(r["rss_growth_mib"])]
             rows.append(row)
-        for n, r in out["legacy"].items():
-            row = [f"{int(n):.0e} (legacy order)", M.fmt_spread(r[f"first_batch_{kind}ms"])] + ["-"] * 3
-            if kind:
-                row += [M.fmt_spread(r["peak_rss_mib"]), M.fmt_spread(r["rss_growth_mib"])]
-            rows.append(row)
         parts.append(M.table(rows))
     return "\n\n".join(parts)
 
@@ -306,10 +275,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 7; --quick 3)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--probe", type=int, metavar="N", help=argparse.SUPPRESS)
-    parser.add_argument("--order", default=ORDER_FEISTEL, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe is not None:
-        result = probe(args.probe, args.order)
+        result = probe(args.probe)
         print(json.dumps(result))
         return result
     repeats = args.repeats or (3 if args.quick else 7)

@@ -20,7 +20,7 @@ from typing import Any
 from savable_loader.core.frameworks import check_not_rebuilt
 from savable_loader.errors import LoaderUsageError
 from savable_loader.rng.formulas import worker_epoch_seed, worker_seed
-from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, SEED_FORMULA, global_seeder
+from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, global_seeder
 
 __all__ = ["WorkerConfig"]
 
@@ -211,65 +211,41 @@ class _LogicalWorkers:
 
 class _ActiveWorker:
     """Context manager: the current thread loads for logical ``worker_id`` in ``epoch``,
-    under seed formula ``seed_formula`` (``rng.SEED_FORMULA``; None: the enclosing
-    context's, or the current formula outside any; :func:`active_seed_formula`) and
     re-seeding the global generators ``global_rngs`` per sample (the loader's
     ``global_rngs=``; None: the enclosing context's, or all three; :func:`active_seeder`)."""
 
-    def __init__(
-        self,
-        worker_id: int,
-        epoch: int,
-        seed_formula: int | None = None,
-        global_rngs: tuple[str, ...] | None = None,
-    ) -> None:
+    def __init__(self, worker_id: int, epoch: int, global_rngs: tuple[str, ...] | None = None) -> None:
         self.worker_id = worker_id
         self.epoch = epoch
-        self.seed_formula = seed_formula
         self.global_rngs = global_rngs
         self._saved: tuple[Any, ...] = ()
-        #: the seeder, when both are given (it does not depend on the enclosing context):
-        #: looked up once, not at every entry (the runtime enters one per item)
-        self._seeder = (
-            None if seed_formula is None or global_rngs is None else (_seeder_for(global_rngs, seed_formula),)
-        )
+        #: the seeder of ``global_rngs``: looked up once, not at every entry (the runtime
+        #: enters one per item)
+        self._seeder = None if global_rngs is None else (_seeder_for(global_rngs),)
 
     def __enter__(self) -> _ActiveWorker:  # noqa: PYI034 - typing.Self needs Python 3.11
         d = _active.__dict__
-        self._saved = (d.get("worker_id"), d.get("epoch"), d.get("seed_formula"), d.get("global_rngs"), d.get("seeder"))
+        self._saved = (d.get("worker_id"), d.get("epoch"), d.get("global_rngs"), d.get("seeder"))
         _active.worker_id = self.worker_id
         _active.epoch = self.epoch
-        if self.seed_formula is not None:
-            _active.seed_formula = self.seed_formula
         if self.global_rngs is not None:
             _active.global_rngs = self.global_rngs
-        if self._seeder is not None:
             _active.seeder = self._seeder
-        elif self.seed_formula is not None or self.global_rngs is not None:
-            _active.seeder = (_seeder_for(d.get("global_rngs", GLOBAL_RNG_NAMES), d.get("seed_formula", SEED_FORMULA)),)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        worker_id, epoch, formula, names, seeder = self._saved
+        worker_id, epoch, names, seeder = self._saved
         if worker_id is None:
             del _active.worker_id
             del _active.epoch
         else:
             _active.worker_id = worker_id
             _active.epoch = epoch
-        for name, value in (("seed_formula", formula), ("global_rngs", names), ("seeder", seeder)):
+        for name, value in (("global_rngs", names), ("seeder", seeder)):
             if value is None:
                 _active.__dict__.pop(name, None)
             else:
                 setattr(_active, name, value)
-
-
-def active_seed_formula() -> int:
-    """The seed formula the current thread loads under (set by the loader's loading
-    contexts: a run restored from an older state keeps its own); ``rng.SEED_FORMULA``
-    outside a loader."""
-    formula: int = getattr(_active, "seed_formula", SEED_FORMULA)
-    return formula
 
 
 def active_global_rngs() -> tuple[str, ...]:
@@ -279,32 +255,31 @@ def active_global_rngs() -> tuple[str, ...]:
     return names
 
 
-#: ``global_seeder(names, formula)`` by ``(names, formula)`` (None: no names): per sample.
-_SEEDERS: dict[tuple[tuple[str, ...], int], Callable[[int], None] | None] = {}
+#: ``global_seeder(names)`` by ``names`` (None: no names): per sample.
+_SEEDERS: dict[tuple[str, ...], Callable[[int], None] | None] = {}
 
 
 def active_seeder() -> Callable[[int], None] | None:
     """The function re-seeding, from one seed, the global generators the current thread
-    re-seeds per sample (:func:`active_global_rngs`) under its seed formula
-    (:func:`active_seed_formula`); None when the loader's ``global_rngs=()`` re-seeds none.
+    re-seeds per sample (:func:`active_global_rngs`); None when the loader's
+    ``global_rngs=()`` re-seeds none.
 
     Example::
 
         seed = active_seeder()
         if seed is not None:
-            seed(key_seed)      # rng.seed_global(key_seed, formula) outside a loader
+            seed(key_seed)      # rng.seed_global(key_seed) outside a loader
     """
     held = _active.__dict__.get("seeder")  # (the seeder,), set by the loading context
     if held is not None:
         return held[0]
-    return _seeder_for(GLOBAL_RNG_NAMES, SEED_FORMULA)
+    return _seeder_for(GLOBAL_RNG_NAMES)
 
 
-def _seeder_for(names: tuple[str, ...], formula: int) -> Callable[[int], None] | None:
-    where = (names, formula)
+def _seeder_for(names: tuple[str, ...]) -> Callable[[int], None] | None:
     try:
-        return _SEEDERS[where]
+        return _SEEDERS[names]
     except KeyError:
-        seeder = global_seeder(names, formula) if names else None
-        _SEEDERS[where] = seeder
+        seeder = global_seeder(names) if names else None
+        _SEEDERS[names] = seeder
         return seeder

@@ -1,10 +1,11 @@
 """Loaders whose datasets draw from NumPy's and torch's global RNGs side by side, one per
 loading path (drop-in with the loader's order or a sampler of the user's drawing from
-NumPy, savable pipeline with and without restore keys, plain IterableDataset), for the seed-formula tests (``tests/rng/test_seed_formula.py``).
+NumPy, savable pipeline with and without restore keys, plain IterableDataset), for the
+seed-formula tests (``tests/rng/test_seed_formula.py``).
 
-Every item is ``[value, numpy word x3, torch word x3]`` (ints below ``2**31``): under seed
-formulas 1 and 2 the NumPy and torch words of an item are one Mersenne Twister stream
-shifted by one draw; under formula 3 they are unrelated.
+Every item is ``[value, numpy word x3, torch word x3]`` (ints below ``2**31``): under the
+seed formula (3) the NumPy and torch words of an item are unrelated (formulas of
+unreleased versions made them one Mersenne Twister stream shifted by one draw).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
 import savable_loader as sl
 
-__all__ = ["DRAWS", "FACTORIES", "at_formula", "digest", "draws", "make"]
+__all__ = ["DRAWS", "FACTORIES", "digest", "draws", "make", "recording"]
 
 #: Words drawn from each generator per item.
 DRAWS = 3
@@ -125,14 +126,10 @@ def make(path: str, num_workers: int = 0) -> sl.SavableDataLoader:
 FACTORIES = ("dropin", "sampler", "pipeline", "pipeline-keyed", "iterable")
 
 
-def at_formula(loader: sl.SavableDataLoader, formula: int) -> sl.SavableDataLoader:
-    """``loader`` restored from its own start state recording seed formula ``formula``
-    (as a run that began under that formula), through the public API."""
-    start = loader.save_state_rank()
-    loader.restore_state_rank(
-        msgspec.structs.replace(start, config=msgspec.structs.replace(start.config, seed_formula=formula))
-    )
-    return loader
+def recording(state: sl.state.RankState, **config: Any) -> sl.state.RankState:
+    """``state`` with its ``LoaderConfig`` fields replaced (``seed_formula=2``: as a state
+    of an unreleased version's formula would record it)."""
+    return msgspec.structs.replace(state, config=msgspec.structs.replace(state.config, **config))
 
 
 def digest(items: Any) -> str:

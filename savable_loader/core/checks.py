@@ -1,7 +1,9 @@
 """The checks both engines make when a state is restored or a restore key is rebuilt:
 settings recorded in a state or a key against the loader's own.
 
-Each raises :class:`~savable_loader.errors.ConfigMismatchError` (a state) or
+Each raises :class:`~savable_loader.errors.ConfigMismatchError` (a state),
+:class:`~savable_loader.errors.StateError` (a state of another seed formula or epoch order
+than this version's: :func:`check_state_formulas`) or
 :class:`~savable_loader.errors.RestoreKeyError` (a key) naming the field, the value found
 and the value expected.
 
@@ -9,24 +11,30 @@ Example::
 
     check_batch_size(saved=64, current=32)          # fine: 32 divides 64
     check_key_setting("reseed", "batch", "sample")  # RestoreKeyError naming both
+    check_state_formulas(state.config)              # StateError if seed_formula is not 3
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from savable_loader.errors import ConfigMismatchError, RestoreKeyError
-from savable_loader.rng.seeding import SEED_FORMULAS
-from savable_loader.state.schema import LoaderConfig, RestoreKey
+from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
+from savable_loader.rng.seeding import SEED_FORMULA
+from savable_loader.state.schema import ORDER_ALGORITHM, LoaderConfig, RestoreKey
 
 __all__ = [
     "check_batch_size",
     "check_global_rngs",
     "check_key_global_rngs",
     "check_key_int",
+    "check_key_order",
+    "check_key_seed_formula",
     "check_key_setting",
-    "key_seed_formula",
+    "check_state_formulas",
 ]
+
+#: What a state or key of another seed formula or epoch order than this version's is.
+_UNRELEASED = "an unreleased version of savable-loader"
 
 
 def check_batch_size(saved: int | None, current: int | None) -> None:
@@ -78,21 +86,44 @@ def check_key_global_rngs(key: RestoreKey, names: tuple[str, ...]) -> None:
     )
 
 
-def key_seed_formula(key: RestoreKey, current: int) -> int:
-    """The seed formula ``key``'s sample is rebuilt under: the key's own (RestoreKeyError
-    naming the field if it is not one this version knows). A key made before
-    ``RestoreKey.seed_formula`` existed is rebuilt as earlier versions rebuilt it: under
-    the loader's formula ``current`` if that is 1 or 2 (a loader restored from such a
-    state), else 2 (the formula every earlier fresh loader used)."""
-    found = key.seed_formula
-    if found is None:
-        return min(current, 2)
-    if type(found) is not int or found not in SEED_FORMULAS:
+def check_state_formulas(config: LoaderConfig) -> None:
+    """StateError naming the field, the value found and the value expected if a state
+    records another per-item seed formula (``rng.SEED_FORMULA``) or epoch order
+    (``state.schema.ORDER_ALGORITHM``) than the one this version has: such a state (the
+    defaults of one written before the fields existed included) was written by an
+    unreleased version, whose streams this version does not reproduce."""
+    for name, found, expected, what in (
+        ("seed_formula", config.seed_formula, SEED_FORMULA, "per-item seed formula"),
+        ("order_algorithm", config.order_algorithm, ORDER_ALGORITHM, "epoch order"),
+    ):
+        if type(found) is not type(expected) or found != expected:
+            raise StateError(
+                f"config.{name} is {found!r}, expected {expected!r}: the state was written by {_UNRELEASED} "
+                f"with another {what}, whose stream this version cannot continue exactly; resume it with the "
+                "version that wrote it, or start the data afresh"
+            )
+
+
+def check_key_seed_formula(key: RestoreKey) -> None:
+    """RestoreKeyError naming the field, the value found and the value expected unless
+    ``key`` records this version's seed formula (a key without one was made before the
+    field existed)."""
+    _check_key_made_here("seed_formula", key.seed_formula, SEED_FORMULA, "per-item seed formula")
+
+
+def check_key_order(key: RestoreKey) -> None:
+    """RestoreKeyError naming the field, the value found and the value expected unless an
+    ``"index"`` key of the loader's own order names this version's epoch order."""
+    _check_key_made_here("order_algorithm", key.order_algorithm, ORDER_ALGORITHM, "epoch order")
+
+
+def _check_key_made_here(name: str, found: Any, expected: Any, what: str) -> None:
+    if type(found) is not type(expected) or found != expected:
+        made = "before the field existed" if found is None else f"with another {what}"
         raise RestoreKeyError(
-            f"key.seed_formula is {found!r}, expected one of {list(SEED_FORMULAS)} (or absent: a key made before "
-            "the field existed, formula 2); a newer savable-loader may know it"
+            f"key.{name} is {found!r}, expected {expected!r}: the key was made by {_UNRELEASED} {made}, "
+            "whose samples this version cannot rebuild exactly"
         )
-    return found
 
 
 def check_key_int(name: str, value: Any, low: int = 0) -> None:

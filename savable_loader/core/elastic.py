@@ -353,7 +353,7 @@ def elastic_position(states: Sequence[RankState], new_world_size: int) -> IndexP
             raise StateError(f"entry {i} has dataset_len {p.dataset_len}, entry 0 has {first_len}")
     first = states[0].config
     for i, s in enumerate(states):
-        for name in ("seed", "shuffle", "batch_size", "drop_last", "dataset_fingerprint", "order_algorithm"):
+        for name in ("seed", "shuffle", "batch_size", "drop_last", "dataset_fingerprint"):
             if getattr(s.config, name) != getattr(first, name):
                 raise StateError(
                     f"entry {i} was saved with {name}={getattr(s.config, name)!r}, entry 0 with {getattr(first, name)!r}"

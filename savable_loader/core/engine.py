@@ -26,9 +26,9 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from savable_loader.core.checks import check_state_formulas
 from savable_loader.core.elastic import elastic_position
 from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
-from savable_loader.rng.seeding import SEED_FORMULAS
 from savable_loader.state.schema import (
     IndexPosition,
     LoaderConfig,
@@ -145,8 +145,6 @@ class Mode(ABC, Generic[P]):
     seed_explicit: bool = True
     #: Fingerprint of the dataset configuration (restore keys carry it).
     fingerprint: str
-    #: The per-item seed formula (``savable_loader.rng.seeding.SEED_FORMULA``).
-    seed_formula: int
 
     # -- the interface ------------------------------------------------------------------
 
@@ -196,6 +194,8 @@ class Mode(ABC, Generic[P]):
         the states of every rank of another world size. The position the next iteration
         continues, and the seed the loader runs with (a drawn seed gives way to the
         state's). Raises ``StateError`` or ``ConfigMismatchError`` naming what differs."""
+        for saved in states:  # (before a resize replays any of them)
+            check_state_formulas(saved.config)
         if world_size is None:
             state, position = states[0], states[0].position
         elif not self.resizable:
@@ -205,16 +205,10 @@ class Mode(ABC, Generic[P]):
         if not isinstance(position, self.position_type):
             saved_path = "pipeline" if isinstance(position, PipelinePosition) else "drop-in"
             raise StateError(f"the state was saved by a {saved_path} loader, this loader is a {self.path_name} loader")
-        formula = state.config.seed_formula
-        if formula not in SEED_FORMULAS:
-            raise StateError(
-                f"the state uses seed formula {formula}, this savable-loader knows formulas "
-                f"{', '.join(map(str, SEED_FORMULAS))}: upgrade savable-loader"
-            )
         position = self.check(state.config, position, num_workers, elastic=world_size is not None)
         if not self.seed_explicit:
             seed = state.config.seed
-        self.adopt(seed, formula)
+        self.adopt(seed)
         self.show_restored(position)
         self.restored()
         return position, seed
@@ -242,9 +236,8 @@ class Mode(ABC, Generic[P]):
         """Raise ``ConfigMismatchError`` for a change this engine cannot honour; the
         position to restore."""
 
-    def adopt(self, seed: int, seed_formula: int) -> None:
-        """Take the seed and seed formula of a restored state."""
-        self.seed_formula = seed_formula
+    def adopt(self, seed: int) -> None:
+        """Take the seed of a restored state (a drawn seed gives way to it)."""
 
     def show_restored(self, position: P) -> None:
         """A state was restored at ``position``: let the objects the caller sees (a

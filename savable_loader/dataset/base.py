@@ -275,8 +275,7 @@ class SavableDataset(IterableDataset):
         """Record ``key`` as the key of the sample about to be yielded, and re-seed.
 
         Python ``random``, NumPy's and torch's global RNGs are re-seeded from
-        ``(seed, epoch, repetition, dataset type, key)`` (under the seed formula of the
-        loading context: a run restored from an older state keeps its own), so whatever runs downstream of
+        ``(seed, epoch, repetition, dataset type, key)``, so whatever runs downstream of
         this yield (a random map, say) draws the same numbers when ``restore_sample``
         rebuilds the sample and calls ``mark_sample(key)`` at the same point. ``key``
         None records that the sample has no key and leaves the RNGs as they are: its

@@ -27,14 +27,14 @@ from savable_loader.core.checks import (
     check_global_rngs,
     check_key_global_rngs,
     check_key_int,
+    check_key_order,
+    check_key_seed_formula,
     check_key_setting,
-    key_seed_formula,
 )
 from savable_loader.core.engine import Iteration, Mode
 from savable_loader.dataset.base import config_fingerprint, plain_config, type_name
 from savable_loader.dataset.checks import check_dataset_config
 from savable_loader.errors import ConfigMismatchError, InternalError, RestoreKeyError, StateError
-from savable_loader.index.permutation import ORDER_ALGORITHMS, ORDER_FEISTEL, ORDER_LEGACY
 from savable_loader.index.source import (
     BatchKey,
     IndexedDataset,
@@ -45,6 +45,7 @@ from savable_loader.index.source import (
 from savable_loader.rng.owned import warn_overridden_seeds
 from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, SEED_FORMULA
 from savable_loader.state.schema import (
+    ORDER_ALGORITHM,
     IndexPosition,
     IndexStage,
     LoaderConfig,
@@ -143,8 +144,6 @@ class IndexMode(Mode[IndexPosition]):
 
     position_type = IndexPosition
     path_name = "drop-in"
-    #: ``LoaderConfig.order_algorithm`` (a sampler's order is the sampler's: the default)
-    order_algorithm = ORDER_LEGACY
 
     def __init__(
         self,
@@ -168,7 +167,6 @@ class IndexMode(Mode[IndexPosition]):
         self.global_rngs = global_rngs
         self.seed = seed
         self.seed_explicit = seed_explicit
-        self.seed_formula = SEED_FORMULA
         self.rank = rank
         self.world_size = world_size
         self.batch_size = batch_size
@@ -181,7 +179,6 @@ class IndexMode(Mode[IndexPosition]):
             collate_fn,
             batched=batch_size is not None if batched is None else batched,
             salt=salt,
-            seed_formula=self.seed_formula,
             reseed=reseed,
             global_rngs=global_rngs,
         )
@@ -206,11 +203,9 @@ class IndexMode(Mode[IndexPosition]):
             "collate_fn": _identity,
         }
 
-    def adopt(self, seed: int, seed_formula: int) -> None:
+    def adopt(self, seed: int) -> None:
         self.seed = seed
-        self.seed_formula = seed_formula
         self.torch_dataset.seed = seed
-        self.torch_dataset.seed_formula = seed_formula
 
     def restored(self) -> None:
         self.last = None
@@ -230,9 +225,9 @@ class IndexMode(Mode[IndexPosition]):
             drop_last=self.drop_last,
             dataset_fingerprint=self.fingerprint,
             dataset_config=self.dataset_config,
-            seed_formula=self.seed_formula,
+            seed_formula=SEED_FORMULA,
             sampler=self.sampler_name(),
-            order_algorithm=self.order_algorithm,
+            order_algorithm=ORDER_ALGORITHM,
             reseed=self.reseed,
             global_rngs=list(self.global_rngs),
         )
@@ -304,14 +299,11 @@ class IndexMode(Mode[IndexPosition]):
             shuffle=self.shuffle,
             batched=self.torch_dataset.batched,
             world_size=self.world_size,
-            seed_formula=self.seed_formula,
-        )  # the default order is left out of str(key), as earlier versions wrote it
-        order, reseed = self.order_algorithm, self.reseed
-        if order != ORDER_LEGACY:
-            made = msgspec.structs.replace(made, order_algorithm=order)
-        if self.global_rngs != GLOBAL_RNG_NAMES:
+            seed_formula=SEED_FORMULA,
+        )
+        if self.global_rngs != GLOBAL_RNG_NAMES:  # the defaults are left out of str(key)
             made = msgspec.structs.replace(made, global_rngs=self.global_rngs)
-        return made if reseed == "sample" else msgspec.structs.replace(made, reseed=reseed)
+        return made if self.reseed == "sample" else msgspec.structs.replace(made, reseed=self.reseed)
 
     def check_key_global_rngs(self, key: RestoreKey) -> None:
         """RestoreKeyError if ``key`` was made by a loader re-seeding other global RNGs."""
@@ -350,8 +342,6 @@ class OrderMode(IndexMode):
 
     def __init__(self, dataset: Any, **kwargs: Any) -> None:
         self.plan: IndexPlan | None = None
-        #: ``"feistel-1"`` for a new loader; a restored state's order goes on (``check``)
-        self.order_algorithm = ORDER_FEISTEL
         super().__init__(dataset, salt=("sample",), **kwargs)
 
     def refresh(self) -> None:
@@ -366,17 +356,15 @@ class OrderMode(IndexMode):
                 world_size=self.world_size,
                 batch_size=self.batch_size,
                 drop_last=self.drop_last,
-                order_algorithm=self.order_algorithm,
             )
 
-    def adopt(self, seed: int, seed_formula: int) -> None:
-        super().adopt(seed, seed_formula)
+    def adopt(self, seed: int) -> None:
+        super().adopt(seed)
         self.refresh()
 
-    def set_order(self, algorithm: str) -> None:
-        """Order the epochs with ``algorithm`` from now on (a restored state's order)."""
-        self.order_algorithm = algorithm
-        self.current_plan.order_algorithm = algorithm
+    def restore_key(self, seed: int) -> RestoreKey | None:
+        made = super().restore_key(seed)  # and the order its positions refer to
+        return None if made is None else msgspec.structs.replace(made, order_algorithm=ORDER_ALGORITHM)
 
     @property
     def current_plan(self) -> IndexPlan:
@@ -435,13 +423,6 @@ class OrderMode(IndexMode):
             )
         current = self.check_common(saved, position, num_workers)
         plan = self.current_plan
-        if saved.order_algorithm not in ORDER_ALGORITHMS:
-            raise ConfigMismatchError(
-                "order_algorithm",
-                saved.order_algorithm,
-                current.order_algorithm,
-                f"this version knows {list(ORDER_ALGORITHMS)}: the state was written by a newer savable_loader",
-            )
         if not elastic and saved.world_size != current.world_size:
             raise ConfigMismatchError(
                 "world_size",
@@ -465,9 +446,6 @@ class OrderMode(IndexMode):
             raise ConfigMismatchError(
                 "position.consumed", position.consumed, f"a multiple of batch_size={current.batch_size}"
             )
-        # The saved order goes on (a state of an earlier version keeps its stream); the
-        # loader writes it from now on. Set last: nothing changes if a check fails.
-        self.set_order(saved.order_algorithm)
         return position
 
     def restore_sample(self, key: RestoreKey) -> Any:
@@ -496,12 +474,9 @@ class OrderMode(IndexMode):
         )
         check_key_setting("reseed", key.reseed, self.reseed, "re-seeding per sample or per batch draws other values")
         self.check_key_global_rngs(key)
-        formula = key_seed_formula(key, self.seed_formula)
+        check_key_seed_formula(key)
+        check_key_order(key)
         check_key_int("epoch", key.epoch)
-        if key.order_algorithm not in ORDER_ALGORITHMS:
-            raise RestoreKeyError(
-                f"key.order_algorithm is {key.order_algorithm!r}, this version knows {list(ORDER_ALGORITHMS)}"
-            )
         if key.world_size is None:  # an earlier version's key: the bound it was checked against
             limit = p.dataset_len + p.world_size
         else:
@@ -511,8 +486,7 @@ class OrderMode(IndexMode):
         positions = _key_positions(key.positions, limit, p.dataset_len)
         if not p.batch_size and len(positions) != 1:
             raise RestoreKeyError(f"key.positions names {len(positions)} samples, this loader is unbatched (one)")
-        # the key's own order: a key made before a restore from an older state still names its batch
-        return self.torch_dataset.rebuild(p.key(key.epoch, positions, key.order_algorithm), formula)
+        return self.torch_dataset.rebuild(p.key(key.epoch, positions))
 
 
 def _key_positions(runs: Any, limit: int, most: int) -> list[int]:

@@ -58,19 +58,10 @@ from typing import Any
 
 import numpy as np
 
-from savable_loader.rng.formulas import feistel_key, permutation_seed
+from savable_loader.rng.formulas import feistel_key
 from savable_loader.rng.seeding import counter_seed
 
-__all__ = ["ORDER_ALGORITHMS", "ORDER_FEISTEL", "ORDER_LEGACY", "ROUNDS", "EpochOrder", "FeistelPermutation"]
-
-#: The order of states written before the algorithm was recorded: ``numpy``'s
-#: ``Generator(PCG64(derive_seed(seed, "permutation", epoch))).permutation(n)``,
-#: materialised (8 bytes a sample). Kept so that those states resume their stream.
-ORDER_LEGACY = "numpy-permutation"
-#: :class:`FeistelPermutation` keyed by ``derive_seed(seed, "order", epoch)``: what new
-#: loaders use and write.
-ORDER_FEISTEL = "feistel-1"
-ORDER_ALGORITHMS = (ORDER_LEGACY, ORDER_FEISTEL)
+__all__ = ["ROUNDS", "EpochOrder", "FeistelPermutation"]
 
 #: Rounds of the network (see the module docstring).
 ROUNDS = 6
@@ -156,38 +147,29 @@ class FeistelPermutation:
 
 
 class EpochOrder:
-    """The dataset index at each position of one epoch's global order.
+    """The dataset index at each position of one epoch's global order: the
+    :class:`FeistelPermutation` keyed by ``derive_seed(seed, "order", epoch)`` (states
+    record it as ``"feistel-1"``: ``state.schema.ORDER_ALGORITHM``).
 
     ``order(positions)`` maps an array of global positions to dataset indices; positions
     ``>= n`` are padding and wrap around (``p % n``, as ``DistributedSampler`` pads).
-    Without ``shuffle`` the order is the identity, whatever the algorithm.
+    Without ``shuffle`` the order is the identity.
 
     Example::
 
-        order = EpochOrder(ORDER_FEISTEL, n=1000, seed=0, epoch=2, shuffle=True)
+        order = EpochOrder(n=1000, seed=0, epoch=2, shuffle=True)
         order(np.array([0, 1, 1000]))   # the last wraps around to position 0
     """
 
-    def __init__(self, algorithm: str, n: int, *, seed: int, epoch: int, shuffle: bool) -> None:
-        if algorithm not in ORDER_ALGORITHMS:
-            raise ValueError(f"unknown order algorithm {algorithm!r}, expected one of {ORDER_ALGORITHMS}")
-        self.algorithm = algorithm
+    def __init__(self, n: int, *, seed: int, epoch: int, shuffle: bool) -> None:
         self.n = n
         self.epoch = epoch
-        self._table: np.ndarray | None = None
-        self._perm: FeistelPermutation | None = None
-        if shuffle and algorithm == ORDER_LEGACY:
-            rng = np.random.Generator(np.random.PCG64(permutation_seed(seed, epoch)))
-            self._table = rng.permutation(n)
-        elif shuffle:
-            self._perm = FeistelPermutation(n, feistel_key(seed, epoch))
+        self._perm = FeistelPermutation(n, feistel_key(seed, epoch)) if shuffle else None
 
     def __call__(self, positions: Any) -> np.ndarray:
         p = np.asarray(positions, dtype=np.int64)
         if self.n and (p.size and int(p.max()) >= self.n):
             p = p % self.n
-        if self._table is not None:
-            return self._table[p]
         if self._perm is not None:
             return self._perm(p)
         return p

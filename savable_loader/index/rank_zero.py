@@ -42,6 +42,7 @@ import msgspec
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler
 
+from savable_loader.core.checks import check_state_formulas
 from savable_loader.core.elastic import epoch_length
 from savable_loader.distributed import DataParallelGroup, gather_states
 from savable_loader.errors import ConfigMismatchError, StateError
@@ -103,6 +104,7 @@ def derive_state(loader: Any, state: RankState) -> RankState:
     """``loader``'s own state derived from ``state``, saved by another rank of the same
     world (see the module docstring); raises :class:`StateError` or
     :class:`ConfigMismatchError` where that cannot be exact."""
+    check_state_formulas(state.config)  # (before a sampler's draws are replayed under this version's)
     wc = loader.worker_config
     rank, world = wc.rank, wc.world_size
     src = state.config.rank
@@ -182,7 +184,7 @@ def _sampler_position(
     if record is None or record.at_start or not position.consumed:
         return position
     apply(sampler, record)
-    rng = PrivateRng(record.private_rng, sampler_seed(seed, rank, position.epoch), mode.seed_formula)
+    rng = PrivateRng(record.private_rng, sampler_seed(seed, rank, position.epoch))
     items = rng.call(iter, sampler)
     digest = new_digest()
     batched = mode.auto_collation

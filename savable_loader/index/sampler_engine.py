@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import torch
 
-from savable_loader.core.checks import check_key_setting, key_seed_formula
+from savable_loader.core.checks import check_key_seed_formula, check_key_setting
 from savable_loader.dataset.base import type_name
 from savable_loader.errors import ConfigMismatchError, LoaderUsageError, RestoreKeyError
 from savable_loader.index.engine import MAX_HELD, IndexIteration, IndexMode
@@ -199,7 +199,7 @@ class SamplerMode(IndexMode):
             self.check_resume_length(resume)
             record = resume.sampler
             apply(sampler, record)
-        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, epoch), self.seed_formula)
+        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, epoch))
         items = rng.call(iter, sampler)
         iteration = SamplerIteration(self, epoch, record, rng, items, resumed=resume is not None)
         if resume is not None:
@@ -271,7 +271,7 @@ class SamplerMode(IndexMode):
             return
         sampler = self.index_sampler
         apply(sampler, record)
-        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, position.epoch), self.seed_formula)
+        rng = PrivateRng(record.private_rng, sampler_seed(self.seed, self.rank, position.epoch))
         iteration = SamplerIteration(self, position.epoch, record, rng, rng.call(iter, sampler), resumed=True)
         iteration.skip(position)  # checks the order against the state's digest
         iteration.prime()  # the sampler's end: its generators where the uninterrupted run had them
@@ -355,6 +355,6 @@ class SamplerMode(IndexMode):
             )
         check_key_setting("reseed", key.reseed, self.reseed, "re-seeding per sample or per batch draws other values")
         self.check_key_global_rngs(key)
-        formula = key_seed_formula(key, self.seed_formula)
+        check_key_seed_formula(key)
         indices = tuple(from_plain_indices(key.sample))  # tuple indices come back as tuples
-        return self.torch_dataset.rebuild(BatchKey(key.epoch, tuple(positions), indices), formula)
+        return self.torch_dataset.rebuild(BatchKey(key.epoch, tuple(positions), indices))

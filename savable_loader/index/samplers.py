@@ -61,7 +61,6 @@ from savable_loader.core.frameworks import note_epochs_set, rebuild_error
 from savable_loader.dataset.values import freeze, from_plain, to_plain
 from savable_loader.errors import ConfigMismatchError, StateError, UsageTypeError
 from savable_loader.rng.seeding import (
-    SEED_FORMULA,
     capture_generator,
     capture_global,
     capture_kind,
@@ -262,8 +261,7 @@ class PrivateRng:
     of the sampler with the stream swapped in and the caller's global state put back.
 
     ``regime``: ``""`` (no swap), ``"torch"`` (torch's CPU RNG) or ``"all"`` (also Python's
-    ``random`` and NumPy's global RNG, seeded as seed formula ``formula`` seeds them: the
-    loader's, so that a run restored from an older state keeps its sampler's order).
+    ``random`` and NumPy's global RNG, seeded as ``rng.seed_global`` seeds them).
 
     Example::
 
@@ -272,7 +270,7 @@ class PrivateRng:
         first = rng.call(next, it)
     """
 
-    def __init__(self, regime: str, seed: int, formula: int = SEED_FORMULA) -> None:
+    def __init__(self, regime: str, seed: int) -> None:
         self.regime = regime
         self._state: Any = None
         if regime == "torch":
@@ -280,7 +278,7 @@ class PrivateRng:
         elif regime == "all":
             saved = capture_global()
             try:
-                seed_global(seed, formula)
+                seed_global(seed)
                 self._state = capture_global()
             finally:
                 restore_global(saved)

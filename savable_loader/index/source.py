@@ -35,16 +35,11 @@ from torch.utils.data import Dataset, Sampler, get_worker_info
 from savable_loader._torch.internals import worker_seed_setter
 from savable_loader.core.elastic import Share, epoch_length, rank_share, share_length
 from savable_loader.errors import LoaderUsageError
-from savable_loader.index.permutation import ORDER_FEISTEL, EpochOrder
+from savable_loader.index.permutation import EpochOrder
 from savable_loader.rng.formulas import collate_seed, owned_stream_seed, sample_base, sample_item, sample_items
 from savable_loader.rng.global_rngs import GlobalRngs
 from savable_loader.rng.owned import OwnedRngs
-from savable_loader.rng.seeding import (
-    GLOBAL_RNG_NAMES,
-    SEED_FORMULA,
-    global_seeder,
-    preserve_global_rng,
-)
+from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, global_seeder, preserve_global_rng
 from savable_loader.state.schema import IndexStage
 
 __all__ = ["BatchKey", "IndexPlan", "IndexSampler", "IndexedDataset", "own_getitems"]
@@ -68,9 +63,7 @@ class IndexPlan:
     """The per-epoch order of one rank's samples and its cutting into batches.
 
     Nothing here grows with the dataset: the order is evaluated per position
-    (:class:`~savable_loader.index.permutation.EpochOrder`; ``order_algorithm`` is
-    ``"feistel-1"`` for new loaders, ``"numpy-permutation"`` after restoring a state of an
-    earlier version), a rank's share is a ``range`` or, after a world-size change, a lazy
+    (:class:`~savable_loader.index.permutation.EpochOrder`), a rank's share is a ``range`` or, after a world-size change, a lazy
     :class:`~savable_loader.core.elastic.Share`, and batch keys are made a chunk of positions
     at a time (one batch first, then doubling up to ``CHUNK``).
 
@@ -93,7 +86,6 @@ class IndexPlan:
         world_size: int,
         batch_size: int | None,
         drop_last: bool,
-        order_algorithm: str = ORDER_FEISTEL,
     ) -> None:
         self.dataset_len = dataset_len
         self.seed = seed
@@ -102,7 +94,6 @@ class IndexPlan:
         self.world_size = world_size
         self.batch_size = batch_size
         self.drop_last = drop_last
-        self.order_algorithm = order_algorithm
         self._order: EpochOrder | None = None
 
     def share(self, stages: tuple[IndexStage, ...] = ()) -> range | Share:
@@ -133,13 +124,12 @@ class IndexPlan:
         """Items (batches) this rank yields in a whole epoch."""
         return math.ceil(self.epoch_len(stages) / self.step)
 
-    def order(self, epoch: int, algorithm: str | None = None) -> EpochOrder:
-        """The order of ``epoch`` (by default with this plan's ``order_algorithm``)."""
-        algorithm = self.order_algorithm if algorithm is None else algorithm
+    def order(self, epoch: int) -> EpochOrder:
+        """The order of ``epoch``."""
         cached = self._order  # one read: the sampler and a restore_sample may race
-        if cached is not None and cached.epoch == epoch and cached.algorithm == algorithm:
+        if cached is not None and cached.epoch == epoch:
             return cached
-        order = EpochOrder(algorithm, self.dataset_len, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        order = EpochOrder(self.dataset_len, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
         self._order = order
         return order
 
@@ -148,10 +138,10 @@ class IndexPlan:
         O(N) memory, for tests and inspection only."""
         return self.order(epoch)(np.arange(self.dataset_len, dtype=np.int64))
 
-    def key(self, epoch: int, positions: Any, algorithm: str | None = None) -> BatchKey:
+    def key(self, epoch: int, positions: Any) -> BatchKey:
         """The batch key of the global ``positions`` of ``epoch``."""
         positions = tuple(int(p) for p in positions)
-        indices = self.order(epoch, algorithm)(np.asarray(positions, dtype=np.int64)).tolist()
+        indices = self.order(epoch)(np.asarray(positions, dtype=np.int64)).tolist()
         return BatchKey(epoch, positions, tuple(indices))
 
     def batches(self, epoch: int, start: int, stages: tuple[IndexStage, ...] = ()) -> Iterator[BatchKey]:
@@ -234,7 +224,6 @@ class IndexedDataset(Dataset):
         batched: bool,
         *,
         salt: tuple[int | str, ...] = ("sample",),
-        seed_formula: int = SEED_FORMULA,
         reseed: str = "sample",
         global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
     ) -> None:
@@ -243,7 +232,6 @@ class IndexedDataset(Dataset):
         self.collate_fn = collate_fn
         self.batched = batched
         self.salt = salt
-        self.seed_formula = seed_formula
         self.reseed = reseed
         self.global_rngs = global_rngs
 
@@ -256,7 +244,7 @@ class IndexedDataset(Dataset):
         return len(self.dataset)
 
     #: What crosses to a spawn/forkserver worker (process-local caches stay behind).
-    _FIELDS = ("dataset", "seed", "collate_fn", "batched", "salt", "seed_formula", "reseed", "global_rngs")
+    _FIELDS = ("dataset", "seed", "collate_fn", "batched", "salt", "reseed", "global_rngs")
 
     def __getstate__(self) -> dict[str, Any]:
         # cloudpickle carries lambdas and local classes to spawn/forkserver workers.
@@ -266,47 +254,44 @@ class IndexedDataset(Dataset):
         for name, value in zip(self._FIELDS, cloudpickle.loads(state["payload"]), strict=True):
             setattr(self, name, value)
 
-    def build(self, key: BatchKey, formula: int | None = None) -> Any:
-        """The batch (or sample, when unbatched) that ``key`` names, under the loader's
-        seed formula (or ``formula``: a restore key's own)."""
-        if formula is None:
-            formula = self.seed_formula
+    def build(self, key: BatchKey) -> Any:
+        """The batch (or sample, when unbatched) that ``key`` names."""
         try:
-            return self._build_looking(key, formula)
+            return self._build_looking(key)
         except TypeError as e:  # np.random.seed() while NumPy is left out: say what to declare
-            guard = self._guard(formula)
+            guard = self._guard()
             if guard is not None:
                 guard.explain(e, f"the batch from position {key.positions[0]} of epoch {key.epoch}")
             raise
 
-    def _build_looking(self, key: BatchKey, formula: int) -> Any:
+    def _build_looking(self, key: BatchKey) -> Any:
         owned = OwnedRngs.cached(self.__dict__, self.dataset, self.collate_fn, self._owned_seed(), key.epoch)
-        batch = self._build(key, formula, owned)
+        batch = self._build(key, owned)
         fresh = owned.look_again(self.dataset, self.collate_fn)
         if fresh is not None:  # a generator made on first use: build the batch with it re-seeded
             OwnedRngs.replace_cached(self.__dict__, fresh)
             if fresh.built == 1:
-                batch = self._build(key, formula, fresh)
+                batch = self._build(key, fresh)
         return batch
 
-    def _build(self, key: BatchKey, formula: int, owned: OwnedRngs) -> Any:
+    def _build(self, key: BatchKey, owned: OwnedRngs) -> Any:
         base = self._sample_base(key.epoch)
         dataset = self.dataset
         many = own_getitems(dataset) if self.batched else None
-        guard = self._guard(formula)
-        reseed = global_seeder(GLOBAL_RNG_NAMES, formula) if guard is None else guard.seed
+        guard = self._guard()
+        reseed = global_seeder(GLOBAL_RNG_NAMES) if guard is None else guard.seed
         set_info_seed = worker_seed_setter()
         if set_info_seed is not None:  # in a worker: get_worker_info().seed follows torch.initial_seed()
             reseed = _both(reseed, set_info_seed)
         if guard is not None:  # the generators left out in their fixed state for this batch
             guard.begin(self.seed, key.epoch)
         if many is not None or self.reseed == "batch":
-            reseed(sample_item(base, key.positions[0], formula))
+            reseed(sample_item(base, key.positions[0]))
             owned.seed_sample(key.positions[0])
             samples = many(list(key.indices)) if many is not None else [dataset[index] for index in key.indices]
         else:
             samples = []
-            seeds = sample_items(base, key.positions, formula)
+            seeds = sample_items(base, key.positions)
             if owned.has_sample_generators:
                 for seed, position, index in zip(seeds, key.positions, key.indices):
                     reseed(seed)
@@ -316,7 +301,7 @@ class IndexedDataset(Dataset):
                 for seed, index in zip(seeds, key.indices):
                     reseed(seed)
                     samples.append(dataset[index])
-        reseed(collate_seed(self.seed, key.epoch, key.positions[0], formula))
+        reseed(collate_seed(self.seed, key.epoch, key.positions[0]))
         owned.seed_collate(key.positions[0])
         batch = self.collate_fn(samples if self.batched else samples[0])
         if guard is not None:
@@ -325,15 +310,14 @@ class IndexedDataset(Dataset):
             )
         return batch
 
-    def _guard(self, formula: int) -> GlobalRngs | None:
-        """This process's :class:`GlobalRngs` for the setting and seed formula (None: all
-        three, the default)."""
+    def _guard(self) -> GlobalRngs | None:
+        """This process's :class:`GlobalRngs` for the setting (None: all three, the default)."""
         if self.global_rngs == GLOBAL_RNG_NAMES:
             return None
-        where = (os.getpid(), self.global_rngs, formula)
+        where = (os.getpid(), self.global_rngs)
         cached = self.__dict__.get("_global_rngs")
         if cached is None or cached[0] != where:
-            cached = (where, GlobalRngs(self.global_rngs, formula))
+            cached = (where, GlobalRngs(self.global_rngs))
             self.__dict__["_global_rngs"] = cached
         guard: GlobalRngs = cached[1]
         return guard
@@ -357,11 +341,10 @@ class IndexedDataset(Dataset):
                 return self.build(key)
         return self.build(key)
 
-    def rebuild(self, key: BatchKey, formula: int) -> Any:
-        """``self[key]`` in the calling process under seed formula ``formula`` (a restore
-        key's), the caller's RNG streams left as they were."""
+    def rebuild(self, key: BatchKey) -> Any:
+        """``self[key]`` in the calling process, the caller's RNG streams left as they were."""
         with preserve_global_rng():
-            return self.build(key, formula)
+            return self.build(key)
 
 
 def _both(first: Callable[[int], None], second: Callable[[int], None]) -> Callable[[int], None]:

@@ -32,8 +32,8 @@ from savable_loader.core.checks import (
     check_global_rngs,
     check_key_global_rngs,
     check_key_int,
+    check_key_seed_formula,
     check_key_setting,
-    key_seed_formula,
 )
 from savable_loader.core.elastic import batch_rescale_factor
 from savable_loader.core.engine import NO_SCOPE, SKIP, Iteration, Mode, Policy
@@ -49,9 +49,10 @@ from savable_loader.pipeline.worker import End, Item, PipelineWorkerDataset, wal
 from savable_loader.rng.formulas import pipeline_base, pipeline_item
 from savable_loader.rng.global_rngs import GlobalRngs
 from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, SEED_FORMULA, preserve_global_rng
-from savable_loader.sources.torch_iterable import TorchIterableSource, iterable_sources
+from savable_loader.sources.torch_iterable import TorchIterableSource
 from savable_loader.state.codec import decode_part
 from savable_loader.state.schema import (
+    ORDER_ALGORITHM,
     DatasetState,
     LoaderConfig,
     PipelinePosition,
@@ -284,7 +285,6 @@ class PipelineMode(Mode[PipelinePosition]):
     ) -> None:
         self.worker_config = worker_config
         self.workers = worker_config.workers_per_rank
-        self.seed_formula = SEED_FORMULA
         #: The global RNGs re-seeded per sample and item (``SavableDataLoader(global_rngs=...)``).
         self.global_rngs = global_rngs
         in_flight = prefetch_factor * worker_config.num_workers + 2 if worker_config.num_workers else 1
@@ -334,13 +334,6 @@ class PipelineMode(Mode[PipelinePosition]):
     def engine_kwargs(self) -> dict[str, Any]:
         return {"dataset": self.torch_dataset, "batch_size": None, "collate_fn": _as_made}
 
-    def adopt(self, seed: int, seed_formula: int) -> None:
-        super().adopt(seed, seed_formula)
-        self.torch_dataset.seed_formula = seed_formula
-        # a TorchIterableSource re-seeds per item itself (under a user's wrappers too)
-        for source in iterable_sources(self.torch_dataset.dataset):
-            source.seed_formula = seed_formula
-
     def policy(self, persistent: bool, num_workers: int) -> Policy:
         """In-process iterations share the pipeline object and its runtime: one at a time.
         Persistent pipeline workers count their epochs themselves. Persistent workers
@@ -366,7 +359,8 @@ class PipelineMode(Mode[PipelinePosition]):
             drop_last=False,
             dataset_fingerprint=self.fingerprint,
             dataset_config=self.dataset_config,
-            seed_formula=self.seed_formula,
+            seed_formula=SEED_FORMULA,
+            order_algorithm=ORDER_ALGORITHM,
             global_rngs=list(self.global_rngs),
         )
 
@@ -481,7 +475,7 @@ class PipelineMode(Mode[PipelinePosition]):
             index=index,
             sample=sample,
             world_size=wc.world_size,
-            seed_formula=self.seed_formula,
+            seed_formula=SEED_FORMULA,
             # the logical workers the item was made under (a resized restore's: hosted)
             num_workers=wc.num_workers if logical == self.workers else logical,
         )
@@ -527,14 +521,14 @@ class PipelineMode(Mode[PipelinePosition]):
                 )
             )
         check_key_global_rngs(key, self.global_rngs)
-        formula = key_seed_formula(key, self.seed_formula)  # the key's own (mark_sample's too)
+        check_key_seed_formula(key)
         wc = self.worker_config
         names = self.global_rngs
-        guard = GlobalRngs(names, formula)  # as the item was made: only these re-seeded, the others fixed
-        with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch, formula, names), _LogicalWorkers(workers):
+        guard = GlobalRngs(names)  # as the item was made: only these re-seeded, the others fixed
+        with preserve_global_rng(), _ActiveWorker(key.worker, key.epoch, names), _LogicalWorkers(workers):
             base = pipeline_base(wc.seed, key.rank, key.worker, key.epoch)
             guard.begin(wc.seed, key.epoch)
-            guard.seed(pipeline_item(base, key.index, formula))
+            guard.seed(pipeline_item(base, key.index))
             item = self.collate.collate(dataset.restore_sample(key.sample))
             guard.check(f"the item of restore key {key}", "in the pipeline's restore_sample or collate_fn")
             return item

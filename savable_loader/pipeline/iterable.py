@@ -186,8 +186,8 @@ class IterableMode(PipelineMode):
         warn_replays(self.source, position)
         return position
 
-    def adopt(self, seed: int, seed_formula: int) -> None:
+    def adopt(self, seed: int) -> None:
         # the loader's own WorkerConfig (seed=None: built by the loader), shared by the
         # source and the engine's dataset, which carry it to the workers
         self.worker_config.seed = seed
-        super().adopt(seed, seed_formula)  # (the sources' formula too)
+        super().adopt(seed)

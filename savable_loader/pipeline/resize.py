@@ -47,7 +47,7 @@ from savable_loader.pipeline.hosting import MAX_LOGICAL_WORKERS
 from savable_loader.pipeline.worker import walk
 from savable_loader.rng.formulas import pipeline_base, pipeline_item
 from savable_loader.rng.global_rngs import GlobalRngs
-from savable_loader.rng.seeding import SEED_FORMULAS, preserve_global_rng
+from savable_loader.rng.seeding import preserve_global_rng
 from savable_loader.state.schema import PipelinePosition, RankState, WorkerState
 
 __all__ = ["FOLLOWING", "resize_blocker", "resized_state"]
@@ -113,15 +113,14 @@ def _consumed_fields(
     wc = copy.worker_config
     wc.rank, wc.world_size, wc.num_workers, wc.seed = rank, len(states), config.num_workers, config.seed
     base = pipeline_base(config.seed, rank, ws.worker_id, epoch)
-    formula = config.seed_formula
     names = tuple(config.global_rngs)  # as the run re-seeded (checked against the loader's)
-    guard = GlobalRngs(names, formula)  # the generators left out in the run's fixed state
-    with preserve_global_rng(), _ActiveWorker(ws.worker_id, epoch, formula, names), _LogicalWorkers(workers):
+    guard = GlobalRngs(names)  # the generators left out in the run's fixed state
+    with preserve_global_rng(), _ActiveWorker(ws.worker_id, epoch, names), _LogicalWorkers(workers):
         copy.restore_state(ws.dataset)
         it = iter(copy)
         for index in range(ws.snapshot_index, ws.index):
             guard.begin(config.seed, epoch)
-            guard.seed(pipeline_item(base, index, formula))
+            guard.seed(pipeline_item(base, index))
             try:
                 next(it)
             except StopIteration:
@@ -171,10 +170,6 @@ def resized_state(
                 f"while another rank was still in epoch {epoch}: a state on another world size can carry one epoch "
                 "only; restore on the same world size, or save when the ranks are in the same epoch"
             )
-    formulas = {s.config.seed_formula for s in states}
-    unknown = sorted(formulas - set(SEED_FORMULAS))
-    if unknown:
-        raise StateError(f"config.seed_formula: the states record formulas {unknown}, expected one of {SEED_FORMULAS}")
     fields: list[list[dict[str, Any] | None]] = []
     ended = []
     for r, p in enumerate(positions):

@@ -50,11 +50,7 @@ from savable_loader.errors import ConfigMismatchError, DataError, StateError
 from savable_loader.pipeline.hosting import hosted_by, in_view, interleave
 from savable_loader.rng.formulas import pipeline_base, pipeline_item
 from savable_loader.rng.global_rngs import GlobalRngs
-from savable_loader.rng.seeding import (
-    GLOBAL_RNG_NAMES,
-    SEED_FORMULA,
-    global_seeder,
-)
+from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, global_seeder
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
 
@@ -251,11 +247,9 @@ class WorkerRuntime:
         max_in_flight: int,
         *,
         in_process: bool,
-        seed_formula: int = SEED_FORMULA,
         global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
     ) -> None:
         self.dataset = dataset
-        self.seed_formula = seed_formula
         #: The global RNGs re-seeded per sample and item (the loader's ``global_rngs=``).
         self.global_rngs = global_rngs
         #: The loader's per-item collate function (``Item`` to ``Item``), applied to each
@@ -299,20 +293,19 @@ class WorkerRuntime:
             return
         wc = self.worker_config
         base_seed = pipeline_base(wc.seed, wc.rank, worker_id, epoch)
-        formula = self.seed_formula  # the run's (a restored state's own): items and mark_sample
         names = self.global_rngs
         collate = self.collate
         # global_rngs=: only those re-seeded (mark_sample too), the others checked per item
-        guard = None if names == GLOBAL_RNG_NAMES else GlobalRngs(names, formula)
-        seed_all = global_seeder(names, formula)
+        guard = None if names == GLOBAL_RNG_NAMES else GlobalRngs(names)
+        seed_all = global_seeder(names)
         self.carried = None if start is None or start.dataset is not None else start.carried
         # In the caller's process (num_workers=0) everything below, user code included
         # (reset_state_own, restore_state, items, collate), runs inside torch's next(), which
         # the loader runs with the caller's RNG streams set aside (PipelineIteration.caller_scope)
         if self.carried is not None:  # go on from the previous epoch's end (EpochizeDataset)
-            with _ActiveWorker(worker_id, epoch - 1, formula, names):
+            with _ActiveWorker(worker_id, epoch - 1, names):
                 self.dataset.restore_state(self.carried)
-        with _ActiveWorker(worker_id, epoch, formula, names):
+        with _ActiveWorker(worker_id, epoch, names):
             if start is None:
                 self.dataset.reset_state_deep()
                 index, skip, snapshot = 0, 0, None
@@ -334,13 +327,13 @@ class WorkerRuntime:
         taken = 0  # snapshots of this run
         costs: list[float] = []
         iterator: Iterator[Any] | None = None
-        active = _ActiveWorker(worker_id, epoch, formula, names)  # (entered once per item)
+        active = _ActiveWorker(worker_id, epoch, names)  # (entered once per item)
         while True:
             with active:
                 if guard is not None:  # the generators left out in their fixed state
                     guard.begin(wc.seed, epoch)  # (before every item: the check after it draws)
                 if names:  # (global_rngs=(): nothing to re-seed)
-                    seed_all(pipeline_item(base_seed, index, formula))
+                    seed_all(pipeline_item(base_seed, index))
                 t0 = time.perf_counter()
                 if iterator is None:
                     iterator = iter(self.dataset)
@@ -399,7 +392,7 @@ class WorkerRuntime:
         if self.carries and self.ring.newest_index() != index:
             # the state at the epoch's end rides with the end marker: the next epoch's
             # (fresh) worker goes on from it (WorkerState.carried)
-            with _ActiveWorker(worker_id, epoch, formula, names):
+            with _ActiveWorker(worker_id, epoch, names):
                 self._snapshot(index)
         # Tell the main process this worker is done (its final snapshot, if any, rides
         # with the marker): torch may retire the worker as soon as it has sent it, and
@@ -473,8 +466,6 @@ class PipelineWorkerDataset(IterableDataset):
         self.rotation = 0
         self.starts: list[WorkerState | None] = [None] * self.worker_config.workers_per_rank
         self.planned_at: float | None = None
-        #: The per-item seed formula (``savable_loader.rng.seeding.item_seed``).
-        self.seed_formula = SEED_FORMULA
         #: The global RNGs re-seeded per sample (the loader's ``global_rngs=``).
         self.global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES
         #: ``WorkerRuntime.collate`` (the loader's collate function, per item).
@@ -517,7 +508,6 @@ class PipelineWorkerDataset(IterableDataset):
             dataset = self.dataset if not self._runtimes else _copy_pipeline(self.dataset, workers)
             self._runtimes.append(WorkerRuntime(dataset, self.worker_config, self.max_in_flight, in_process=in_process))
         runtime = self._runtimes[j]
-        runtime.seed_formula = self.seed_formula
         runtime.global_rngs = self.global_rngs
         runtime.collate = self.collate
         runtime.errors_go_on = self.errors_go_on

@@ -22,9 +22,7 @@ Example::
 
 from savable_loader.rng.seeding import (
     GLOBAL_RNG_NAMES,
-    LEGACY_SEED_FORMULA,
     SEED_FORMULA,
-    SEED_FORMULAS,
     GlobalRngState,
     capture_generator,
     capture_global,
@@ -44,9 +42,7 @@ from savable_loader.rng.seeding import (
 __all__ = [
     "GLOBAL_RNG_NAMES",
     "GlobalRngState",
-    "LEGACY_SEED_FORMULA",
     "SEED_FORMULA",
-    "SEED_FORMULAS",
     "capture_generator",
     "capture_global",
     "counter_seed",

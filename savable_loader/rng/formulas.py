@@ -8,24 +8,20 @@ would resume into other data. ``tests/rng/test_seeds.py`` pins each formula's ou
 
 The primitives are in :mod:`savable_loader.rng.seeding`: ``derive_seed(*parts)`` (a 64-bit hash
 of the parts), ``counter_seed(base, i)`` (a fast 64-bit mix of a base and a counter) and
-``item_seed(s, formula)`` (a seed below ``2**63`` for seed formulas 2 and 3, see
-``rng.SEED_FORMULA``).
+``item_seed(s)`` (the seed below ``2**63``).
 
-A per-item seed ``s`` goes to the three global generators through
-``rng.seed_global(s, formula)`` (or the function ``rng.global_seeder(names, formula)``
-returns): Python's ``random`` and torch's CPU RNG get ``s`` under every formula; NumPy's
-global RNG gets ``rng.numpy_word(s, formula)``: ``s & 0xFFFFFFFF`` under formulas 1 and 2
-(the low word torch's Mersenne Twister is seeded from too, so NumPy's stream was torch's,
-shifted by one draw), a word independent of it from formula 3 on. The formula is the
-run's (``LoaderConfig.seed_formula``; a run restored from an older state keeps its own)
-or, when a sample is rebuilt from a restore key, the key's (``RestoreKey.seed_formula``).
-Generators a dataset owns (``rng.owned``) are seeded from their own per-path bases, never
-from the same value as another generator: no formula changes them.
+A per-item seed ``s`` goes to the three global generators through ``rng.seed_global(s)``
+(or the function ``rng.global_seeder(names)`` returns): Python's ``random`` and torch's
+CPU RNG get ``s``, NumPy's global RNG gets ``rng.numpy_word(s)``, a word independent of
+the low word torch's Mersenne Twister is seeded from. States and restore keys record this
+as seed formula 3 (``rng.SEED_FORMULA``, ``LoaderConfig.seed_formula``,
+``RestoreKey.seed_formula``). Generators a dataset owns (``rng.owned``) are seeded from
+their own per-path bases, never from the same value as another generator.
 
 Example::
 
-    base = pipeline_base(seed, rank, worker, epoch)             # once per epoch
-    seed_global(pipeline_item(base, index, formula), formula)   # before each item
+    base = pipeline_base(seed, rank, worker, epoch)   # once per epoch
+    seed_global(pipeline_item(base, index))           # before each item
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from savable_loader.rng.seeding import (
-    LEGACY_SEED_FORMULA,
     counter_seed,
     counter_seeds,
     derive_seed,
@@ -54,7 +49,6 @@ __all__ = [
     "owned_rng_base",
     "owned_stream_seed",
     "pcg_increment",
-    "permutation_seed",
     "pipeline_base",
     "pipeline_item",
     "sample_base",
@@ -70,7 +64,6 @@ __all__ = [
     "worker_seed",
 ]
 
-_MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 
 #: The namespace strings ``derive_seed`` hashes, each owned by the formula(s) below.
@@ -80,7 +73,6 @@ NAMESPACES = (
     "owned-rng",
     "pcg-increment",
     "pcg-increment-low",
-    "permutation",
     "pipeline",
     "sample",
     "sampler",
@@ -100,11 +92,6 @@ NAMESPACES = (
 # -- drop-in path (index source) ------------------------------------------------------
 
 
-def permutation_seed(seed: int, epoch: int) -> int:
-    """The PCG64 seed of epoch ``epoch``'s shuffled order."""
-    return derive_seed(seed, "permutation", epoch)
-
-
 def feistel_key(seed: int, epoch: int) -> int:
     """The key of epoch ``epoch``'s Feistel order (``index.permutation.FeistelPermutation``)."""
     return derive_seed(seed, "order", epoch)
@@ -116,19 +103,19 @@ def sample_base(seed: int, salt: tuple[str | int, ...], epoch: int) -> int:
     return derive_seed(seed, *salt, epoch)
 
 
-def sample_item(base: int, position: int, formula: int) -> int:
+def sample_item(base: int, position: int) -> int:
     """The global RNGs' seed before loading the sample at ``position`` of the epoch."""
-    return item_seed(counter_seed(base, position), formula)
+    return item_seed(counter_seed(base, position))
 
 
-def sample_items(base: int, positions: Sequence[int], formula: int) -> list[int]:
-    """``[sample_item(base, p, formula) for p in positions]``, computed a batch at a time."""
-    return counter_seeds(base, positions, _MASK64 if formula <= LEGACY_SEED_FORMULA else _MASK63)
+def sample_items(base: int, positions: Sequence[int]) -> list[int]:
+    """``[sample_item(base, p) for p in positions]``, computed a batch at a time."""
+    return counter_seeds(base, positions, _MASK63)
 
 
-def collate_seed(seed: int, epoch: int, position: int, formula: int) -> int:
+def collate_seed(seed: int, epoch: int, position: int) -> int:
     """The global RNGs' seed before collating the batch that starts at ``position``."""
-    return item_seed(derive_seed(seed, "collate", epoch, position), formula)
+    return item_seed(derive_seed(seed, "collate", epoch, position))
 
 
 def undeclared_rngs_seed(seed: int, epoch: int) -> int:
@@ -172,9 +159,9 @@ def pipeline_base(seed: int, rank: int, worker: int, epoch: int) -> int:
     return derive_seed(seed, "pipeline", rank, worker, epoch)
 
 
-def pipeline_item(base: int, index: int, formula: int) -> int:
+def pipeline_item(base: int, index: int) -> int:
     """The global RNGs' seed before a pipeline worker produces item ``index``."""
-    return item_seed(counter_seed(base, index), formula)
+    return item_seed(counter_seed(base, index))
 
 
 def key_seed(seed: int, epoch: int, repetitions: tuple[int, ...], type_name: str, key_text: str) -> int:

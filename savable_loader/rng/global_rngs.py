@@ -55,7 +55,7 @@ from typing import Any
 
 from savable_loader.errors import LoaderUsageError, UndeclaredRngError
 from savable_loader.rng.formulas import undeclared_rngs_seed
-from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, SEED_FORMULA, global_seeder
+from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, global_seeder
 from savable_loader.rng.states import FixedStates
 
 __all__ = ["GlobalRngs", "global_rngs_setting"]
@@ -95,17 +95,14 @@ def global_rngs_setting(value: Any) -> tuple[str, ...]:
 
 class GlobalRngs:
     """Re-seeds the declared global generators per sample and guards the others (see the
-    module docstring), as seed formula ``formula`` seeds them (the run's: NumPy's word
-    differs from formula 3 on, ``rng.numpy_word``). Process-local: made in the process
-    that loads.
+    module docstring). Process-local: made in the process that loads.
     """
 
-    def __init__(self, names: tuple[str, ...], formula: int = SEED_FORMULA) -> None:
+    def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
-        self.formula = formula
         self.undeclared = tuple(n for n in GLOBAL_RNG_NAMES if n not in names)
-        #: seeds the declared generators (as ``seed_global(s, formula)`` seeds each)
-        self.seed: Callable[[int], None] = global_seeder(names, formula)
+        #: seeds the declared generators (as ``seed_global(s)`` seeds each)
+        self.seed: Callable[[int], None] = global_seeder(names)
         #: the generators left out, in the fixed state of a seed
         self._fixed_states = FixedStates(self.undeclared)
         #: ``(seed, epoch)`` whose fixed state the generators left out are in, while

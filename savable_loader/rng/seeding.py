@@ -36,9 +36,7 @@ from savable_loader.rng.states import C_RANDOM_SEED, PY_RANDOM, CallerStreams
 
 __all__ = [
     "GLOBAL_RNG_NAMES",
-    "LEGACY_SEED_FORMULA",
     "SEED_FORMULA",
-    "SEED_FORMULAS",
     "GlobalRngState",
     "capture_generator",
     "capture_global",
@@ -129,54 +127,45 @@ def counter_seeds(base: int, counters: Sequence[int], mask: int = _MASK64) -> li
     return out
 
 
-#: Version of the per-item seed formula this library writes into ``LoaderConfig.seed_formula``.
-#: 2: ``counter_seed(...)`` with the top bit cleared, so that ``torch.initial_seed()`` read
-#: inside a worker fits in an int64 (as torch's own worker seeds do).
-#: 3: formula 2's item seeds, and NumPy's global RNG seeded from :func:`numpy_word` (a word
-#: independent of the low 32 bits torch's CPU generator uses) instead of ``s & 0xFFFFFFFF``.
+#: The per-item seed formula every state and restore key records
+#: (``LoaderConfig.seed_formula``, ``RestoreKey.seed_formula``), the only one this version
+#: has: per-item seeds below ``2**63`` (:func:`item_seed`, so that ``torch.initial_seed()``
+#: read inside a worker fits in an int64, as torch's own worker seeds do), and NumPy's
+#: global RNG seeded from :func:`numpy_word`, a word independent of the low 32 bits torch's
+#: CPU generator uses.
 SEED_FORMULA = 3
-#: The formula of states written before ``seed_formula`` existed: all 64 bits. A state that
-#: records it keeps its stream exactly after a restore.
-LEGACY_SEED_FORMULA = 1
-#: Every formula this version restores (states and restore keys), oldest first.
-SEED_FORMULAS = (1, 2, 3)
 _MASK63 = (1 << 63) - 1
 
 
-def item_seed(seed: int, formula: int = SEED_FORMULA) -> int:
-    """A per-item seed (from :func:`counter_seed` or :func:`derive_seed`) in the range of
-    ``formula``: below ``2**63`` for formulas 2 and 3, all 64 bits for the legacy formula 1.
+def item_seed(seed: int) -> int:
+    """A per-item seed (from :func:`counter_seed` or :func:`derive_seed`) below ``2**63``.
 
     Example::
 
         seed_global(item_seed(counter_seed(base, position)))   # torch.initial_seed() < 2**63
     """
-    return seed & _MASK63 if formula >= 2 else seed
+    return seed & _MASK63
 
 
-def numpy_word(seed: int, formula: int = SEED_FORMULA) -> int:
-    """The 32-bit seed NumPy's global RNG gets from the 64-bit ``seed`` under ``formula``.
+def numpy_word(seed: int) -> int:
+    """The 32-bit seed NumPy's global RNG gets from the 64-bit ``seed``.
 
     torch's CPU generator seeds its Mersenne Twister from the low 32 bits of a seed
     (``init_genrand``), exactly as NumPy's legacy ``np.random.seed`` does with a 32-bit
-    word. Formulas 1 and 2 gave NumPy ``seed & 0xFFFFFFFF``, which made NumPy's global
-    stream torch's, shifted by one draw: a NumPy crop offset and a torch flip were
-    correlated. Formula 3 gives NumPy the high word of ``seed * 0x9E3779B97F4A7C15 mod
-    2**64`` (Fibonacci hashing: one multiply and a shift, a few ns). The product's high
-    word depends on all 64 bits of the seed (its own high word times an odd constant plus
-    the carry of the low word), so for per-item seeds, which are hash outputs, it is
-    unrelated to the low word torch uses; a plain ``seed >> 32`` would be too, but would
-    give NumPy the same state for every seed below ``2**32``.
+    word: giving NumPy ``seed & 0xFFFFFFFF`` would make NumPy's global stream torch's,
+    shifted by one draw (a NumPy crop offset and a torch flip correlated). NumPy gets the
+    high word of ``seed * 0x9E3779B97F4A7C15 mod 2**64`` instead (Fibonacci hashing: one
+    multiply and a shift, a few ns). The product's high word depends on all 64 bits of the
+    seed (its own high word times an odd constant plus the carry of the low word), so for
+    per-item seeds, which are hash outputs, it is unrelated to the low word torch uses; a
+    plain ``seed >> 32`` would be too, but would give NumPy the same state for every seed
+    below ``2**32``.
 
     Example::
 
-        numpy_word(123456789123, 2) == 123456789123 & 0xFFFFFFFF
-        numpy_word(123456789123, 3) == ((123456789123 * 0x9E3779B97F4A7C15) & (2**64 - 1)) >> 32
+        numpy_word(123456789123) == ((123456789123 * 0x9E3779B97F4A7C15) & (2**64 - 1)) >> 32
     """
-    seed &= _MASK64
-    if formula >= 3:
-        return ((seed * _GOLDEN) & _MASK64) >> 32
-    return seed & 0xFFFFFFFF
+    return (((seed & _MASK64) * _GOLDEN) & _MASK64) >> 32
 
 
 # Python's module-level random functions are bound methods of one hidden instance; seeding
@@ -187,17 +176,8 @@ _NP_SEED = np.random.seed
 _TORCH_SEED = torch.default_generator.manual_seed
 
 
-def _seed_all_low_word(seed: int) -> None:
-    """:func:`seed_global` of formulas 1 and 2: NumPy gets the low 32 bits (torch's)."""
-    seed &= _MASK64
-    _PY_SEED(_PY_RANDOM, seed)
-    _PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
-    _NP_SEED(seed & 0xFFFFFFFF)
-    _TORCH_SEED(seed)
-
-
-def _seed_all_mixed_word(seed: int) -> None:
-    """:func:`seed_global` of formula 3: NumPy gets :func:`numpy_word` (inlined)."""
+def _seed_all(seed: int) -> None:
+    """:func:`seed_global` (:func:`numpy_word` inlined)."""
     seed &= _MASK64
     _PY_SEED(_PY_RANDOM, seed)
     _PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
@@ -205,24 +185,13 @@ def _seed_all_mixed_word(seed: int) -> None:
     _TORCH_SEED(seed)
 
 
-#: The function seeding all three global generators, per formula.
-_SEED_ALL: dict[int, Callable[[int], None]] = {1: _seed_all_low_word, 2: _seed_all_low_word, 3: _seed_all_mixed_word}
+def seed_global(seed: int) -> None:
+    """Seed Python ``random``, NumPy's global RNG and torch's CPU RNG from one seed.
 
-
-def _check_formula(formula: Any) -> None:
-    if formula not in _SEED_ALL or isinstance(formula, bool):
-        raise ValueError(f"unknown seed formula {formula!r}, expected one of {SEED_FORMULAS}")
-
-
-def seed_global(seed: int, formula: int = SEED_FORMULA) -> None:
-    """Seed Python ``random``, NumPy's global RNG and torch's CPU RNG from one seed, as
-    seed formula ``formula`` does (the loader passes the formula of the run: a run
-    restored from an older state keeps its own).
-
-    Equivalent to ``random.seed(s); np.random.seed(numpy_word(s, formula));
-    torch.default_generator.manual_seed(s)`` with ``s = seed & (2**64 - 1)``: NumPy gets
-    ``s & 0xFFFFFFFF`` under formulas 1 and 2 (the low word torch uses too: one shared
-    stream), a word independent of it under formula 3 (:func:`numpy_word`). Uses
+    Equivalent to ``random.seed(s); np.random.seed(numpy_word(s));
+    torch.default_generator.manual_seed(s)`` with ``s = seed & (2**64 - 1)``: NumPy gets a
+    word independent of the low word torch's Mersenne Twister is seeded from
+    (:func:`numpy_word`), so the two draw unrelated streams. Uses
     ``torch.default_generator.manual_seed`` (about 1 µs) rather than ``torch.manual_seed``,
     which also seeds every accelerator (about 100 µs). About 7.5 µs in all, most of it
     Python's Mersenne Twister initialisation. Hot paths take :func:`global_seeder`'s
@@ -230,41 +199,34 @@ def seed_global(seed: int, formula: int = SEED_FORMULA) -> None:
 
     Example::
 
-        seed_global(s)                   # formula 3: np.random and torch draw unrelated streams
-        seed_global(s, formula=2)        # as a formula-2 run did
+        seed_global(s)     # np.random and torch draw unrelated streams
     """
-    try:
-        seed_all = _SEED_ALL[formula]
-    except (KeyError, TypeError):
-        _check_formula(formula)
-        raise
-    seed_all(seed)
+    _seed_all(seed)
 
 
 #: The global generators by the name of the module they are drawn through, sorted.
 GLOBAL_RNG_NAMES = ("numpy", "random", "torch")
 
 
-def global_seeder(names: Collection[str], formula: int = SEED_FORMULA) -> Callable[[int], None]:
+def global_seeder(names: Collection[str]) -> Callable[[int], None]:
     """A function seeding the global generators in ``names`` (of :data:`GLOBAL_RNG_NAMES`)
-    exactly as :func:`seed_global` seeds each of them under ``formula``, and leaving the
-    others alone. The function is specialised to the formula (no per-call branching):
-    take it once, call it per sample.
+    exactly as :func:`seed_global` seeds each of them, and leaving the others alone. The
+    function is specialised to the names (no per-call branching): take it once, call it
+    per sample.
 
     Example::
 
         seed_torch = global_seeder(("torch",))
         seed_torch(s)     # torch.default_generator.manual_seed(s & (2**64 - 1)), nothing else
-        seed_all = global_seeder(GLOBAL_RNG_NAMES, formula=2)   # seed_global(s, 2), per call
+        seed_all = global_seeder(GLOBAL_RNG_NAMES)   # seed_global, per call
     """
-    if names == GLOBAL_RNG_NAMES and type(formula) is int and formula in _SEED_ALL:  # per batch: fast
-        return _SEED_ALL[formula]
-    _check_formula(formula)
+    if names == GLOBAL_RNG_NAMES:  # per batch: fast
+        return _seed_all
     unknown = set(names) - set(GLOBAL_RNG_NAMES)
     if unknown:
         raise ValueError(f"unknown global generators {sorted(unknown)}, expected names of {GLOBAL_RNG_NAMES}")
     if set(names) == set(GLOBAL_RNG_NAMES):
-        return _SEED_ALL[formula]
+        return _seed_all
     if names and set(names) == {"torch"}:  # the common declaration: one call
 
         def seed_torch(seed: int) -> None:
@@ -272,7 +234,6 @@ def global_seeder(names: Collection[str], formula: int = SEED_FORMULA) -> Callab
 
         return seed_torch
     python, numpy, torch_ = "random" in names, "numpy" in names, "torch" in names
-    mixed = formula >= 3
 
     def seed_some(seed: int) -> None:
         seed &= _MASK64
@@ -280,7 +241,7 @@ def global_seeder(names: Collection[str], formula: int = SEED_FORMULA) -> Callab
             _PY_SEED(_PY_RANDOM, seed)
             _PY_RANDOM.gauss_next = None  # type: ignore[attr-defined]
         if numpy:
-            _NP_SEED(((seed * _GOLDEN) & _MASK64) >> 32 if mixed else seed & 0xFFFFFFFF)
+            _NP_SEED(((seed * _GOLDEN) & _MASK64) >> 32)
         if torch_:
             _TORCH_SEED(seed)
 

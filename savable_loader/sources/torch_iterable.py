@@ -33,9 +33,8 @@ taken from the dataset's iterator) and ``user_state``:
 
 Random draws are exact: before the dataset's ``__iter__`` and before each batch the
 source re-seeds Python ``random``, NumPy's and torch's global RNGs from ``(seed, rank,
-logical worker, epoch, batch)`` (``savable_loader.rng.seeding.item_seed``: below ``2**63``, the
-legacy formula for a state that records it), during a replay as in the run being
-resumed.
+logical worker, epoch, batch)`` (``savable_loader.rng.seeding.item_seed``: below ``2**63``),
+during a replay as in the run being resumed.
 """
 
 from __future__ import annotations
@@ -59,12 +58,7 @@ from savable_loader.config import WorkerConfig, active_global_rngs, active_repet
 from savable_loader.dataset.base import SavableDataset, type_name
 from savable_loader.errors import DataError, LoaderUsageError, StateError
 from savable_loader.rng.formulas import datapipe_shuffle_seed, torch_iterable_base, torch_worker_info_seed
-from savable_loader.rng.seeding import (
-    SEED_FORMULA,
-    counter_seed,
-    global_seeder,
-    item_seed,
-)
+from savable_loader.rng.seeding import counter_seed, global_seeder, item_seed
 from savable_loader.sources._user_state import from_state_tree, to_state_tree
 from savable_loader.sources.iterable import ReplayWarning
 from savable_loader.state.schema import DatasetState, PipelinePosition
@@ -142,9 +136,6 @@ class TorchIterableSource(SavableDataset):
         #: without one, or one whose own restore is known to be inexact: a Hugging Face
         #: shuffle buffer, replayed from the epoch's start under the same seed instead)
         self.stateful = is_stateful(dataset) and not self._shufflers
-        #: The per-batch seed formula (``savable_loader.rng.seeding.item_seed``; the loader sets a
-        #: restored state's).
-        self.seed_formula = SEED_FORMULA
         self._live: Any = None  # the dataset object being iterated (a restored copy or `dataset`)
         if self.stateful:
             self._check_state_dict()
@@ -290,11 +281,9 @@ class _Iteration:
             replace_worker_info(id=worker, dataset=target, seed=torch_worker_seed(wc, worker, epoch))
         if isinstance(target, IterDataPipe):
             _prepare_datapipe(target, wc, worker, epoch)
-        #: the run's seed formula (a restored state's own) and its seeder of the global RNGs
-        #: (those the loader's global_rngs= lists)
-        self.formula = formula = source.seed_formula
-        self.seed_all = global_seeder(active_global_rngs(), formula)
-        self.seed_all(item_seed(self.base, formula))  # __iter__'s draws are the same on a resume
+        #: the seeder of the global RNGs the loader's global_rngs= lists
+        self.seed_all = global_seeder(active_global_rngs())
+        self.seed_all(item_seed(self.base))  # __iter__'s draws are the same on a resume
         self.iterator = iter(target)
         if restored is None and source.position:
             self._replay(source.position, source.items)
@@ -308,7 +297,7 @@ class _Iteration:
         src = self.source
         if self.ended:
             raise StopIteration
-        self.seed_all(item_seed(counter_seed(self.base, src.position), self.formula))
+        self.seed_all(item_seed(counter_seed(self.base, src.position)))
         size = src.batch_size
         if size is None:
             try:

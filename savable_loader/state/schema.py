@@ -20,6 +20,7 @@ from savable_loader.errors import RestoreKeyError
 
 __all__ = [
     "ARRAY_TYPECODES",
+    "ORDER_ALGORITHM",
     "SCHEMA_VERSION",
     "ArrayValue",
     "DatasetState",
@@ -38,6 +39,11 @@ __all__ = [
 #: Version of the state schema this library writes. Bumped on any incompatible change;
 #: older versions stay decodable (see tests/data/ for the kept fixtures).
 SCHEMA_VERSION = 1
+
+#: The epoch order every state this library writes records (``LoaderConfig.order_algorithm``)
+#: and drop-in restore keys name: the keyed Feistel permutation of
+#: ``savable_loader/index/permutation.py``, the only order this version has.
+ORDER_ALGORITHM = "feistel-1"
 
 #: Typecodes of Python ``array.array`` values an :class:`ArrayValue` may hold (library
 #: ``"array"``), with their item sizes: those whose size is the same on every platform
@@ -156,8 +162,10 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     drop_last: bool
     dataset_fingerprint: str
     dataset_config: dict[str, Any] = {}
-    #: Version of the per-item seed formula (``savable_loader.rng.seeding.SEED_FORMULA``); states
-    #: written before the field existed used formula 1 and keep it on restore.
+    #: Version of the per-item seed formula (``savable_loader.rng.SEED_FORMULA``, 3): the
+    #: only one this version writes and restores. The default, 1, is what a state written
+    #: before the field existed holds; a state of another formula was written by an
+    #: unreleased version and is refused (``StateError``).
     seed_formula: Positive = 1
     #: Drop-in path: ``""`` when the loader builds the order itself, else the qualified
     #: class name of the sampler (or batch sampler) that decides it.
@@ -166,11 +174,12 @@ class LoaderConfig(msgspec.Struct, kw_only=True, frozen=True):
     #: (before every sample; the default, and all earlier versions did) or ``"batch"``
     #: (before every batch's first sample: ``SavableDataLoader(reseed="batch")``).
     reseed: str = "sample"
-    #: How the drop-in path orders an epoch (pipelines have no order and keep the
-    #: default). ``"numpy-permutation"``: a materialised ``Generator.permutation``, the
-    #: only order before this field existed, hence the default, so that older states keep
-    #: their stream; ``"feistel-1"``: the constant-memory keyed bijection of
-    #: ``savable_loader/index/permutation.py``, which new drop-in loaders write.
+    #: How the drop-in path orders an epoch: :data:`ORDER_ALGORITHM` (``"feistel-1"``, the
+    #: constant-memory keyed bijection of ``savable_loader/index/permutation.py``), the
+    #: only order this version has, which every state records (pipelines' too). The
+    #: default, ``"numpy-permutation"``, is what a state written before the field existed
+    #: holds; a state of another order was written by an unreleased version and is
+    #: refused (``StateError``).
     order_algorithm: str = "numpy-permutation"
     #: The global RNGs re-seeded per sample, sorted (``SavableDataLoader(global_rngs=...)``;
     #: drop-in path: before every sample; pipelines and IterableDatasets: in ``mark_sample``
@@ -348,9 +357,10 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     by them). Keys made before these fields existed have them None: an ``"index"`` key
     without ``shuffle`` is refused (it cannot tell which order it names), the others are
     checked as before. ``order_algorithm``: which shuffle the positions of an ``"index"``
-    key refer to; a loader rebuilds a key with the key's own order. ``seed_formula``:
-    which per-item seeds the key's sample drew from; a loader rebuilds a key under the
-    key's own formula.
+    key of the loader's own order refer to, and ``seed_formula``: which per-item seeds the
+    key's sample drew from; a key that names another order or formula than this
+    version's (or, for ``seed_formula``, none) was made by an unreleased version and is
+    refused.
 
     Example::
 
@@ -372,19 +382,18 @@ class RestoreKey(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     batched: bool | None = None
     world_size: Positive | None = None
     num_workers: NonNeg | None = None
-    #: ``"index"`` keys: the epoch order the positions refer to (see
-    #: ``LoaderConfig.order_algorithm``; keys made before the field existed: the default,
-    #: which is also left out of ``str(key)``).
+    #: ``"index"`` keys of the loader's own order: the epoch order the positions refer to
+    #: (:data:`ORDER_ALGORITHM`; see ``LoaderConfig.order_algorithm``). Keys of a sampler
+    #: of the user's and pipeline keys leave the default out of ``str(key)``.
     order_algorithm: str = "numpy-permutation"
     #: ``"index"`` keys: ``LoaderConfig.reseed`` of the loader that made the key.
     reseed: str = "sample"
     #: ``LoaderConfig.global_rngs`` of the loader that made the key (the default, all
     #: three, is left out of ``str(key)``).
     global_rngs: tuple[str, ...] = ("numpy", "random", "torch")
-    #: The seed formula of the loader that made the key (``LoaderConfig.seed_formula``),
-    #: which a loader rebuilds the key under. Keys made before the field existed have None
-    #: and are rebuilt as earlier versions rebuilt them: under formula 2 (under formula 1
-    #: by a loader restored from a formula-1 state).
+    #: The seed formula of the loader that made the key (``LoaderConfig.seed_formula``):
+    #: ``rng.SEED_FORMULA``. Keys made before the field existed have None; a key of
+    #: another formula or none was made by an unreleased version and is refused.
     seed_formula: Positive | None = None
 
     def __str__(self) -> str:

@@ -12,7 +12,6 @@ import math
 import random
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import pytest
 import torch
@@ -220,7 +219,7 @@ def test_malformed_stage_counts_are_a_state_error():
         remaining_positions(10, [IndexStage(world_size=2, consumed=[1, 1]), IndexStage(world_size=1, consumed=[9])])
 
 
-def _state(rank, world, epoch, consumed, stages=(), batch=BATCH, order="feistel-1"):
+def _state(rank, world, epoch, consumed, stages=(), batch=BATCH):
     config = LoaderConfig(
         rank=rank,
         world_size=world,
@@ -230,7 +229,8 @@ def _state(rank, world, epoch, consumed, stages=(), batch=BATCH, order="feistel-
         shuffle=True,
         drop_last=False,
         dataset_fingerprint="f",
-        order_algorithm=order,
+        seed_formula=3,
+        order_algorithm="feistel-1",
     )
     return RankState(
         config=config, position=IndexPosition(epoch=epoch, consumed=consumed, dataset_len=N, stages=list(stages))
@@ -251,12 +251,6 @@ def test_states_too_far_apart_or_inconsistent_are_refused():
         elastic_position([_state(0, 2, 3, 20), _state(1, 2, 5, 0)], 3)
     with pytest.raises(sl.StateError, match="batch_size"):
         elastic_position([_state(0, 2, 3, 20), _state(1, 2, 3, 8, batch=8)], 3)
-    legacy = _state(1, 2, 3, 8)
-    legacy = msgspec.structs.replace(
-        legacy, config=msgspec.structs.replace(legacy.config, order_algorithm="numpy-permutation")
-    )
-    with pytest.raises(sl.StateError, match="order_algorithm='numpy-permutation'"):
-        elastic_position([_state(0, 2, 3, 20, order="feistel-1"), legacy], 3)
 
 
 # -- world size, in one process (explicit ranks) ---------------------------------------

@@ -4,13 +4,18 @@ States written by every released schema version are kept here, and
 tests/state/test_schema_fixtures.py decodes them (and restores them) in every later version.
 Run this once per new schema version, from the repository root, and commit the new
 files; never regenerate or delete the files of older versions once a version with them
-is released (the schema-1 files were last regenerated before the first release, for
-restore keys and elastic stages):
+is released (the schema-1 files were last regenerated before the first release, when
+the seed formula and the epoch order of unreleased versions were removed: they record
+seed formula 3 and the ``"feistel-1"`` order, the only ones this version has):
 
     python -m tests.data.make_fixtures
 
 Files: ``schema<V>_<name>.state`` (``save_file`` format) and ``manifest.json`` entries
-saying which loader (a factory below) and how many steps each state belongs to. The
+saying which loader (a factory below) and how many steps each state belongs to.
+``unreleased_dropin.state`` is not made here: the drop-in state of 3 steps as an
+unreleased version wrote it, before ``seed_formula`` and ``order_algorithm`` existed
+(seed formula 1, a materialised numpy permutation), kept to show that such a state is
+refused. The
 factories must keep producing the same stream in later versions; if a loader API
 changes, adapt the factory, not the files.
 """
@@ -37,30 +42,17 @@ def _double(x: Any) -> Any:
     return x * 2
 
 
-def _seed_formula_1(loader: sl.SavableDataLoader) -> sl.SavableDataLoader:
-    """The schema-1 states were written with per-item seed formula 1 (all 64 bits; the
-    ``seed_formula`` field did not exist yet) and, on the drop-in path, the materialised
-    numpy permutation (``order_algorithm`` did not exist either), which a restore of them
-    keeps. The factories make loaders that use them too, through the public API:
-    restoring a start state that records both."""
-    start = loader.save_state_rank()
-    config = msgspec.structs.replace(start.config, seed_formula=1, order_algorithm="numpy-permutation")
-    loader.restore_state_rank(msgspec.structs.replace(start, config=config))
-    return loader
-
-
 def dropin(rank: int = 0, world_size: int = 1) -> sl.SavableDataLoader:
     """Drop-in path: shuffled, batched, in-process."""
     wc = sl.WorkerConfig(rank=rank, world_size=world_size, num_workers=0, seed=7)
-    return _seed_formula_1(sl.SavableDataLoader(RandomMapDataset(40), batch_size=4, shuffle=True, worker_config=wc))
+    return sl.SavableDataLoader(RandomMapDataset(40), batch_size=4, shuffle=True, worker_config=wc)
 
 
 def pipeline() -> sl.SavableDataLoader:
     """Savable pipeline with 2 workers; the shuffle buffer puts tensors into the state."""
     wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=7)
     ds = BatchDataset(MapDataset(ShuffleBufferDataset(RangeSource(30, wc), size=4), _double), batch_size=3)
-    loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, multiprocessing_context="fork")
-    return _seed_formula_1(loader)
+    return sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, multiprocessing_context="fork")
 
 
 FACTORIES = {"dropin": dropin, "pipeline": pipeline}

@@ -9,11 +9,11 @@ import torch
 from torch.utils.data import default_collate
 
 from savable_loader.dataset.checks import check_dataset_config
-from savable_loader.errors import ConfigMismatchError, RestoreKeyError
+from savable_loader.errors import ConfigMismatchError, RestoreKeyError, StateError
 from savable_loader.index.engine import OrderMode, map_dataset_config
-from savable_loader.index.permutation import ORDER_FEISTEL, ORDER_LEGACY
+from savable_loader.rng import SEED_FORMULA
 from savable_loader.state.codec import decode_part, encode_part
-from savable_loader.state.schema import IndexPosition
+from savable_loader.state.schema import ORDER_ALGORITHM, IndexPosition, RankState, RestoreKey
 from tests.common import RandomMapDataset
 
 pytestmark = pytest.mark.timeout(60)
@@ -148,59 +148,62 @@ def test_loader_config_records_the_configuration():
     assert mode().fingerprint == mode(seed=1).fingerprint != mode(RandomMapDataset(11)).fingerprint
 
 
-def legacy_mode(**kw) -> OrderMode:
-    """A mode ordering its epochs as a state of an earlier version says."""
-    m = mode(**kw)
-    m.set_order(ORDER_LEGACY)
-    return m
+def test_loaders_write_the_one_order():
+    config = mode().loader_config(0)
+    assert config.order_algorithm == ORDER_ALGORITHM == "feistel-1"
+    assert config.seed_formula == SEED_FORMULA == 3
 
 
-def test_new_loaders_write_the_feistel_order_and_adopt_a_saved_one():
+def _refused(error: BaseException, field: str, found: object, expected: object) -> None:
+    message = str(error)
+    assert f"{field} is {found!r}, expected {expected!r}" in message, message
+    assert "unreleased version of savable-loader" in message, message
+
+
+@pytest.mark.parametrize("order", ["numpy-permutation", "feistel-7", ""])
+def test_a_state_of_another_order_is_refused_and_nothing_changes(order):
+    saved = mode(seed=6)  # a drawn seed would give way to the state's: it must not
+    config = msgspec.structs.replace(saved.loader_config(0), order_algorithm=order)
+    fresh = mode(seed_explicit=False)
+    before = fresh.loader_config(0)
+    with pytest.raises(StateError) as info:
+        fresh.restore([RankState(config=config, position=pos(0, 4))], 0, 5)
+    _refused(info.value, "config.order_algorithm", order, ORDER_ALGORITHM)
+    assert fresh.loader_config(0) == before and fresh.seed == 5
+    good = RankState(config=saved.loader_config(0), position=pos(0, 4))
+    assert fresh.restore([good], 0, 5) == (pos(0, 4), 6)  # the same state of this version's order
+
+
+def test_a_state_written_before_the_order_was_recorded_is_refused():
+    plain = msgspec.to_builtins(RankState(config=mode().loader_config(0), position=pos(0, 4)))
+    del plain["config"]["order_algorithm"]  # as the earliest unreleased version wrote states
+    state = msgspec.convert(plain, RankState)
+    assert state.config.order_algorithm == "numpy-permutation"  # the schema's default
+    with pytest.raises(StateError) as info:
+        mode().restore([state], 0, 5)
+    _refused(info.value, "config.order_algorithm", "numpy-permutation", ORDER_ALGORITHM)
+
+
+def test_keys_name_the_order_and_a_key_of_another_is_refused():
     m = mode()
-    assert m.loader_config(0).order_algorithm == ORDER_FEISTEL
-    legacy_config = legacy_mode().loader_config(0)
-    fresh = mode()
-    fresh.check(legacy_config, pos(0, 4), 0)
-    assert fresh.plan.order_algorithm == ORDER_LEGACY and fresh.loader_config(0).order_algorithm == ORDER_LEGACY
-    fresh.refresh()  # a new plan (len(dataset) re-read) keeps the adopted order
-    assert fresh.current_plan.order_algorithm == ORDER_LEGACY
-    fresh.check(m.loader_config(0), pos(0, 4), 0)  # and back, for a state of this version
-    assert fresh.plan.order_algorithm == ORDER_FEISTEL
-
-
-def test_an_unknown_order_is_refused_and_nothing_changes():
-    future = msgspec.structs.replace(mode().loader_config(0), order_algorithm="feistel-7")
-    fresh = mode()
-    with pytest.raises(ConfigMismatchError, match="newer savable_loader") as info:
-        fresh.check(future, pos(0, 4), 0)
-    assert (info.value.field, info.value.saved, info.value.current) == ("order_algorithm", "feistel-7", ORDER_FEISTEL)
-    assert fresh.plan.order_algorithm == ORDER_FEISTEL
-    # a failed check later in the list leaves the order alone too
-    changed = mode(seed=6)
-    with pytest.raises(ConfigMismatchError):
-        changed.check(legacy_mode().loader_config(0), pos(0, 4), 0)
-    assert changed.order_algorithm == ORDER_FEISTEL
-
-
-def test_keys_name_their_order_and_rebuild_with_it():
-    legacy, new = legacy_mode(), mode()
-    batches = {}
-    for name, m in (("legacy", legacy), ("new", new)):
-        it = m.begin(0, None)
-        keys = drawn(m)
-        it.on_item(None)
-        key = m.restore_key(5)
-        assert key.order_algorithm == m.order_algorithm
-        batches[name] = (key, m.torch_dataset[keys[0]])
-    assert "order_algorithm" not in str(batches["legacy"][0])  # the default, as in keys of earlier versions
-    assert '"order_algorithm":"feistel-1"' in str(batches["new"][0])
-    assert not torch.equal(batches["legacy"][1], batches["new"][1])  # two different orders
-    for key, batch in batches.values():  # a loader of either order rebuilds either key
-        for m in (mode(), legacy):
-            assert torch.equal(m.restore_sample(key), batch)
-    bad = msgspec.structs.replace(batches["new"][0], order_algorithm="feistel-7")
-    with pytest.raises(RestoreKeyError, match="order_algorithm"):
-        new.restore_sample(bad)
+    it = m.begin(0, None)
+    keys = drawn(m)
+    it.on_item(None)
+    key = m.restore_key(5)
+    assert key.order_algorithm == ORDER_ALGORITHM and '"order_algorithm":"feistel-1"' in str(key)
+    batch = m.torch_dataset[keys[0]]
+    assert torch.equal(mode().restore_sample(key), batch)
+    for order in ("numpy-permutation", "feistel-7"):
+        bad = msgspec.structs.replace(key, order_algorithm=order)
+        with pytest.raises(RestoreKeyError) as info:
+            mode().restore_sample(bad)
+        _refused(info.value, "key.order_algorithm", order, ORDER_ALGORITHM)
+    # a key that leaves the order out (as an unreleased version wrote keys of its order)
+    text = str(key).replace(',"order_algorithm":"feistel-1"', "")
+    assert "order_algorithm" not in text
+    with pytest.raises(RestoreKeyError) as info:
+        mode().restore_sample(RestoreKey.parse(text))
+    _refused(info.value, "key.order_algorithm", "numpy-permutation", ORDER_ALGORITHM)
 
 
 # -- check ------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DistributedSampler, get_worker_info
 
 from savable_loader.errors import LoaderUsageError
-from savable_loader.index.permutation import ORDER_LEGACY, FeistelPermutation
+from savable_loader.index.permutation import FeistelPermutation
 from savable_loader.index.source import BatchKey, IndexedDataset, IndexPlan, IndexSampler
 from savable_loader.rng import counter_seed, derive_seed, item_seed, seed_global
 from savable_loader.testing import check_resume
@@ -154,13 +154,6 @@ def test_shuffle_is_deterministic_per_seed_and_epoch():
     # the documented derivation: a Feistel permutation keyed by (seed, "order", epoch)
     perm = FeistelPermutation(50, derive_seed(3, "order", 2))
     assert orders[2] == perm(np.arange(50)).tolist()
-    # a plan restored from an older state: numpy's permutation of (seed, "permutation", epoch)
-    legacy = plan(50, seed=3, shuffle=True)
-    legacy.order_algorithm = ORDER_LEGACY
-    rng = np.random.Generator(np.random.PCG64(derive_seed(3, "permutation", 2)))
-    assert legacy.global_order(2).tolist() == rng.permutation(50).tolist()
-    legacy_order = legacy.global_order(2).tolist()
-    assert [k.indices for k in legacy.batches(2, 0)] == [tuple(legacy_order[i : i + 3]) for i in range(0, 50, 3)]
 
 
 def test_batches_are_made_a_chunk_at_a_time_and_match_the_order(monkeypatch):
@@ -187,7 +180,7 @@ def test_a_billion_sample_plan_holds_no_array():
     assert all(0 <= i < n for i in key.indices) and len(set(key.indices)) == 64
     assert p.key(0, key.positions) == key
     order = p.order(0)
-    assert order._table is None and order._perm is not None  # nothing of size n
+    assert order._perm is not None  # a FeistelPermutation: nothing of size n
 
 
 def test_shuffle_does_not_depend_on_rank_or_batching():
@@ -273,15 +266,13 @@ class Seeds(RandomMapDataset):
         return torch.initial_seed()
 
 
-def test_per_sample_seeds_fit_in_int64_and_the_legacy_formula_keeps_64_bits():
+def test_per_sample_seeds_fit_in_int64():
     keys = [BatchKey(e, tuple(range(32)), tuple(range(32))) for e in range(4)]
     new = IndexedDataset(Seeds(32), seed=3, collate_fn=list, batched=True)
-    legacy = IndexedDataset(Seeds(32), seed=3, collate_fn=list, batched=True, seed_formula=1)
     new_seeds = [s for k in keys for s in new.build(k)]
-    legacy_seeds = [s for k in keys for s in legacy.build(k)]
     assert all(0 <= s < 2**63 for s in new_seeds)
-    assert any(s >= 2**63 for s in legacy_seeds)  # all 64 bits: the formula of schema-1 states
-    assert new_seeds == [s & (2**63 - 1) for s in legacy_seeds]
+    # the documented seeds: counter_seed of the epoch's base and the position, top bit cleared
+    assert new_seeds[:32] == [counter_seed(derive_seed(3, "sample", 0), p) & (2**63 - 1) for p in range(32)]
     torch.utils.data.default_collate(new_seeds)  # fits a LongTensor
 
 

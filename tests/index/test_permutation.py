@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from savable_loader.index.permutation import ORDER_FEISTEL, ORDER_LEGACY, EpochOrder, FeistelPermutation
+from savable_loader.index.permutation import EpochOrder, FeistelPermutation
 from savable_loader.rng import derive_seed
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,20 +59,25 @@ def test_huge_domains_in_constant_memory():
         FeistelPermutation(2**62, 0)
 
 
-def test_epoch_order_algorithms_and_padding():
-    legacy = EpochOrder(ORDER_LEGACY, 50, seed=3, epoch=2, shuffle=True)
-    rng = np.random.Generator(np.random.PCG64(derive_seed(3, "permutation", 2)))
-    assert legacy(np.arange(50)).tolist() == rng.permutation(50).tolist()
-    new = EpochOrder(ORDER_FEISTEL, 50, seed=3, epoch=2, shuffle=True)
+def test_epoch_order_and_padding():
+    new = EpochOrder(50, seed=3, epoch=2, shuffle=True)
     assert new(np.arange(50)).tolist() == everything(FeistelPermutation(50, derive_seed(3, "order", 2)))
     # padding positions wrap around: position p holds the sample of p % n
     assert new(np.array([50, 51, 149])).tolist() == new(np.array([0, 1, 49])).tolist()
-    for algorithm in (ORDER_LEGACY, ORDER_FEISTEL):
-        same = EpochOrder(algorithm, 50, seed=3, epoch=2, shuffle=False)
-        assert same(np.arange(60)).tolist() == [p % 50 for p in range(60)]
-    with pytest.raises(ValueError, match="unknown order algorithm"):
-        EpochOrder("feistel-9", 50, seed=3, epoch=2, shuffle=True)
-    assert EpochOrder(ORDER_FEISTEL, 0, seed=0, epoch=0, shuffle=True)(np.arange(0)).tolist() == []
+    same = EpochOrder(50, seed=3, epoch=2, shuffle=False)
+    assert same(np.arange(60)).tolist() == [p % 50 for p in range(60)]
+    assert EpochOrder(0, seed=0, epoch=0, shuffle=True)(np.arange(0)).tolist() == []
+
+
+def test_golden_epoch_orders():
+    """The order every state records as "feistel-1": a change of the network, its rounds
+    or its key changes every drop-in stream (and every saved state would resume into other
+    data)."""
+    small = EpochOrder(20, seed=3, epoch=2, shuffle=True)
+    assert small(np.arange(20)).tolist() == [12, 19, 15, 4, 10, 17, 18, 13, 5, 8, 11, 9, 1, 14, 7, 0, 2, 6, 3, 16]
+    huge = EpochOrder(10**10, seed=7, epoch=0, shuffle=True)
+    positions = np.array([0, 1, 2, 5 * 10**9, 10**10 - 1])
+    assert huge(positions).tolist() == [2721464530, 362795570, 2524221030, 2695073817, 5183800066]
 
 
 # -- quality -------------------------------------------------------------------------

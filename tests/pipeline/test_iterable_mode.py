@@ -1,7 +1,7 @@
 """The loader's path for plain IterableDatasets (pipeline/iterable.py): per-batch exceptions
 as torch's (the batch counts, the iteration goes on) and resumed after them, torch's
-length warning across a restore, seeds (formula 2, the legacy formula of an old state,
-a drawn seed adopted), persistent workers restarted only after rotated roles."""
+length warning across a restore, seeds (below 2**63, a state of another seed formula
+refused, a drawn seed adopted), persistent workers restarted only after rotated roles."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from torch.utils.data import (
 )
 
 import savable_loader as sl
-from savable_loader.errors import ConfigMismatchError, LoaderUsageError
-from savable_loader.rng import LEGACY_SEED_FORMULA, SEED_FORMULA
+from savable_loader.errors import ConfigMismatchError, LoaderUsageError, StateError
+from savable_loader.rng import SEED_FORMULA
 from savable_loader.state import decode, encode
 from tests.common import assert_streams
 
@@ -255,41 +255,16 @@ def test_seeds_are_below_2_63(num_workers):
     assert all(item[2] is None if num_workers == 0 else 0 <= item[2] < 2**63 for item in items)
 
 
-def _legacy(state: Any) -> Any:
-    """``state`` as a state written before ``LoaderConfig.seed_formula`` existed."""
-    return msgspec.structs.replace(
-        state, config=msgspec.structs.replace(state.config, seed_formula=LEGACY_SEED_FORMULA)
-    )
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_state_of_the_legacy_seed_formula_keeps_its_stream(num_workers):
+def test_a_state_of_another_seed_formula_is_refused():
     def factory() -> sl.SavableDataLoader:
-        return make(Seeds(), num_workers, batch_size=None, collate_fn=_plain)
+        return make(Seeds(), 0, batch_size=None, collate_fn=_plain)
 
-    legacy = factory()
-    legacy.restore_state_rank(_legacy(legacy.save_state_rank()))  # a run that began under formula 1
-    reference = list(legacy) + list(legacy)
-    assert any(item[1] >= 2**63 for item in reference), "formula 1 uses all 64 bits"
-    assert reference != list(factory()) + list(factory())
-    for k in (1, 5, 30):
-        ld = factory()
-        ld.restore_state_rank(_legacy(ld.save_state_rank()))
-        it = iter(ld)
-        if k > 24:
-            got = list(it)
-            it = iter(ld)
-        else:
-            got = []
-        got += [next(it) for _ in range(k - len(got))]
-        state = decode(encode(ld.save_state_rank()))
-        it.close()
-        assert state.config.seed_formula == LEGACY_SEED_FORMULA  # kept in its states
-        fresh = factory()
-        fresh.restore_state_rank(state)
-        rest = list(fresh) + (list(fresh) if k < 24 else [])
-        assert got + rest == reference, f"k={k}"
-    assert factory().save_state_rank().config.seed_formula == SEED_FORMULA
+    state = factory().save_state_rank()
+    assert state.config.seed_formula == SEED_FORMULA
+    for formula in (1, 2):  # 1: also what a state written before the field existed holds
+        old = msgspec.structs.replace(state, config=msgspec.structs.replace(state.config, seed_formula=formula))
+        with pytest.raises(StateError, match=rf"config.seed_formula is {formula}, expected 3: .* unreleased version"):
+            factory().restore_state_rank(old)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -191,7 +191,7 @@ def test_run_reseeds_global_rngs_from_seed_rank_worker_epoch_index():
     base = derive_seed(wc.seed, "pipeline", wc.rank, 1, 5)
     for i, (w, index, _, sample, _) in enumerate(items[:-1]):
         assert (w, index) == (1, i)
-        seed_global(item_seed(counter_seed(base, i)))  # below 2**63 (seed formula 2)
+        seed_global(item_seed(counter_seed(base, i)))  # below 2**63
         source_draws = _draws()
         map_draws = _draws()
         # worker 1 of 2 reads 1, 3, 5, ...

@@ -12,13 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import msgspec
 import pytest
 
 import savable_loader as sl
-from savable_loader.errors import StateVersionError
-from savable_loader.rng import derive_seed
+from savable_loader.errors import StateError, StateVersionError
+from savable_loader.rng import SEED_FORMULA
 from savable_loader.state import SCHEMA_VERSION, RankState, decode, encode, load_file
+from savable_loader.state.schema import ORDER_ALGORITHM
 from tests.common import RandomMapDataset, assert_streams, epochs_of
 from tests.data.make_fixtures import FACTORIES
 
@@ -55,20 +56,31 @@ def test_kept_state_decodes_and_restores_exactly(name: str) -> None:
         assert_streams(rest, flat[k:], f"{name} rank {rank}: continuation")
 
 
-def test_schema1_dropin_state_keeps_its_numpy_permutation() -> None:
-    # Independent of the loader's own order code: the documented legacy derivation.
-    state = load_file(DATA / "schema1_dropin.state")
-    assert state.config.order_algorithm == "numpy-permutation"  # the default: the field is not in the file
-    fresh = new_dropin()  # a loader of this version adopts the state's order
-    fresh.restore_state_rank(state)
-    got = [int(x) for epoch in range(2) for batch in fresh for x in batch[:, 0]]
-    perms = [np.random.Generator(np.random.PCG64(derive_seed(7, "permutation", e))).permutation(40) for e in (0, 1)]
-    assert got == perms[0][state.position.consumed :].tolist() + perms[1].tolist()
-    assert fresh.save_state_rank().config.order_algorithm == "numpy-permutation"  # and it is written on
+def test_kept_states_record_the_one_seed_formula_and_order() -> None:
+    for name in MANIFEST:
+        loaded = load_file(DATA / name)
+        for state in loaded if isinstance(loaded, list) else [loaded]:
+            assert (state.config.seed_formula, state.config.order_algorithm) == (SEED_FORMULA, ORDER_ALGORITHM), name
+    config = new_dropin().save_state_rank().config
+    assert (config.seed_formula, config.order_algorithm) == (3, "feistel-1")
 
 
-def test_new_drop_in_states_write_the_feistel_order() -> None:
-    assert new_dropin().save_state_rank().config.order_algorithm == "feistel-1"
+def test_a_state_of_an_unreleased_version_is_refused() -> None:
+    """``unreleased_dropin.state``: written before ``seed_formula`` and ``order_algorithm``
+    existed (seed formula 1, a numpy permutation); it decodes, and a restore refuses it
+    with our error naming the field, the value found and the value expected."""
+    state = load_file(DATA / "unreleased_dropin.state")
+    assert state.schema_version == SCHEMA_VERSION and state.library_version == "0.1.0.dev0"
+    assert (state.config.seed_formula, state.config.order_algorithm) == (1, "numpy-permutation")  # defaults
+    fresh = new_dropin()
+    with pytest.raises(StateError, match=r"config\.seed_formula is 1, expected 3: .*unreleased version"):
+        fresh.restore_state_rank(state)
+    formula_fixed = msgspec.structs.replace(state, config=msgspec.structs.replace(state.config, seed_formula=3))
+    with pytest.raises(
+        StateError, match=r"config\.order_algorithm is 'numpy-permutation', expected 'feistel-1': .*unreleased version"
+    ):
+        fresh.restore_state_rank(formula_fixed)
+    assert_streams(list(fresh), epochs_of(new_dropin(), 1)[0], "the refusing loader, from the start")
 
 
 def new_dropin() -> sl.SavableDataLoader:
