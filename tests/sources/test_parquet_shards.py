@@ -130,3 +130,31 @@ def test_metadata_rules_for_parquet(tmp_path):
     )
     with pytest.raises(sl.DataError, match=r"`\$.shards\[0\].row_groups` add up to 4 rows, but `samples` is 3"):
         ShardedFileDataset(tmp_path, WC)
+
+
+@pytest.mark.parametrize("left", [0, 100])
+def test_a_shard_cut_between_the_size_check_and_the_footer_read_is_named_truncated(folder, left):
+    # the store checked the size when it opened the shard; a sync job cuts the file before
+    # pyarrow reads its footer: the truncation error, not pyarrow's "file size is 0 bytes"
+    path = folder / "part-1.parquet"
+    size = path.stat().st_size
+    file = LocalShardFile(path, size)
+    entry = ShardEntry(path="part-1.parquet", samples=4, format="parquet", row_groups=[2, 2])
+    with open(path, "r+b") as f:
+        f.truncate(left)
+    with pytest.raises(
+        sl.DataError,
+        match=rf"part-1\.parquet: the shard was truncated while open: reading byte offset {size - 8}, the file has {left} bytes, {size} expected",
+    ):
+        ParquetReader(file, entry, LocalShardStore(folder), ReadOptions())
+    file.close()
+
+
+def test_a_parquet_file_that_is_not_one_is_still_named_as_such(folder):
+    path = folder / "part-1.parquet"
+    path.write_bytes(b"not a parquet file at all")
+    file = LocalShardFile(path)
+    entry = ShardEntry(path="part-1.parquet", samples=4, format="parquet")
+    with pytest.raises(sl.DataError, match=r"part-1\.parquet: cannot read the Parquet file \(ArrowInvalid"):
+        ParquetReader(file, entry, LocalShardStore(folder), ReadOptions())
+    file.close()

@@ -18,11 +18,12 @@ from __future__ import annotations
 import bisect
 import copy
 import io
+import os
 from collections import OrderedDict
 from typing import Any
 
 from savable_loader.errors import DataError, LoaderUsageError
-from savable_loader.sources.shards.held_file import HeldFile
+from savable_loader.sources.shards.held_file import HeldFile, truncated
 from savable_loader.sources.shards.manifest import ShardEntry
 from savable_loader.sources.shards.reader import ReadOptions, ShardReader
 from savable_loader.sources.shards.store import ShardFile, ShardStore
@@ -81,7 +82,23 @@ def _open(file: ShardFile) -> Any:
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
+        cut = _cut_since_checked(file)
+        if cut is not None:  # cut between the store's size check and pyarrow's read of the footer
+            raise cut from None
         raise DataError(f"{file.name}: cannot read the Parquet file ({type(e).__name__}: {e})") from None
+
+
+def _cut_since_checked(file: ShardFile) -> DataError | None:
+    """The truncation error of a local shard now shorter than its checked size (pyarrow
+    reads the footer, the last 8 bytes first, through the path), else None."""
+    path, size = file.local_path, file.size
+    if path is None or size is None:
+        return None
+    try:
+        found = os.stat(path).st_size
+    except OSError:
+        return None
+    return truncated(file.name, max(0, size - 8), found, size) if found < size else None
 
 
 def row_groups(file: ShardFile) -> list[int]:
