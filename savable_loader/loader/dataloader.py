@@ -245,14 +245,7 @@ class SavableDataLoader(DataLoader[T_co]):
         0/5): ``tqdm(loader, total=len(loader), initial=len(loader) - loader.remaining())``
         (a stream: ``tqdm(loader)``, no total).
         """
-        try:
-            return self._iterations.remaining()
-        except LookupError:  # neither a live iteration nor a restored position: an epoch
-            pass
-        try:
-            return len(self)
-        except TypeError:  # torch's: an IterableDataset without __len__
-            return None
+        return self._iterations.remaining()
 
     # -- state ------------------------------------------------------------------------
 

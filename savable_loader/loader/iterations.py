@@ -249,14 +249,17 @@ class Iterations:
 
     def remaining(self) -> int | None:
         """Items still to come (see ``SavableDataLoader.remaining``): in the most recent
-        live iteration, or else in the restored position; None: ask ``len(loader)``."""
+        live iteration, or else in the restored position, or else a whole epoch."""
         with self.lock:
             live = self.live()
             if live:
                 return live[-1].iteration.remaining()
             if self.pending is not None:
                 return self.mode.remaining(self.pending)
-        raise LookupError  # neither: a whole epoch
+        try:
+            return len(self.loader)
+        except TypeError:  # torch's: an IterableDataset without __len__
+            return None
 
     # -- states -------------------------------------------------------------------------
 

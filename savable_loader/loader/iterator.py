@@ -134,8 +134,8 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
         it.close()                      # a save now records the position after `first`
     """
 
-    def __init__(self, loader: Driver, owner: Any) -> None:
-        self._loader = loader
+    def __init__(self, driver: Driver, owner: Any) -> None:
+        self._driver = driver
         self._owner = owner  # the SavableDataLoader, kept alive while its iterator is
         self._record: Record | None = None
         self._closed = False
@@ -147,12 +147,12 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
         if self._record is None:
             if self._closed:
                 raise StopIteration
-            self._record = self._loader.begin()
+            self._record = self._driver.begin()
             _BEGUN.add(self)
         return self._record
 
     def __next__(self) -> T_co:
-        return self._loader.next(self._started())
+        return self._driver.next(self._started())
 
     def close(self) -> None:
         """Abandon the iteration: later ``next()`` calls raise StopIteration. Closing
@@ -162,7 +162,7 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
             return
         self._closed = True
         if self._record is not None:
-            self._loader.end(self._record, Fate.ABANDONED)
+            self._driver.end(self._record, Fate.ABANDONED)
 
     @property
     def epoch(self) -> int:
@@ -176,7 +176,7 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
         return worker_processes(self._started().torch_iter)
 
     def __len__(self) -> int:
-        return len(self._loader)
+        return len(self._driver)
 
     def __del__(self) -> None:
         try:
