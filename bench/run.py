@@ -33,12 +33,12 @@ if str(_REPO) not in sys.path:  # `python bench/run.py` puts bench/ first, not t
 import torch
 
 import savable_loader as sl
-from bench import bench_costs, bench_epochize, bench_packing, bench_scale, bench_shuffle_restore
+from bench import bench_costs, bench_epochize, bench_packing, bench_scale, bench_shuffle_restore, bench_stats
 from bench import measure as M
 from bench.contenders import CONTENDERS, Contender, available_contenders, savable_pipeline
 from bench.workloads import WORKLOADS, Workload, make_workloads
 
-EXTRAS = ("scale", "epochize", "shuffle-restore", "costs", "packing")
+EXTRAS = ("scale", "epochize", "shuffle-restore", "costs", "packing", "stats")
 
 OURS = ("savable", "savable-batch", "savable-declared", "savable-pipe")
 
@@ -255,10 +255,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     snap = results.get("snapshot_cost")
     if snap:
         add(f"snapshot share of worker time ({snap['buffer']:,} buffer)", round(snap["share"], 4), 0.02, higher=False)
-    for section in ("scale", "epochize", "shuffle_restore", "packing"):
+    for section in ("scale", "epochize", "shuffle_restore", "packing", "stats"):
         got = results.get(section)
         if got:
-            rows.extend(got["targets"] if section in ("scale", "packing") else [got["target"]])
+            rows.extend(got["targets"] if section in ("scale", "packing", "stats") else [got["target"]])
     return rows
 
 
@@ -396,6 +396,12 @@ def render(results: dict[str, Any]) -> str:
             f"{pk['buffer']:,}, refill {pk['chunk']}, batches of {pk['batch']}, {pk['repeats']} interleaved "
             f"repeats)\n\n```text\n{bench_packing.render(pk)}\n```"
         )
+    if results.get("stats"):
+        st = results["stats"]
+        parts.append(
+            f"### the cost of record_stats: the same loaders with it on and off ({st['repeats']} interleaved "
+            f"repeats)\n\n```text\n{bench_stats.render(st)}\n```"
+        )
     rows = [["target", "value", "wanted", "result"]]
     for t in results["targets"]:
         rows.append([t["figure"], fmt(t["value"]), t["target"], t["result"]])
@@ -505,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "packing" in args.extras:
         results["packing"] = bench_packing.run(3000 if args.quick else 12000, args.repeats)
+    if "stats" in args.extras:
+        results["stats"] = bench_stats.run(bench_stats.case_sizes(args.quick), args.repeats)
     results["targets"] = targets(results)
     results["elapsed_s"] = time.perf_counter() - started
     results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None

@@ -51,6 +51,7 @@ __all__ = [
     "rng",
     "sources",
     "state",
+    "stats",
     "storage",
     "testing",
     "wrappers",
@@ -67,7 +68,7 @@ _LAZY = {
     "WorkerConfig": "savable_loader.config",
     "WorkerError": "savable_loader.errors",
 }
-_SUBMODULES = {"errors", "rng", "sources", "state", "storage", "testing", "wrappers"}
+_SUBMODULES = {"errors", "rng", "sources", "state", "stats", "storage", "testing", "wrappers"}
 
 
 def __getattr__(name: str) -> Any:
@@ -90,7 +91,7 @@ if "torch" in sys.modules:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from savable_loader import errors, rng, sources, state, storage, testing, wrappers
+    from savable_loader import errors, rng, sources, state, stats, storage, testing, wrappers
     from savable_loader.config import WorkerConfig
     from savable_loader.dataset.base import SavableDataset
     from savable_loader.errors import (

@@ -4,5 +4,5 @@
   time); ``demo`` / ``demo_train``: the kill-and-resume demo; ``inspect``: a state file
   summarised without torch.
 
-May import: ``savable_loader`` (the public face, for the demo's training), ``sources``, ``state``, ``errors``, ``_version`` (each command imports what it needs when it runs).
+May import: ``savable_loader`` (the public face, for the demo's training), ``sources``, ``state``, ``stats``, ``errors``, ``_version`` (each command imports what it needs when it runs).
 """

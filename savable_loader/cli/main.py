@@ -16,6 +16,12 @@ Commands:
     under, sizes and an outline of each worker's dataset state. Exit code 2 if the file
     is not a readable state.
 
+``report RUN.jsonl [RUN.jsonl ...] [--plot PNG]``
+    Where the step time went: the stats logs a loader wrote (``stats_log=``) summarised
+    per rank, the input wait share, workers' busy shares, each stage's time with the
+    slowest named, and what to try; ``--plot`` draws the run (matplotlib, the ``plot``
+    extra). Exit code 2 if a log is unreadable.
+
 ``index DIR_OR_URL [--storage-options JSON] [--workers N] [--sha256] [--force] [--quiet] [--json]``
     Index a folder of shards where it is (WebDataset tars, Parquet, ``.npy`` / ``.pt`` /
     ``.jsonl``, or an Energon / MosaicML Streaming / LitData folder): write
@@ -29,6 +35,7 @@ Example::
     python -m savable_loader demo --ranks 2 --steps 40
     python -m savable_loader inspect ckpt/loader.state --json
     python -m savable_loader index data/wds --workers 16
+    python -m savable_loader report run/stats-0.jsonl --plot run/stats.png
 
 This module imports neither torch nor the loader at import time: a command imports what
 it needs when it runs, so commands that only read state files work without torch. To add
@@ -262,6 +269,37 @@ def _run_index(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- report -----------------------------------------------------------------------------
+
+
+def _add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("logs", nargs="+", metavar="RUN.jsonl", help="stats logs (SavableDataLoader(stats_log=...))")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="also draw the input wait and each stage's share over the run into PNG (needs matplotlib: "
+        "pip install 'savable-loader[plot]')",
+    )
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from savable_loader.errors import SavableLoaderError
+    from savable_loader.stats.log import read_log
+    from savable_loader.stats.report import plot, render, summarize
+
+    try:
+        windows = [w for path in args.logs for w in read_log(path)]
+        summaries = summarize(windows)
+        print(render(summaries, ", ".join(args.logs)))
+        if args.plot is not None:
+            plot(summaries, args.plot)
+            print(f"wrote {args.plot}")
+    except (SavableLoaderError, OSError) as e:
+        return _usage_error("report", " ".join(str(e).split()))
+    return 0
+
+
 def _usage_error(command: str, message: str) -> int:
     print(f"savable-loader {command}: error: {message}", file=sys.stderr)
     return 2
@@ -313,6 +351,20 @@ _COMMANDS: tuple[_Command, ...] = (
         ),
         add_arguments=_add_index_arguments,
         run=_run_index,
+    ),
+    _Command(
+        name="report",
+        help="where the step time went: a stats log in words (and a plot)",
+        description=(
+            "Read the stats logs a SavableDataLoader wrote (stats_log=...) and print, per rank: "
+            "the share of the run the training loop waited for data, throughput, how busy each "
+            "worker was, how many batches were ready when the loop asked, each pipeline stage's "
+            "time with the slowest named, the same over the run, and what to try. With --plot, "
+            "a PNG of the input wait and the stages' shares over the run (matplotlib). Exit "
+            "code 2 if a log is unreadable (the message names the file and line)."
+        ),
+        add_arguments=_add_report_arguments,
+        run=_run_report,
     ),
 )
 

@@ -68,6 +68,9 @@ class Iteration(ABC, Generic[P]):
 
     epoch: int
     resumed: bool
+    #: Where :meth:`on_item` hands the workers' reports that come with items (a
+    #: ``stats.recorder.Recorder``, set by the loader when it records statistics).
+    recorder: Any = None
 
     @abstractmethod
     def on_item(self, item: Any) -> Any:

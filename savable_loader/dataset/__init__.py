@@ -8,7 +8,7 @@
 * ``inline``: small default-collated batches stacked outside shared memory;
 * ``checks``: a saved dataset configuration against the current one.
 
-May import: ``config``, ``rng``, ``state``, ``errors``, ``_torch``.
+May import: ``config``, ``rng``, ``state``, ``stats``, ``errors``, ``_torch``.
 """
 
 from savable_loader.dataset.base import SavableDataset, type_name, wrap_key

@@ -44,6 +44,7 @@ from savable_loader.errors import DatasetContractError, LoaderUsageError, Restor
 from savable_loader.rng.formulas import key_prefix, key_seed_of
 from savable_loader.rng.seeding import capture_kind, restore_generator
 from savable_loader.state.schema import DatasetState
+from savable_loader.stats.clock import timed_iter
 
 __all__ = ["SavableDataset", "config_fingerprint", "current_names", "plain_config", "type_name", "wrap_key"]
 
@@ -237,6 +238,14 @@ class SavableDataset(IterableDataset):
 
     #: The restore key of the sample this dataset yielded last (None: it gives no keys).
     sample_key: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # a loader recording statistics times each stage's iterator (stats/clock.py):
+        # outside one, iter() returns the subclass's own iterator, unwrapped
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("__iter__")
+        if own is not None:
+            cls.__iter__ = timed_iter(own)  # type: ignore[method-assign]
 
     def __init__(self, worker_config: WorkerConfig) -> None:
         if not isinstance(worker_config, WorkerConfig):

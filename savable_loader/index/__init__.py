@@ -7,5 +7,5 @@
 * ``permutation``: the epoch order, a keyed bijection evaluated per position.
 * ``rank_zero``: a rank's position derived from rank 0's state.
 
-May import: ``dataset``, ``core``, ``config``, ``distributed``, ``rng``, ``state``, ``errors``, ``_torch``.
+May import: ``dataset``, ``core``, ``config``, ``distributed``, ``rng``, ``state``, ``stats``, ``errors``, ``_torch``.
 """

@@ -106,6 +106,10 @@ class IndexIteration(Iteration[IndexPosition]):
             raise
 
     def on_item(self, item: Any) -> Any:
+        if self.mode.timing:  # (batch, report): a loader recording statistics
+            item, report = item
+            if self.recorder is not None:
+                self.recorder.report(report)  # (a list after pin_memory: read by position)
         self._consume(self.issued.popleft())
         return item
 
@@ -161,8 +165,11 @@ class IndexMode(Mode[IndexPosition]):
         batched: bool | None = None,
         reseed: str = "sample",
         global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
+        timing: bool = False,
     ) -> None:
         self.dataset = dataset
+        #: each batch arrives as ``(batch, report)`` (``IndexedDataset(timing=True)``)
+        self.timing = timing
         self.reseed = reseed
         self.global_rngs = global_rngs
         self.seed = seed
@@ -181,6 +188,7 @@ class IndexMode(Mode[IndexPosition]):
             salt=salt,
             reseed=reseed,
             global_rngs=global_rngs,
+            timing=timing,
         )
         warn_overridden_seeds(dataset, collate_fn)  # once per process, class and path
         #: (iteration, key) of the batch yielded last

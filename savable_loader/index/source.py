@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from savable_loader.rng.global_rngs import GlobalRngs
 from savable_loader.rng.owned import OwnedRngs
 from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, global_seeder, preserve_global_rng
 from savable_loader.state.schema import IndexStage
+from savable_loader.stats.clock import StageTime, WorkerReport
 
 __all__ = ["BatchKey", "IndexPlan", "IndexSampler", "IndexedDataset", "own_getitems"]
 
@@ -208,7 +210,9 @@ class IndexedDataset(Dataset):
     cost as much as the sample). In the main process (``num_workers=0``) the
     caller's RNG streams are saved and put back around the batch. ``user_dataset`` is the
     user's dataset (in a worker: the worker's copy, which ``get_worker_info().dataset``
-    shows).
+    shows). With ``timing`` each batch travels as ``(batch, report)`` (a plain tuple, the
+    cheapest to pickle; the engine's ``on_item`` hands the report on), the report giving
+    the time spent in the dataset (re-seeding included) and in the collate function.
 
     Example::
 
@@ -226,8 +230,10 @@ class IndexedDataset(Dataset):
         salt: tuple[int | str, ...] = ("sample",),
         reseed: str = "sample",
         global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
+        timing: bool = False,
     ) -> None:
         self.dataset = dataset
+        self.timing = timing
         self.seed = seed
         self.collate_fn = collate_fn
         self.batched = batched
@@ -244,7 +250,7 @@ class IndexedDataset(Dataset):
         return len(self.dataset)
 
     #: What crosses to a spawn/forkserver worker (process-local caches stay behind).
-    _FIELDS = ("dataset", "seed", "collate_fn", "batched", "salt", "reseed", "global_rngs")
+    _FIELDS = ("dataset", "seed", "collate_fn", "batched", "salt", "reseed", "global_rngs", "timing")
 
     def __getstate__(self) -> dict[str, Any]:
         # cloudpickle carries lambdas and local classes to spawn/forkserver workers.
@@ -303,7 +309,12 @@ class IndexedDataset(Dataset):
                     samples.append(dataset[index])
         reseed(collate_seed(self.seed, key.epoch, key.positions[0]))
         owned.seed_collate(key.positions[0])
-        batch = self.collate_fn(samples if self.batched else samples[0])
+        if not self.timing:
+            batch = self.collate_fn(samples if self.batched else samples[0])
+        else:
+            collating = time.perf_counter()
+            batch = self.collate_fn(samples if self.batched else samples[0])
+            self.__dict__["_collated"] = time.perf_counter() - collating
         if guard is not None:
             guard.check(
                 f"the batch of {len(key.positions)} sample(s) from position {key.positions[0]} of epoch {key.epoch}"
@@ -336,10 +347,25 @@ class IndexedDataset(Dataset):
         return base
 
     def __getitem__(self, key: BatchKey) -> Any:
-        if get_worker_info() is None:
+        info = get_worker_info()
+        if info is None:
             with preserve_global_rng():
-                return self.build(key)
-        return self.build(key)
+                return self._timed(key, -1) if self.timing else self.build(key)
+        return self._timed(key, info.id) if self.timing else self.build(key)
+
+    def _timed(self, key: BatchKey, worker: int) -> tuple[Any, WorkerReport]:
+        """``(self[key], its report)`` (``worker``: -1 in the main process)."""
+        begun = time.perf_counter()
+        self.__dict__["_collated"] = 0.0
+        batch = self.build(key)
+        done = time.perf_counter()
+        collated: float = self.__dict__["_collated"]
+        n = len(key.positions)
+        stages: tuple[StageTime, ...] = (
+            (type(self.dataset).__name__, done - begun - collated, n, True),
+            ("collate", collated, 1, False),
+        )
+        return batch, (worker, done, done - begun, n, stages)
 
     def rebuild(self, key: BatchKey) -> Any:
         """``self[key]`` in the calling process, the caller's RNG streams left as they were."""

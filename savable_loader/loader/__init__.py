@@ -7,7 +7,7 @@
 * ``failures``, ``feeder``, ``sigchld``, ``parent_watch``: worker processes that die,
   cannot pickle a sample, or outlive the main process, as errors of ours.
 
-May import: ``pipeline``, ``index``, ``dataset``, ``core``, ``config``, ``distributed``, ``rng``, ``state``, ``errors``, ``_torch``, ``_version``.
+May import: ``pipeline``, ``index``, ``dataset``, ``core``, ``config``, ``distributed``, ``rng``, ``state``, ``stats``, ``errors``, ``_torch``, ``_version``.
 """
 
 from savable_loader.loader.dataloader import SavableDataLoader

@@ -37,6 +37,7 @@ from savable_loader.config import WorkerConfig
 from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError
 from savable_loader.rng.global_rngs import global_rngs_setting
+from savable_loader.stats.log import log_path
 
 __all__ = [
     "check_our_arguments",
@@ -178,10 +179,25 @@ def check_our_arguments(
     snapshot_every_n_steps: Any,
     reseed: Any = "sample",
     global_rngs: Any = None,
+    record_stats: Any = True,
+    stats_log: Any = None,
+    stats_log_every: Any = 10.0,
     pipeline: bool = False,
     stacklevel: int = 3,
 ) -> None:
     """What torch accepts but a resumable loader cannot honour, and our own arguments."""
+    if not isinstance(record_stats, bool):
+        raise LoaderUsageError(f"record_stats must be True or False, got {record_stats!r}")
+    if stats_log is not None:
+        if not record_stats:
+            raise LoaderUsageError(f"stats_log={stats_log!r} needs record_stats=True, got record_stats=False")
+        log_path(stats_log, 0)  # LoaderUsageError for what is not a path
+    if (
+        isinstance(stats_log_every, bool)
+        or not isinstance(stats_log_every, (int, float))
+        or not 0 < stats_log_every < float("inf")
+    ):
+        raise LoaderUsageError(f"stats_log_every must be a number of seconds > 0, got {stats_log_every!r}")
     if reseed not in ("sample", "batch"):
         raise LoaderUsageError(f"reseed must be 'sample' or 'batch', got {reseed!r}")
     if reseed != "sample" and pipeline:

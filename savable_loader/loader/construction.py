@@ -46,11 +46,22 @@ from savable_loader.loader.arguments import (
 from savable_loader.loader.feeder import WorkerInit
 from savable_loader.pipeline.engine import PipelineMode
 from savable_loader.pipeline.iterable import IterableMode
+from savable_loader.stats.log import StatsLog, log_path
+from savable_loader.stats.recorder import Recorder
 
 __all__ = ["choose_engine", "make_engine", "resolve_configuration"]
 
 #: The loader's own arguments, checked by ``check_our_arguments`` (the rest are torch's).
-_OURS = ("in_order", "save_timeout", "snapshot_every_n_steps", "reseed", "global_rngs")
+_OURS = (
+    "in_order",
+    "save_timeout",
+    "snapshot_every_n_steps",
+    "reseed",
+    "global_rngs",
+    "record_stats",
+    "stats_log",
+    "stats_log_every",
+)
 
 
 class _Engine(ShutdownEventLoader):
@@ -116,6 +127,7 @@ def choose_engine(
     prefetch_factor: int | None,
     reseed: str,
     global_rngs: tuple[str, ...],
+    timing: bool = True,
 ) -> tuple[dict[str, Any], Callable[[], Mode[Any]]]:
     """The arguments torch's ``__init__`` gets for the public attributes of ``loader``,
     and the engine, built once those exist (it reads them: ``collate_fn``, samplers)."""
@@ -130,7 +142,7 @@ def choose_engine(
                 f"the pipeline's worker_config {dataset.worker_config} differs from the loader's {wc}"
             )
         return {"batch_size": None}, lambda: PipelineMode(
-            dataset, wc, prefetch, loader.collate_fn, global_rngs=global_rngs
+            dataset, wc, prefetch, loader.collate_fn, global_rngs=global_rngs, timing=timing
         )
     if isinstance(dataset, IterableDataset):  # a plain torch IterableDataset
         owner = weakref.ref(loader)
@@ -146,6 +158,7 @@ def choose_engine(
                 seed_explicit=seed_explicit,
                 reported_length=lambda: getattr(owner(), "_IterableDataset_len_called", None),
                 global_rngs=global_rngs,
+                timing=timing,
             )
 
         return {"batch_size": batch_size, "shuffle": shuffle}, iterable  # torch shuffles an IterDataPipe
@@ -162,6 +175,7 @@ def choose_engine(
         "shuffle": bool(shuffle),
         "reseed": reseed,
         "global_rngs": global_rngs,
+        "timing": timing,
     }
     if sampler is None and batch_sampler is None and not (generator is not None and shuffle):
         # an instance of torch's sampler for these arguments (frameworks inspect it)
@@ -200,6 +214,18 @@ def _distinct(*candidates: Any) -> list[Any]:
         if candidate is not None and all(candidate is not f for f in found):
             found.append(candidate)
     return found
+
+
+def make_recorder(loader: Any, record_stats: bool, stats_log: Any, stats_log_every: float) -> Recorder | None:
+    """The loader's statistics (``loader.stats()``, the stats log); None without
+    ``record_stats``."""
+    if not record_stats:
+        return None
+    workers = loader.num_workers
+    ahead = (2 if loader.prefetch_factor is None else loader.prefetch_factor) * workers if workers else 1
+    rank = loader.worker_config.rank or 0
+    log = None if stats_log is None else StatsLog(log_path(stats_log, rank))
+    return Recorder(rank, ahead, log, stats_log_every)
 
 
 def make_engine(

@@ -12,6 +12,7 @@ Iterations, their fates, saves and restores: ``iterations.py``.
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
@@ -31,16 +32,17 @@ from savable_loader.distributed import (
     scatter_states,
     select_rank_state,
 )
-from savable_loader.errors import RestoreKeyError, StateError
+from savable_loader.errors import LoaderUsageError, RestoreKeyError, StateError
 from savable_loader.index.rank_zero import derive_state
 from savable_loader.index.samplers import PipelineSampler
 from savable_loader.loader.arguments import refused, torch_keyword_arguments
-from savable_loader.loader.construction import choose_engine, make_engine, resolve_configuration
+from savable_loader.loader.construction import choose_engine, make_engine, make_recorder, resolve_configuration
 from savable_loader.loader.iterations import Iterations
 from savable_loader.loader.iterator import SavableIterator
 from savable_loader.rng.global_rngs import global_rngs_setting
 from savable_loader.state.codec import decode, encode
 from savable_loader.state.schema import RankState, RestoreKey
+from savable_loader.stats.record import LoaderStats
 
 __all__ = ["SavableDataLoader"]
 
@@ -60,8 +62,11 @@ class SavableDataLoader(DataLoader[T_co]):
     datasets: ``"sample"`` re-seeds the global RNGs before every sample, ``"batch"`` once
     per batch), ``global_rngs`` (the global generators the data draws from; None: all
     three; a batch drawing from one left out raises ``UndeclaredRngError``),
-    ``snapshot_every_n_steps`` (torchdata's, accepted and ignored) and ``save_timeout``
-    (deprecated, without effect). docs/usage.md describes each. Example::
+    ``snapshot_every_n_steps`` (torchdata's, accepted and ignored), ``save_timeout``
+    (deprecated, without effect), ``record_stats`` (True: :meth:`stats` reports where
+    the step time goes), ``stats_log`` (a JSON-lines file of those statistics,
+    ``{rank}`` replaced by the rank) and ``stats_log_every`` (seconds between its
+    lines). docs/usage.md describes each. Example::
 
         loader = SavableDataLoader(dataset, batch_size=32, shuffle=True, num_workers=4)
         for batch in loader:
@@ -110,6 +115,9 @@ class SavableDataLoader(DataLoader[T_co]):
         save_timeout: float | None = None,
         reseed: str = "sample",
         global_rngs: Collection[str] | None = None,
+        record_stats: bool = True,
+        stats_log: str | os.PathLike[str] | None = None,
+        stats_log_every: float = 10.0,
     ) -> None:
         wc, seed_explicit = resolve_configuration(
             dataset,
@@ -130,6 +138,9 @@ class SavableDataLoader(DataLoader[T_co]):
             snapshot_every_n_steps=snapshot_every_n_steps,
             reseed=reseed,
             global_rngs=global_rngs,
+            record_stats=record_stats,
+            stats_log=stats_log,
+            stats_log_every=stats_log_every,
         )
         # what the installed torch's DataLoader takes of these (refused: LoaderUsageError)
         versioned = torch_keyword_arguments(pin_memory_device=pin_memory_device, in_order=in_order)
@@ -147,6 +158,7 @@ class SavableDataLoader(DataLoader[T_co]):
             prefetch_factor=prefetch_factor,
             reseed=reseed,
             global_rngs=global_rngs_setting(global_rngs),
+            timing=record_stats,
         )
         try:
             super().__init__(
@@ -179,7 +191,14 @@ class SavableDataLoader(DataLoader[T_co]):
         self._engine = make_engine(
             self, self._mode, worker_init_fn, pin_memory, timeout, prefetch_factor, pin_memory_device
         )
-        self._iterations = Iterations(self, self._mode, self._engine)
+        #: ``record_stats``, ``stats_log`` and ``stats_log_every`` as given (frameworks that
+        #: rebuild a DataLoader from its instance attributes pass them on)
+        self.record_stats = record_stats
+        self.stats_log = stats_log
+        self.stats_log_every = stats_log_every
+        self._iterations = Iterations(
+            self, self._mode, self._engine, make_recorder(self, record_stats, stats_log, stats_log_every)
+        )
         if not self._mode.indexed:  # torch's attribute is read-only after __init__
             object.__setattr__(self, "sampler", PipelineSampler(self))
 
@@ -217,6 +236,28 @@ class SavableDataLoader(DataLoader[T_co]):
         if self.num_workers > 0 and not (persistent and loader_iterator(self._engine) is not None):
             self.check_worker_number_rationality()  # torch's warning, when torch's iter() gives it
         return SavableIterator(self._iterations, self)
+
+    def stats(self) -> LoaderStats:
+        """Where the step time went since the last ``stats()`` call or the start of the
+        epoch, whichever is later: the share of wall time the training loop waited in
+        ``next()``, steps and samples per second, each worker's items and busy share, the
+        items ready when the loop asked, and the time of each stage (a savable pipeline's
+        datasets, the collate function), the slowest named. Cheap: call it every step if
+        you like. ``LoaderUsageError`` with ``record_stats=False``. Example::
+
+            for step, batch in enumerate(loader):
+                ...
+                if step % 100 == 0:
+                    print(loader.stats().summary())   # or bar.set_postfix(loader.stats().postfix())
+
+        docs/debugging.md reads a report.
+        """
+        recorder = self._iterations.recorder
+        if recorder is None:
+            raise LoaderUsageError(
+                "loader.stats() needs record_stats=True (the default); this loader was built with record_stats=False"
+            )
+        return recorder.take()
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` starts, as ``DistributedSampler.set_epoch`` (and

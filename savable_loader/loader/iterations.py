@@ -11,8 +11,9 @@ checkpoint thread may save while the training thread iterates.
 
 Example (what the loader's methods call)::
 
-    record = iterations.begin()          # the first next() of an iterator
-    batch = iterations.next(record)
+    called = time.perf_counter()
+    record = iterations.begin(called)    # the first next() of an iterator
+    batch = iterations.next(record, called)
     position = iterations.describe()     # a save
 """
 
@@ -30,6 +31,7 @@ from savable_loader.loader.iterator import RUNNING, Fate, Record
 from savable_loader.loader.sigchld import install, loader_call
 from savable_loader.rng.formulas import engine_generator_seed
 from savable_loader.state.schema import RankState
+from savable_loader.stats.recorder import Recorder
 
 __all__ = ["Iterations"]
 
@@ -38,7 +40,7 @@ class Iterations:
     """The iterations of one loader (``loader``: its ``SavableDataLoader``; ``mode``: its
     engine; ``engine``: the private torch DataLoader running the workers)."""
 
-    def __init__(self, loader: Any, mode: Mode[Any], engine: Any) -> None:
+    def __init__(self, loader: Any, mode: Mode[Any], engine: Any, recorder: Recorder | None = None) -> None:
         # weak: the loader holds this object, and a loader in a reference cycle would take
         # its persistent workers' queues to the cycle collector (see ``iterator.RUNNING``);
         # its iterators hold it strongly. What ending an iteration needs is kept here, so
@@ -61,6 +63,8 @@ class Iterations:
         #: Set by an integration whose framework calls the samplers' ``set_epoch`` with a
         #: count of its own (Fabric's per-process one): the loader's count is used instead.
         self.own_epochs = False
+        #: The loader's statistics (``loader.stats()``; None with ``record_stats=False``).
+        self.recorder = recorder
 
     @property
     def loader(self) -> Any:
@@ -75,8 +79,9 @@ class Iterations:
     def live(self) -> list[Record]:
         return [r for r in self.records if r.fate is Fate.LIVE]
 
-    def begin(self) -> Record:
-        """Begin an iteration (the first ``next()`` of a SavableIterator)."""
+    def begin(self, called_at: float) -> Record:
+        """Begin an iteration (the first ``next()`` of a SavableIterator, called at
+        ``called_at``: ``time.perf_counter()``)."""
         with self.lock:
             mode, persistent, workers = self.mode, self.persistent, self.num_workers
             live = self.live()
@@ -99,6 +104,10 @@ class Iterations:
                 self.shutdown(loader_iterator(self.engine))
                 reuse = False
             iteration = mode.begin(epoch, resume, reuse)
+            if self.recorder is not None:
+                iteration.recorder = self.recorder
+                if not live:  # (a peek or a zip() beside a live iteration keeps the window)
+                    self.recorder.begin(epoch, called_at)
             self.pending = None
             self.next_epoch = epoch + 1
             self.started += 1
@@ -118,8 +127,9 @@ class Iterations:
                 install()
         return record
 
-    def next(self, record: Record) -> Any:
-        """The next payload of ``record``'s iteration (called by its SavableIterator)."""
+    def next(self, record: Record, called_at: float) -> Any:
+        """The next payload of ``record``'s iteration (called by its SavableIterator at
+        ``called_at``: ``time.perf_counter()``, the start of the loop's wait)."""
         if record.fate is not Fate.LIVE:
             if record.stale:
                 raise LoaderUsageError(
@@ -134,11 +144,14 @@ class Iterations:
             raise StopIteration
         torch_iter = record.torch_iter
         iteration = record.iteration
+        recorder = self.recorder
         while True:
             try:
                 with loader_call(), iteration.caller_scope():
                     item = next_batch(torch_iter)
             except StopIteration:
+                if recorder is not None:
+                    recorder.waited(called_at)
                 self.end(record, Fate.FINISHED)
                 raise
             except Exception as e:  # noqa: BLE001 - one batch's error or the iteration's end: _on_error raises
@@ -146,6 +159,8 @@ class Iterations:
             with self.lock:
                 payload = iteration.on_item(item)
             if payload is not SKIP:
+                if recorder is not None:
+                    recorder.yielded(called_at)
                 return payload
 
     def _on_error(self, record: Record, error: Exception) -> None:
@@ -197,6 +212,8 @@ class Iterations:
                 self.next_epoch = iteration.epoch
                 self.records.remove(record)
         RUNNING.pop(id(record), None)
+        if self.recorder is not None:
+            self.recorder.end()
         if fate is Fate.FAILED or (fate is Fate.ABANDONED and not persistent) or (persistent and not keep):
             self.shutdown(record.torch_iter)
         # An iteration abandoned inside a garbage cycle may find its pipes finalised

@@ -38,6 +38,7 @@ import atexit
 import enum
 import weakref
 from collections.abc import Iterator
+from time import perf_counter
 from typing import Any, Generic, Protocol, TypeVar
 
 from savable_loader._torch.internals import worker_processes
@@ -113,9 +114,9 @@ class Record:
 class Driver(Protocol):
     """What an iterator asks of its loader's bookkeeping (``loader/iterations.py``)."""
 
-    def begin(self) -> Record: ...
+    def begin(self, called_at: float) -> Record: ...
 
-    def next(self, record: Record) -> Any: ...
+    def next(self, record: Record, called_at: float) -> Any: ...
 
     def end(self, record: Record, fate: Fate) -> None: ...
 
@@ -143,16 +144,17 @@ class SavableIterator(Iterator[T_co], Generic[T_co]):
     def __iter__(self) -> SavableIterator[T_co]:
         return self
 
-    def _started(self) -> Record:
+    def _started(self, called_at: float | None = None) -> Record:
         if self._record is None:
             if self._closed:
                 raise StopIteration
-            self._record = self._driver.begin()
+            self._record = self._driver.begin(perf_counter() if called_at is None else called_at)
             _BEGUN.add(self)
         return self._record
 
     def __next__(self) -> T_co:
-        return self._driver.next(self._started())
+        called = perf_counter()  # (the loop waits from here: loader.stats())
+        return self._driver.next(self._started(called), called)
 
     def close(self) -> None:
         """Abandon the iteration: later ``next()`` calls raise StopIteration. Closing

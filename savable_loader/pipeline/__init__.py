@@ -11,5 +11,5 @@
 The datasets themselves (:class:`~savable_loader.SavableDataset`) are the ``dataset``
 package's; sources and wrappers stand on it, and this engine runs them.
 
-May import: ``sources``, ``dataset``, ``core``, ``config``, ``rng``, ``state``, ``errors``, ``_torch``.
+May import: ``sources``, ``dataset``, ``core``, ``config``, ``rng``, ``state``, ``stats``, ``errors``, ``_torch``.
 """

@@ -154,6 +154,8 @@ class PipelineIteration(Iteration[PipelinePosition]):
 
     def on_item(self, item: Item | End) -> Any:
         worker_id = item.worker
+        if item.report is not None and self.recorder is not None:
+            self.recorder.report(item.report)
         with self._lock:
             self.next_worker = (slot_of(worker_id, self.hosts) + 1) % self.hosts
             if item.snapshot is not None:  # (worker processes attach them)
@@ -282,6 +284,7 @@ class PipelineMode(Mode[PipelinePosition]):
         prefetch_factor: int,
         collate_fn: Callable[[Any], Any] = default_convert,
         global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
+        timing: bool = False,
     ) -> None:
         self.worker_config = worker_config
         self.workers = worker_config.workers_per_rank
@@ -290,6 +293,7 @@ class PipelineMode(Mode[PipelinePosition]):
         in_flight = prefetch_factor * worker_config.num_workers + 2 if worker_config.num_workers else 1
         self.torch_dataset = self.worker_dataset_type(dataset, in_flight)
         self.torch_dataset.global_rngs = global_rngs
+        self.torch_dataset.timing = timing  # each item's worker time reported (loader.stats())
         self.collate = self.collate_type(collate_fn)
         # applied where each item is made, under the item's RNG seeding (pipeline/worker.py)
         self.torch_dataset.collate = self.collate

@@ -167,9 +167,10 @@ class IterableMode(PipelineMode):
         seed_explicit: bool,
         reported_length: Callable[[], int | None],
         global_rngs: tuple[str, ...] = GLOBAL_RNG_NAMES,
+        timing: bool = False,
     ) -> None:
         self.source = TorchIterableSource(dataset, worker_config, batch_size=batch_size, drop_last=drop_last)
-        super().__init__(self.source, worker_config, prefetch_factor, collate_fn, global_rngs)
+        super().__init__(self.source, worker_config, prefetch_factor, collate_fn, global_rngs, timing)
         self.seed_explicit = seed_explicit
         #: ``len(dataset)`` reported by the loader's last ``len(loader)`` (torch's
         #: ``_IterableDataset_len_called``), None before.

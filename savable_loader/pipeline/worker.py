@@ -53,6 +53,7 @@ from savable_loader.rng.global_rngs import GlobalRngs
 from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, global_seeder
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
+from savable_loader.stats.clock import StageClock, WorkerReport, activate
 
 __all__ = [
     "SNAPSHOT_BUDGET",
@@ -123,10 +124,11 @@ class Item(NamedTuple):
     ``worker``: the logical worker; ``item_index``: the item's index in the worker's epoch;
     ``key``: the pipeline's restore key for it; ``payload``: what the loader yields
     (after the collate function); ``snapshot``: the snapshot the worker took since the
-    item before, if any (worker processes only, see ``WorkerRuntime._snapshot``).
+    item before, if any (worker processes only, see ``WorkerRuntime._snapshot``);
+    ``report``: the worker's time on it (a loader recording statistics, ``stats/clock.py``).
 
     >>> Item(worker=1, item_index=0, key=None, payload="a")
-    Item(worker=1, item_index=0, key=None, payload='a', snapshot=None)
+    Item(worker=1, item_index=0, key=None, payload='a', snapshot=None, report=None)
     """
 
     worker: int
@@ -134,19 +136,22 @@ class Item(NamedTuple):
     key: Any
     payload: Any
     snapshot: Snapshot | None = None
+    report: WorkerReport | None = None
 
 
 class End(NamedTuple):
     """What a worker sends after its epoch's last item: ``produced`` items in all, and
-    its final snapshot when the pipeline carries state across epochs.
+    its final snapshot when the pipeline carries state across epochs, and the stage
+    times since its last report (a loader recording statistics).
 
     >>> End(worker=1, produced=6)
-    End(worker=1, produced=6, snapshot=None)
+    End(worker=1, produced=6, snapshot=None, report=None)
     """
 
     worker: int
     produced: int
     snapshot: Snapshot | None = None
+    report: WorkerReport | None = None
 
 
 class ItemError:
@@ -276,6 +281,8 @@ class WorkerRuntime:
         self.carries = any(type(ds).carries_across_epochs for ds in walk(dataset))
         #: The previous epoch's end state this epoch started from (``WorkerState.carried``).
         self.carried: DatasetState | None = None
+        #: Time each stage and report it with each item (``stats/clock.py``).
+        self.timing = False
 
     # -- iterating thread -------------------------------------------------------------
 
@@ -328,8 +335,16 @@ class WorkerRuntime:
         costs: list[float] = []
         iterator: Iterator[Any] | None = None
         active = _ActiveWorker(worker_id, epoch, names)  # (entered once per item)
+        clock = StageClock() if self.timing else None
+        if clock is not None:
+            clock.name_stages(walk(self.dataset))
+        reporter = -1 if self.in_process else worker_id  # (-1: the main process)
+        timed = activate(clock)  # the stages' iterators made while it is active are timed
         while True:
-            with active:
+            with active, timed:
+                begun_item = time.perf_counter()
+                if clock is not None:
+                    clock.begin_item()  # (times the stages of this item, or only counts their items)
                 if guard is not None:  # the generators left out in their fixed state
                     guard.begin(wc.seed, epoch)  # (before every item: the check after it draws)
                 if names:  # (global_rngs=(): nothing to re-seed)
@@ -355,7 +370,8 @@ class WorkerRuntime:
                         raise
                     sample = ItemError.capture(e, self.in_process, worker_id)  # counts as an item
                 item: Item | End = Item(worker_id, index, self.dataset.sample_key, sample)
-                work += time.perf_counter() - t0
+                made = mark = time.perf_counter()
+                work += made - t0
                 index += 1
                 if not self.cold_seconds:  # what a restore is measured against (first run)
                     cold = time.monotonic() - begun
@@ -371,6 +387,10 @@ class WorkerRuntime:
                     # slowed by a garbage collection or a page fault burst does not push
                     # the next snapshot (and the replay) far out
                     costs = [*costs[-2:], self._snapshot(index)]
+                    if clock is not None:
+                        snapped = time.perf_counter()
+                        clock.add("snapshot", snapped - mark)
+                        mark = snapped
                     snapshot_cost = min(costs)
                     taken += 1
                     work = 0.0
@@ -380,11 +400,19 @@ class WorkerRuntime:
                     # seeding left: in the main process too, where the caller's own
                     # streams are put back after the batch
                     item = collate(item)
+                    if clock is not None:
+                        collated = time.perf_counter()
+                        clock.add("collate", collated - mark)
+                        mark = collated
                 if guard is not None:  # a draw the loader did not seed: an error, never the item
                     guard.check(
                         partial("item {} of worker {} in epoch {}".format, index - 1, worker_id, epoch),
                         "in the pipeline",
                     )
+                if clock is not None:
+                    clock.end_item(seeding=t0 - begun_item, pipeline=made - t0)
+                    if not skip:
+                        item = _reported(item, clock.report(reporter, mark - begun_item, mark))
             if skip:
                 skip -= 1
                 continue
@@ -397,7 +425,12 @@ class WorkerRuntime:
         # Tell the main process this worker is done (its final snapshot, if any, rides
         # with the marker): torch may retire the worker as soon as it has sent it, and
         # every item before it already carried what a save needs.
-        yield End(worker_id, index)
+        yield End(
+            worker_id,
+            index,
+            None,
+            None if clock is None else clock.report(reporter, 0.0, time.perf_counter(), final=True),
+        )
 
     def _snapshot(self, index: int) -> float:
         """Snapshot the pipeline after ``index`` samples; returns the seconds it took.
@@ -441,6 +474,13 @@ class WorkerRuntime:
         )
 
 
+def _reported(item: Item | End, report: WorkerReport) -> Item | End:
+    """``item`` with its report."""
+    if type(item) is Item:
+        return Item(item.worker, item.item_index, item.key, item.payload, item.snapshot, report)
+    return item._replace(report=report)
+
+
 def walk(dataset: SavableDataset) -> Iterator[SavableDataset]:
     """``dataset`` and every dataset it wraps, depth first."""
     yield dataset
@@ -472,6 +512,8 @@ class PipelineWorkerDataset(IterableDataset):
         self.collate: Callable[[Item | End], Item | End] | None = None
         #: ``WorkerRuntime.errors_go_on``.
         self.errors_go_on = False
+        #: ``WorkerRuntime.timing`` (the loader's ``record_stats=``).
+        self.timing = False
         self._iterations = 0
         #: This context's runtimes: the first over ``dataset``, the others (logical
         #: workers hosted beside it, ``pipeline/hosting.py``) over copies of it.
@@ -511,6 +553,7 @@ class PipelineWorkerDataset(IterableDataset):
         runtime.global_rngs = self.global_rngs
         runtime.collate = self.collate
         runtime.errors_go_on = self.errors_go_on
+        runtime.timing = self.timing
         return runtime
 
     def __getstate__(self) -> dict[str, Any]:

@@ -43,6 +43,7 @@ TOP_LEVEL = [
     "rng",
     "sources",
     "state",
+    "stats",
     "storage",
     "testing",
     "wrappers",

@@ -41,6 +41,9 @@ def test_signature_is_torchs_plus_keyword_only_extras():
         "save_timeout",
         "reseed",
         "global_rngs",
+        "record_stats",
+        "stats_log",
+        "stats_log_every",
     ]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extras)
 

@@ -189,7 +189,7 @@ def test_run_reseeds_global_rngs_from_seed_rank_worker_epoch_index():
     items = list(runtime(plain_pipeline(num_workers=2)).run(5, 1, None))
     assert items[-1] == End(1, 6)
     base = derive_seed(wc.seed, "pipeline", wc.rank, 1, 5)
-    for i, (w, index, _, sample, _) in enumerate(items[:-1]):
+    for i, (w, index, _, sample, _, _) in enumerate(items[:-1]):
         assert (w, index) == (1, i)
         seed_global(item_seed(counter_seed(base, i)))  # below 2**63
         source_draws = _draws()

@@ -1,0 +1,305 @@
+"""What recording statistics costs: the same loaders with ``record_stats`` on and off (issue 34).
+
+Run from the repository root::
+
+    python -m bench.bench_stats                # a few minutes on 2 quiet cores
+    python -m bench.bench_stats --quick        # small sizes, 2 repeats: a smoke test, not a result
+    python -m bench.bench_stats --repeats 9 --json bench/results/stats.json
+
+Issue 34's target: ``loader.stats()`` is cheap enough to leave on, at most 1 % of the
+loader's own throughput. Each case runs one whole epoch of a fresh loader built with
+``record_stats=True`` (the default) and of the same loader with ``record_stats=False``,
+in turn (the order rotates between repeats), timed from ``iter()`` to the last batch
+(worker start-up included for both); the loop does nothing with the batches, so the
+loader's own throughput is what is measured. The cases:
+
+* ``dropin``: the drop-in path over bench_dropin's 0.2 ms samples (a 3 x 96 x 96
+  augmented image), batch 32, 2 workers;
+* ``dropin-tiny``: the drop-in path over samples of a few µs (a 4-float tensor), batch
+  32, 2 workers: the per-batch costs (a report per batch, the main process's bookkeeping
+  per ``next()``) show;
+* ``pipe-2w`` and ``pipe-0w``: a savable pipeline of three stages, ``BatchDataset(
+  MapDataset(IndexSource(n), small_item), 32)`` of 4-float tensors, with 2 workers and in
+  the main process: every stage's ``next()`` is timed per sample.
+
+Figures, median (min-max) over the repeats; the overheads are paired per repeat:
+
+* **samples/s** (wall clock) and **CPU µs/sample** of all processes (the main process,
+  ``getrusage(RUSAGE_SELF)``, and the reaped workers, ``RUSAGE_CHILDREN``), on and off;
+* **wall overhead**: ``1 - on/off`` samples/s; **CPU overhead**: ``1 - off/on`` CPU per
+  sample (the throughput lost where the CPUs are the limit). Each is judged against the
+  1 % target by ``measure.verdict`` (bench/README.md, "Method"): PASS when every repeat
+  is at most 1 %, MISS when the median is above it, NOISY otherwise.
+
+Before the loaders, two calls that recording adds are timed in this process (CPU time of
+this thread, the rounds interleaved): a timed stage's ``next()`` over a plain one (a
+pipeline stage while its item is timed), and the main process's work per item (the
+item's report taken in, its ``next()`` accounted). Set against the CPU µs per sample,
+they say how far a case is from the target on a machine too busy to measure 1 %.
+
+``main(argv)`` returns the results as a dict; ``python -m bench`` runs it as the extra
+section ``stats`` (5 repeats in a full run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:  # `python bench/bench_stats.py` puts bench/ first
+    sys.path.insert(0, str(_REPO))
+
+import torch
+
+import savable_loader as sl
+from bench import measure as M
+from bench.bench_dropin import MidDataset
+from bench.contenders import IndexSource
+from bench.workloads import MapStyle
+from savable_loader.stats.clock import StageClock
+from savable_loader.stats.recorder import Recorder
+from savable_loader.wrappers import BatchDataset, MapDataset
+
+BATCH = 32
+WORKERS = 2
+TARGET = 0.01
+
+#: case -> (what, samples at full size, samples with --quick)
+CASES: dict[str, tuple[str, int, int]] = {
+    "dropin": ("drop-in, 0.2 ms samples, 2 workers", 6_000, 480),
+    "dropin-tiny": ("drop-in, 4-float samples, 2 workers", 100_000, 4_000),
+    "pipe-2w": ("pipeline source -> map -> batch, 4-float items, 2 workers", 200_000, 8_000),
+    "pipe-0w": ("pipeline source -> map -> batch, 4-float items, num_workers=0", 200_000, 4_000),
+}
+
+
+def case_sizes(quick: bool, scale: float = 1.0, cases: list[str] | None = None) -> dict[str, int]:
+    """Samples per epoch of each case (all by default), at full or ``quick`` size."""
+    column = 2 if quick else 1
+    return {c: max(2 * BATCH, int(CASES[c][column] * scale)) for c in (cases or list(CASES))}
+
+
+def small_item(index: int) -> torch.Tensor:
+    """Four floats: a sample of a few µs."""
+    return torch.full((4,), float(index))
+
+
+def loader_maker(case: str, n: int, record: bool) -> Callable[[], Any]:
+    """A function building the case's loader, with ``record_stats=record``."""
+    if case in ("dropin", "dropin-tiny"):
+        ds = MidDataset(n) if case == "dropin" else MapStyle(n, small_item)
+        return lambda: sl.SavableDataLoader(
+            ds, batch_size=BATCH, shuffle=True, seed=0, num_workers=WORKERS, record_stats=record
+        )
+    workers = WORKERS if case == "pipe-2w" else 0
+
+    def make() -> Any:
+        wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=workers, seed=0)
+        pipeline = BatchDataset(MapDataset(IndexSource(n, wc), small_item), BATCH)
+        return sl.SavableDataLoader(pipeline, batch_size=None, worker_config=wc, record_stats=record)
+
+    return make
+
+
+def _usage() -> tuple[float, float]:
+    """CPU seconds of this process (all threads) and of its reaped children."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def epoch(make: Callable[[], Any], n: int) -> dict[str, Any]:
+    """One whole epoch of a fresh loader: wall samples/s, CPU µs a sample (main, workers,
+    both) and, with statistics on, the stages ``stats()`` named (a check that they ran)."""
+    gc.collect()
+    loader = make()
+    main0, kids0 = _usage()
+    t0 = time.perf_counter()
+    it = iter(loader)
+    count = 0
+    for batch in it:
+        count += M.batch_len(batch)
+    wall = time.perf_counter() - t0
+    main1, _ = _usage()
+    stages = [s.name for s in loader.stats().stages] if loader.record_stats else []
+    M.close(it)  # the workers are joined (reaped): their CPU time shows in RUSAGE_CHILDREN
+    del loader
+    gc.collect()
+    _, kids1 = _usage()
+    if count != n:
+        raise RuntimeError(f"an epoch yielded {count} samples, expected {n}")
+    main_us, kids_us = (main1 - main0) / n * 1e6, (kids1 - kids0) / n * 1e6
+    return {
+        "samples_per_s": n / wall,
+        "main_us": main_us,
+        "workers_us": kids_us,
+        "cpu_us": main_us + kids_us,
+        "stages": stages,
+    }
+
+
+# -- the calls recording adds, in this process ------------------------------------------
+
+
+class _Stage:
+    """A dataset as the clock sees one: no children (a source)."""
+
+    def children(self) -> list[Any]:
+        return []
+
+
+def _count(n: int) -> Iterator[int]:
+    yield from range(n)
+
+
+def call_costs(calls: int, repeats: int) -> dict[str, dict[str, Any]]:
+    """µs per call of what recording adds, median (min-max) over ``repeats`` rounds of
+    ``calls`` calls (see the module docstring)."""
+    stage = _Stage()
+
+    def plain_next(k: int) -> None:
+        for _ in _count(k):
+            pass
+
+    def timed_next(k: int) -> None:
+        for _ in StageClock().wrap(stage, _count(k)):
+            pass
+
+    recorder = Recorder(rank=0, ahead=4)
+
+    def main_item(k: int) -> None:
+        for _ in range(k):
+            called = time.perf_counter()
+            recorder.report((0, called, 0.001, BATCH, None))
+            recorder.yielded(called)
+
+    rounds = {"plain next()": plain_next, "timed next()": timed_next, "main process": main_item}
+    clock_ns = time.thread_time_ns
+
+    def timed(fn: Callable[[int], None]) -> float:
+        t0 = clock_ns()
+        fn(calls)
+        return (clock_ns() - t0) / 1e3 / calls
+
+    for fn in rounds.values():  # warm-up
+        fn(calls // 10)
+    got = M.interleaved({name: (lambda r, fn=fn: timed(fn)) for name, fn in rounds.items()}, repeats)
+    recorder.take()
+    return {
+        "a timed stage's next() over a plain one": M.spread(
+            [t - p for t, p in zip(got["timed next()"], got["plain next()"])]
+        ),
+        "main process: an item's report taken in, its next() accounted": M.spread(got["main process"]),
+    }
+
+
+# -- the run ----------------------------------------------------------------------------
+
+
+def run(sizes: dict[str, int], repeats: int, call_rounds: int = 200_000) -> dict[str, Any]:
+    """Every case of ``sizes`` (case -> samples), ``repeats`` interleaved repeats each."""
+    load0 = os.getloadavg()[0]
+    out: dict[str, Any] = {
+        "batch_size": BATCH,
+        "workers": WORKERS,
+        "repeats": repeats,
+        "cpu_count": os.cpu_count(),
+        "load_start": load0,
+        "calls_us": call_costs(call_rounds, max(repeats, 5)),
+        "cases": {},
+        "targets": [],
+    }
+    for case, n in sizes.items():
+        M.log(f"stats overhead: {case} ({n:,} samples, {repeats} repeats)")
+        makers = {"on": loader_maker(case, n, True), "off": loader_maker(case, n, False)}
+        for make in makers.values():  # warm-up: imports, first fork, page faults
+            epoch(make, n)
+        runs = M.interleaved({name: (lambda r, mk=mk, n=n: epoch(mk, n)) for name, mk in makers.items()}, repeats)
+        on, off = runs["on"], runs["off"]
+        res: dict[str, Any] = {"what": CASES[case][0], "samples": n, "stages": on[-1]["stages"]}
+        for name, got in runs.items():
+            res[name] = {fig: M.spread([g[fig] for g in got]) for fig in ("samples_per_s", "cpu_us", "main_us")}
+            res[name]["workers_us"] = M.spread([g["workers_us"] for g in got])
+        res["wall_overhead"] = M.spread([1 - a["samples_per_s"] / b["samples_per_s"] for a, b in zip(on, off)])
+        res["cpu_overhead"] = M.spread([1 - b["cpu_us"] / a["cpu_us"] for a, b in zip(on, off)])
+        res["extra_main_us"] = M.spread([a["main_us"] - b["main_us"] for a, b in zip(on, off)])
+        res["extra_workers_us"] = M.spread([a["workers_us"] - b["workers_us"] for a, b in zip(on, off)])
+        out["cases"][case] = res
+        for figure in ("wall_overhead", "cpu_overhead"):
+            value = res[figure]
+            out["targets"].append(
+                {
+                    "figure": f"record_stats, {case}: {figure.split('_')[0].replace('cpu', 'CPU')} overhead",
+                    "value": value,
+                    "target": f"<= {TARGET:g}",
+                    "result": M.verdict(value, TARGET, higher_is_better=False),
+                }
+            )
+    out["load_end"] = os.getloadavg()[0]
+    return out
+
+
+def _pct(figure: dict[str, Any]) -> str:
+    return f"{100 * figure['median']:.2f} % ({100 * figure['min']:.2f} to {100 * figure['max']:.2f})"
+
+
+def render(out: dict[str, Any]) -> str:
+    head = (
+        f"record_stats on and off: batch {out['batch_size']}, {out['repeats']} interleaved repeats, "
+        f"{out['cpu_count']} cores; load average {out['load_start']:.1f} at the start, "
+        f"{out['load_end']:.1f} at the end"
+    )
+    rows = [["case", "samples/s on", "off", "CPU µs/sample on", "off", "wall overhead", "CPU overhead"]]
+    for case, res in out["cases"].items():
+        rows.append(
+            [
+                case,
+                M.fmt_spread(res["on"]["samples_per_s"]),
+                M.fmt_spread(res["off"]["samples_per_s"]),
+                M.fmt_spread(res["on"]["cpu_us"]),
+                M.fmt_spread(res["off"]["cpu_us"]),
+                _pct(res["wall_overhead"]),
+                _pct(res["cpu_overhead"]),
+            ]
+        )
+    lines = [head, "", M.table(rows), ""]
+    for case, res in out["cases"].items():
+        lines.append(
+            f"{case}: {res['what']}, {res['samples']:,} samples; on minus off, CPU µs a sample: main process "
+            f"{M.fmt_spread(res['extra_main_us'])}, workers {M.fmt_spread(res['extra_workers_us'])}; "
+            f"stages named: {', '.join(res['stages']) or '-'}"
+        )
+    calls = [["call recording adds (this process, CPU of this thread)", "µs"]]
+    calls += [[name, M.fmt_spread(fig)] for name, fig in out["calls_us"].items()]
+    lines += ["", M.table(calls)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description="the cost of record_stats: the same loaders with it on and off")
+    parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats: a smoke test, not a result")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 7; --quick 2)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)} (default all)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the samples of every case")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    args = parser.parse_args(argv)
+    cases = [c for c in args.cases.split(",") if c]
+    for case in cases:
+        if case not in CASES:
+            parser.error(f"unknown case {case!r}; choose from {list(CASES)}")
+    repeats = args.repeats or (2 if args.quick else 7)
+    out = run(case_sizes(args.quick, args.scale, cases), repeats, call_rounds=20_000 if args.quick else 200_000)
+    out["mode"] = "quick" if args.quick else "full"
+    return M.finish(out, render(out), args.json)
+
+
+if __name__ == "__main__":
+    main()
