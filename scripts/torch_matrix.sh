@@ -40,6 +40,7 @@ subset=(
     tests/dataset/test_inline.py
     tests/sources/test_pt_layout.py
     tests/sources/test_held_file.py
+    tests/loader/test_loader_stats.py
 )
 test_deps=(pytest pytest-timeout pytest-xdist hypothesis psutil)
 

@@ -49,6 +49,9 @@ TOP_LEVEL = [
     "wrappers",
 ]
 
+# Public packages added to the top level since it was curated.
+ADDED = {"stats"}
+
 # Names the top level held before it was curated, and the package each lives in now.
 MOVED = {
     "DatasetContractError": "savable_loader.errors",
@@ -182,7 +185,7 @@ def _documented_in_base(cls: type, attr: str) -> bool:
 
 def test_the_top_level_holds_what_a_user_types():
     assert sl.__all__ == TOP_LEVEL == sorted(TOP_LEVEL)
-    assert len(TOP_LEVEL) + len(MOVED) == 34, "the 34 names of the old face, each kept or moved"
+    assert len(set(TOP_LEVEL) - ADDED) + len(MOVED) == 34, "the 34 names of the old face, each kept or moved"
 
 
 @pytest.mark.parametrize("name", TOP_LEVEL)

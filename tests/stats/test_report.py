@@ -112,9 +112,9 @@ def test_render_names_the_verdict_the_slowest_stage_and_what_to_try():
     # over the run: a row per window, each with its own slowest stage
     rows = rank0.split("over the run:")[1].split("what to try")[0].strip().splitlines()[1:]
     assert [row.split() for row in rows] == [
-        ["10s", "100", "80%", "10", "MapDataset(augment)"],
-        ["20s", "100", "70%", "10", "IterableSource(read)"],
-        ["30s", "100", "90%", "10", "MapDataset(augment)"],
+        ["10.0s", "100", "80%", "10", "MapDataset(augment)"],
+        ["20.0s", "100", "70%", "10", "IterableSource(read)"],
+        ["30.0s", "100", "90%", "10", "MapDataset(augment)"],
     ]
     assert ", 2 windows, epochs 0-1, 400 steps over 20.0 s" in rank1
     assert "input wait    3% (compute-bound)" in rank1
