@@ -17,6 +17,10 @@ num_workers``) in flight, so the depth of call ``j`` is final at call ``j + ahea
 exactly, and a few calls are pending at any moment (they land in the window current
 when they are final).
 
+**Cost.** The main process books each item in a few plain counters and appends its call
+to a list; every :data:`FOLD_ITEMS` items, and whenever a window is read, the counters
+are added into the windows (so a log window costs nothing per item).
+
 Example (what an iteration does per item)::
 
     called = time.perf_counter()
@@ -42,6 +46,9 @@ __all__ = ["SERIES_POINTS", "Recorder"]
 #: Queue depths a window keeps for its ``series`` (every call at first, then every
 #: second, fourth, ... call once the series is full).
 SERIES_POINTS = 100
+
+#: Items booked between two folds of the counters into the windows.
+FOLD_ITEMS = 256
 
 _now = time.perf_counter
 
@@ -82,24 +89,28 @@ class _Window:
         self.series: list[tuple[float, int]] = []
         self.stride = 1
 
-    def report(self, r: WorkerReport) -> None:
-        who, done_at, busy, samples, reported = r
-        worker = self.workers.get(who)
-        if worker is None:
-            worker = self.workers[who] = [0, 0, 0.0]
-        if done_at is not None:
-            worker[0] += 1
-        worker[1] += samples
-        worker[2] += busy
-        self.samples += samples
-        if reported:
-            stages = self.stages
+    def fold(self, batch: _Batch) -> None:
+        """Add what ``batch`` booked."""
+        self.waited += batch.waited
+        self.steps += batch.steps
+        self.samples += batch.samples
+        for who, (items, samples, busy) in batch.workers.items():
+            worker = self.workers.get(who)
+            if worker is None:
+                worker = self.workers[who] = [0, 0, 0.0]
+            worker[0] += items
+            worker[1] += samples
+            worker[2] += busy
+        stages = self.stages
+        for reported in batch.stages:
             for name, seconds, items, _ in reported:
                 slot = stages.get(name)
                 if slot is None:
                     slot = stages[name] = [0.0, 0]
                 slot[0] += seconds
                 slot[1] += items
+        for called_at, depth in batch.calls:
+            self.depth(called_at, depth)
 
     def depth(self, called_at: float, depth: int) -> None:
         self.calls += 1
@@ -155,6 +166,36 @@ class _Window:
         )
 
 
+class _Batch:
+    """What the items since the last fold booked (see the module docstring)."""
+
+    __slots__ = ("calls", "samples", "stages", "steps", "waited", "workers")
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+        self.steps = 0
+        self.samples = 0
+        #: worker -> [items, samples, busy seconds]
+        self.workers: dict[int, list[Any]] = {}
+        #: the stage times reports carried
+        self.stages: list[Any] = []
+        #: [called_at, depth] of the calls whose depth became final
+        self.calls: list[list[Any]] = []
+
+    def report(self, r: WorkerReport) -> None:
+        who, done_at, busy, samples, reported = r
+        worker = self.workers.get(who)
+        if worker is None:
+            worker = self.workers[who] = [0, 0, 0.0]
+        if done_at is not None:
+            worker[0] += 1
+        worker[1] += samples
+        worker[2] += busy
+        self.samples += samples
+        if reported:
+            self.stages.append(reported)
+
+
 class Recorder:
     """One loader's statistics (see the module docstring).
 
@@ -184,10 +225,14 @@ class Recorder:
         #: [called_at, depth] of the calls whose depth is not final yet, oldest first
         self._pending: deque[list[Any]] = deque()
         self._item: WorkerReport | None = None  # the report of the item being returned
+        self._batch = _Batch()
 
-    def _windows(self) -> tuple[_Window, ...]:
-        logged = self._logged
-        return (self._user,) if logged is None else (self._user, logged)
+    def _fold(self) -> None:
+        """Add the booked items to the windows (the lock held)."""
+        batch, self._batch = self._batch, _Batch()
+        self._user.fold(batch)
+        if self._logged is not None:
+            self._logged.fold(batch)
 
     def begin(self, epoch: int, called_at: float | None = None) -> None:
         """An iteration of ``epoch`` begins, in a ``next()`` called at ``called_at``
@@ -195,6 +240,7 @@ class Recorder:
         the loop waits)."""
         with self._lock:
             self._settle()
+            self._fold()
             now = _now() if called_at is None else called_at
             self.epoch = epoch
             self._user = _Window(now, epoch)
@@ -209,8 +255,7 @@ class Recorder:
             self._item = r
             return
         with self._lock:
-            for window in self._windows():
-                window.report(r)
+            self._batch.report(r)
 
     def yielded(self, called_at: float) -> None:
         """``next()``, called at ``called_at``, returns an item to the loop now."""
@@ -218,23 +263,25 @@ class Recorder:
         item, self._item = self._item, None
         with self._lock:
             self.step += 1
-            for window in self._windows():
-                window.waited += now - called_at
-                window.steps += 1
-                if item is not None:
-                    window.report(item)
+            batch = self._batch
+            batch.waited += now - called_at
+            batch.steps += 1
             pending = self._pending
             pending.append([called_at, 0])
-            ready = None if item is None else item[1]
-            if ready is not None:  # ready before the calls made since: one more in their queue
+            if item is not None:
+                batch.report(item)
+                ready = item[1]  # ready before the calls made since: one more in their queue
                 for call in reversed(pending):
                     if call[0] < ready:
                         break
                     call[1] += 1
-            while len(pending) > self.ahead:
-                self._final(pending.popleft())
+            if len(pending) > self.ahead:
+                batch.calls.append(pending.popleft())
+            if batch.steps >= FOLD_ITEMS:
+                self._fold()
             logged = self._logged
             if logged is not None and now - logged.start >= self.log_every:
+                self._fold()
                 self._flush_log(now)
                 self._logged = _Window(now, self.epoch)
 
@@ -243,22 +290,18 @@ class Recorder:
         the loop waited for it, no item came."""
         now = _now()
         with self._lock:
-            for window in self._windows():
-                window.waited += now - called_at
-
-    def _final(self, call: list[Any]) -> None:
-        for window in self._windows():
-            window.depth(call[0], call[1])
+            self._batch.waited += now - called_at
 
     def _settle(self) -> None:
         """The iteration is over: every pending depth is final."""
-        while self._pending:
-            self._final(self._pending.popleft())
+        self._batch.calls.extend(self._pending)
+        self._pending.clear()
 
     def end(self) -> None:
         """The iteration ends (finished, abandoned or failed): the log gets its window."""
         with self._lock:
             self._settle()
+            self._fold()
             if self._logged is not None:
                 now = _now()
                 self._flush_log(now)
@@ -272,6 +315,7 @@ class Recorder:
     def take(self) -> LoaderStats:
         """The user's window, and a new one from now."""
         with self._lock:
+            self._fold()
             now = _now()
             stats = self._user.result(now, self.rank, self.step)
             self._user = _Window(now, self.epoch)
