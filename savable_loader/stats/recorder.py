@@ -14,8 +14,8 @@ call (a :data:`~savable_loader.stats.clock.WorkerReport`'s ``done_at``;
 machine). It is known once the items that could have been finished by then have
 arrived: torch's iterator has at most ``ahead`` items (``prefetch_factor x
 num_workers``) in flight, so the depth of call ``j`` is final at call ``j + ahead``,
-exactly, and a few calls are pending at any moment (they land in the window current
-when they are final).
+exactly, and a few calls are pending at any moment (they land in the windows current
+when they are folded in, below).
 
 **Cost.** The main process books each item in a few plain counters and appends its call
 to a list; every :data:`FOLD_ITEMS` items, and whenever a window is read, the counters
@@ -41,7 +41,7 @@ from typing import Any
 from savable_loader.stats.clock import WorkerReport
 from savable_loader.stats.record import LoaderStats, QueueStats, StageStats, WorkerStats
 
-__all__ = ["SERIES_POINTS", "Recorder"]
+__all__ = ["FOLD_ITEMS", "SERIES_POINTS", "Recorder"]
 
 #: Queue depths a window keeps for its ``series`` (every call at first, then every
 #: second, fourth, ... call once the series is full).
