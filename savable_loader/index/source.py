@@ -365,7 +365,7 @@ class IndexedDataset(Dataset):
             (type(self.dataset).__name__, done - begun - collated, n, True),
             ("collate", collated, 1, False),
         )
-        return batch, (worker, done, done - begun, n, stages)
+        return batch, (worker, done, 1, done - begun, n, stages)
 
     def rebuild(self, key: BatchKey) -> Any:
         """``self[key]`` in the calling process, the caller's RNG streams left as they were."""

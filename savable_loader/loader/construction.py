@@ -222,7 +222,7 @@ def make_recorder(loader: Any, record_stats: bool, stats_log: Any, stats_log_eve
     if not record_stats:
         return None
     workers = loader.num_workers
-    ahead = (2 if loader.prefetch_factor is None else loader.prefetch_factor) * workers if workers else 1
+    ahead = (2 if loader.prefetch_factor is None else loader.prefetch_factor) * workers  # (0: no queue)
     rank = loader.worker_config.rank or 0
     log = None if stats_log is None else StatsLog(log_path(stats_log, rank))
     return Recorder(rank, ahead, log, stats_log_every)

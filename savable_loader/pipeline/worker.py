@@ -125,7 +125,8 @@ class Item(NamedTuple):
     ``key``: the pipeline's restore key for it; ``payload``: what the loader yields
     (after the collate function); ``snapshot``: the snapshot the worker took since the
     item before, if any (worker processes only, see ``WorkerRuntime._snapshot``);
-    ``report``: the worker's time on it (a loader recording statistics, ``stats/clock.py``).
+    ``report``: with a loader recording statistics (``stats/clock.py``), the time the
+    item was ready, or the worker's report on the items it made since its last one.
 
     >>> Item(worker=1, item_index=0, key=None, payload="a")
     Item(worker=1, item_index=0, key=None, payload='a', snapshot=None, report=None)
@@ -136,7 +137,7 @@ class Item(NamedTuple):
     key: Any
     payload: Any
     snapshot: Snapshot | None = None
-    report: WorkerReport | None = None
+    report: WorkerReport | float | None = None
 
 
 class End(NamedTuple):
@@ -335,16 +336,14 @@ class WorkerRuntime:
         costs: list[float] = []
         iterator: Iterator[Any] | None = None
         active = _ActiveWorker(worker_id, epoch, names)  # (entered once per item)
-        clock = StageClock() if self.timing else None
-        if clock is not None:
+        clock = None
+        if self.timing:  # (-1: the main process, whose items need no ready time)
+            clock = StageClock(-1 if self.in_process else worker_id, stamp=not self.in_process)
             clock.name_stages(walk(self.dataset))
-        reporter = -1 if self.in_process else worker_id  # (-1: the main process)
         timed = activate(clock)  # the stages' iterators made while it is active are timed
         while True:
             with active, timed:
                 begun_item = time.perf_counter()
-                if clock is not None:
-                    clock.begin_item()  # (times the stages of this item, or only counts their items)
                 if guard is not None:  # the generators left out in their fixed state
                     guard.begin(wc.seed, epoch)  # (before every item: the check after it draws)
                 if names:  # (global_rngs=(): nothing to re-seed)
@@ -394,6 +393,7 @@ class WorkerRuntime:
                     snapshot_cost = min(costs)
                     taken += 1
                     work = 0.0
+                collated = None
                 if collate is not None and not skip:
                     # the loader's collate_fn draws right after the item (and its snapshot,
                     # which refuses a state by name first), from the RNG state the item's
@@ -401,18 +401,21 @@ class WorkerRuntime:
                     # streams are put back after the batch
                     item = collate(item)
                     if clock is not None:
-                        collated = time.perf_counter()
-                        clock.add("collate", collated - mark)
-                        mark = collated
+                        collated = mark
+                        mark = time.perf_counter()
+                        collated = mark - collated
                 if guard is not None:  # a draw the loader did not seed: an error, never the item
                     guard.check(
                         partial("item {} of worker {} in epoch {}".format, index - 1, worker_id, epoch),
                         "in the pipeline",
                     )
                 if clock is not None:
-                    clock.end_item(seeding=t0 - begun_item, pipeline=made - t0)
-                    if not skip:
-                        item = _reported(item, clock.report(reporter, mark - begun_item, mark))
+                    if skip:
+                        clock.replayed(begun_item, t0, made)
+                    else:
+                        report = clock.made(begun_item, t0, made, mark, collated)
+                        if report is not None:
+                            item = _reported(item, report)
             if skip:
                 skip -= 1
                 continue
@@ -429,7 +432,7 @@ class WorkerRuntime:
             worker_id,
             index,
             None,
-            None if clock is None else clock.report(reporter, 0.0, time.perf_counter(), final=True),
+            None if clock is None else clock.report(time.perf_counter(), final=True),
         )
 
     def _snapshot(self, index: int) -> float:
@@ -474,11 +477,11 @@ class WorkerRuntime:
         )
 
 
-def _reported(item: Item | End, report: WorkerReport) -> Item | End:
-    """``item`` with its report."""
+def _reported(item: Item | End, report: WorkerReport | float) -> Item | End:
+    """``item`` with its report (or the time it was ready)."""
     if type(item) is Item:
         return Item(item.worker, item.item_index, item.key, item.payload, item.snapshot, report)
-    return item._replace(report=report)
+    return item._replace(report=cast(WorkerReport, report))  # (an end marker's is a report)
 
 
 def walk(dataset: SavableDataset) -> Iterator[SavableDataset]:

@@ -26,41 +26,52 @@ buffer's fill, is among the timed ones: its weight is its time).
 
 Even untimed, a wrapped ``next()`` costs a Python call (about 0.07 µs). Where that alone
 exceeds the budget (samples of a few microseconds: judged over each
-:data:`PROBE_ITEMS` items), the clock **settles**: the stages' generators hand over to
-their datasets' own (``yield from``, about 0.02 µs a call) for the rest of the run, and
-each later report divides the pipeline's measured time among the stages, and its items,
-in the proportions measured until then.
+:data:`PROBE_ITEMS` items), the clock **settles**: every wrapper hands its stage over to
+the dataset's own iterator (a :class:`Handover`, an ``itertools.chain`` whose first part
+is the timing wrapper: once that ends, the stage's items pass through C code, about
+3 ns a sample), and each later report divides the pipeline's measured time among the
+stages, and its items, in the proportions measured until then.
 
-A clock's totals leave the context in :data:`WorkerReport` s, one per item: when the
-item was ready (``time.perf_counter()``: the system's monotonic clock, one for every
-process of the machine), the context's busy seconds for it, and, at most every
-:data:`FLUSH_SECONDS` and at the end of an epoch, the stage seconds accumulated since the
-last report.
+A clock's totals leave the context in :data:`WorkerReport` s, at most every
+:data:`FLUSH_SECONDS` (with the item then made) and with the epoch's end marker: the
+items made since the last report, the context's busy seconds for them, their samples
+and the stage times. Every other item of a worker process carries only the time it was
+ready (``time.perf_counter()``: the system's monotonic clock, one for every process of
+the machine), which the main process needs for the depth of its queue; an item of the
+main process's own pipeline carries nothing. Per item, the clock only adds the item's
+seconds to a few sums (a list of them per item would be cheaper still, but it is a
+container the garbage collector then walks: 3 % of a packing pipeline's time).
 
 Example (what the pipeline runtime does per item)::
 
-    clock = StageClock()
+    clock = StageClock(worker=0)
     clock.name_stages(walk(pipeline))
     with activate(clock):
-        clock.begin_item()
+        begun = time.perf_counter()
+        ...                              # re-seeding
+        pulled = time.perf_counter()
         sample = next(iterator)          # each stage's own time added to the clock
-        clock.end_item(seeding=0.00001, pipeline=0.004)
-    report = clock.report(worker=0, busy=0.004, now=time.perf_counter())
+        made = time.perf_counter()
+    report = clock.made(begun, pulled, made, ready=made)   # a time, or a WorkerReport when due
+    ...
+    final = clock.report(time.perf_counter(), final=True)  # with the epoch's end marker
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "FLUSH_SECONDS",
     "PROBE_ITEMS",
     "TIMING_BUDGET",
+    "Handover",
     "StageClock",
     "StageTime",
     "TimedIterator",
@@ -79,14 +90,16 @@ FLUSH_SECONDS = 0.1
 TIMING_BUDGET = 0.003
 
 #: Items over which the clock judges whether wrapping the stages fits the budget.
-PROBE_ITEMS = 32
+PROBE_ITEMS = 16
 
 _now = time.perf_counter
 _local = threading.local()
 
 
+@functools.cache
 def _layer_cost() -> float:
-    """Seconds a wrapped, untimed ``next()`` adds in this process (cheapest of a few tries)."""
+    """Seconds a wrapped, untimed ``next()`` adds in this process (cheapest of a few tries;
+    measured once)."""
     clock = StageClock.__new__(StageClock)
     clock.on, clock.settled = False, False
     slot: list[Any] = ["", 0.0, 0, False, 0, 0.0, 0]
@@ -103,8 +116,10 @@ def _layer_cost() -> float:
     return max(best, 0.0)
 
 
+@functools.cache
 def _read_cost() -> float:
-    """Seconds one clock read costs in this process (the cheapest of a few tries)."""
+    """Seconds one clock read costs in this process (the cheapest of a few tries;
+    measured once)."""
     best = float("inf")
     for _ in range(5):
         start = _now()
@@ -116,17 +131,18 @@ def _read_cost() -> float:
 
 #: A stage's own time over some items, as it travels: ``(name, seconds, items, source)``,
 #: ``items`` the items it yielded, ``source`` whether it wraps no dataset (its items are
-#: samples). Plain tuples, as :data:`WorkerReport`: they cross a process boundary with
-#: every item, and a plain tuple is the cheapest thing to pickle.
+#: samples). Plain tuples, as :data:`WorkerReport`: they cross a process boundary, and a
+#: plain tuple is the cheapest thing to pickle.
 StageTime = tuple[str, float, int, bool]
 
-#: What a loading context says about one item it made (or its epoch's end):
-#: ``(worker, done_at, busy, samples, stages)``. ``worker``: the worker (-1: the main
-#: process); ``done_at``: ``time.perf_counter()`` when the item was ready (None: an end
-#: marker); ``busy``: the context's seconds spent on it; ``samples``: samples in it (a
-#: pipeline's: the items its sources yielded for it); ``stages``: the stage times since
-#: the context's previous report, or None.
-WorkerReport = tuple[int, "float | None", float, int, "tuple[StageTime, ...] | None"]
+#: What a loading context says about the items it made since its last report (sent
+#: with an item, or with its epoch's end marker): ``(worker, done_at, items, busy,
+#: samples, stages)``. ``worker``: the worker (-1: the main process); ``done_at``:
+#: ``time.perf_counter()`` when the item it travels with was ready (None: an end
+#: marker); ``items``: the items made since the last report, that one included;
+#: ``busy``: the context's seconds spent on them; ``samples``: the samples in them (a
+#: pipeline's: the items its sources yielded); ``stages``: the stage times.
+WorkerReport = tuple[int, "float | None", int, float, int, "tuple[StageTime, ...]"]
 
 
 def stage_name(dataset: Any) -> str:
@@ -143,13 +159,20 @@ def stage_name(dataset: Any) -> str:
 class StageClock:
     """The own time of each stage of one loading context (see the module docstring).
 
+    ``worker``: the context's worker, named in its reports (-1: the main process);
+    ``stamp``: each item carries the time it was ready (a worker process: the main
+    process needs it for its queue's depth; the main process's own pipeline: not).
+
     Stages are named once per epoch (:meth:`name_stages`: the pipeline's datasets, depth
     first; a name met twice gets ``#2``, ``#3``); a dataset the clock meets unnamed
     (made while iterating) is named by :func:`stage_name`. :meth:`add` charges time to a
-    named step that is not a dataset (``collate``, ``snapshot``).
+    named step that is not a dataset (``snapshot``); ``seeding`` and ``collate`` are
+    charged by :meth:`made`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, worker: int = 0, stamp: bool = True) -> None:
+        self.worker = worker
+        self.stamp = stamp
         #: id(dataset) -> [name, seconds, items, source, items counted as samples,
         #: seconds in timed items and items in all items since the run began]
         #: (seconds and items since the stage times were last taken)
@@ -166,10 +189,21 @@ class StageClock:
         self._read = _read_cost()
         #: pipeline seconds of untimed items still to come before the next timed one
         self._owed = 0.0
-        #: pipeline seconds of all items and of the timed ones, since the last take()
+        #: pipeline seconds of all items and of the timed ones, and the items made, since
+        #: the last take()
         self._all = 0.0
         self._timed = 0.0
-        self._flushed = _now()
+        self._made = 0
+        #: since the last report: items sent, and their busy, seeding, pipeline and
+        #: collate seconds; items that used the collate function
+        self._sums: list[Any] = [0, 0.0, 0.0, 0.0, 0.0, 0]
+        #: items sent since the last report, and the seconds spent on them
+        self._items = 0
+        self._busy = 0.0
+        #: items replayed since the last report (their seconds are in _sums)
+        self._replayed = 0
+        #: when the next report is due (FLUSH_SECONDS after the last)
+        self._due = _now() + FLUSH_SECONDS
         #: stage timing is over for this run (see the module docstring)
         self.settled = False
         self._layer = 0.0  # measured when first needed
@@ -180,7 +214,6 @@ class StageClock:
         #: after settling: samples per item, and the fraction of a sample owed
         self._per_item = 0.0
         self._owed_samples = 0.0
-        self._items_since = 0  # items made since the last take()
 
     def name_stages(self, datasets: Iterable[Any]) -> None:
         """Name the stages of a pipeline (``datasets``: outermost first)."""
@@ -207,28 +240,69 @@ class StageClock:
         return slot
 
     def wrap(self, dataset: Any, iterator: Iterator[Any]) -> Iterator[Any]:
-        """``iterator`` (of ``dataset``) timed as the dataset's stage: by a generator
-        when it is one (the cheaper wrapper; a generator ends at its first exception,
-        and so does the wrapper), else by a :class:`TimedIterator`, which goes on after
-        an exception as the iterator it wraps may (a torch IterableDataset's)."""
+        """``iterator`` (of ``dataset``) timed as the dataset's stage, in a
+        :class:`Handover`: by a generator while the clock times (the cheaper wrapper,
+        when ``iterator`` is a generator: a generator ends at its first exception, and so
+        does the wrapper), else by a :class:`TimedIterator`, which goes on after an
+        exception as the iterator it wraps may (a torch IterableDataset's)."""
         it = iter(iterator)
+        slot = self._slot(dataset)
         if isinstance(it, types.GeneratorType):
-            return timed(it, self._slot(dataset), self)
-        return TimedIterator(it, self._slot(dataset), self)
+            handover = Handover(timed(it, slot, self), it)
+        else:
+            phase = TimedIterator(it, slot, self)
+            handover = cast(Handover, Handover.from_iterable(_then(phase, it)))
+        handover.inner = it
+        return handover
 
-    def begin_item(self) -> None:
-        """An item is being made: time its stages if the budget allows."""
-        self.on = self._owed <= 0.0
-        self.calls = 0
+    def made(self, begun: float, pulled: float, made: float, ready: float, collate: float | None = None) -> Any:
+        """An item was made: re-seeded from ``begun`` to ``pulled``, the pipeline's
+        ``next()`` from ``pulled`` to ``made``, ``collate`` seconds in the collate
+        function (None: none), ready to leave at ``ready``. Returns what travels with it:
+        a :data:`WorkerReport` when one is due, else ``ready`` (``stamp``) or None."""
+        sums = self._sums
+        sums[0] += 1
+        sums[1] += ready - begun
+        sums[2] += pulled - begun
+        sums[3] += made - pulled
+        if collate is not None:
+            sums[4] += collate
+            sums[5] += 1
+        if not self.settled:
+            self._account(made - pulled)
+        if ready >= self._due:
+            return self.report(ready)
+        return ready if self.stamp else None
 
-    def end_item(self, seeding: float, pipeline: float) -> None:
-        """The item was made: ``seeding`` seconds of re-seeding, ``pipeline`` seconds in
-        the pipeline's ``next()``."""
-        self.add("seeding", seeding)
-        self._all += pipeline
-        self._items_since += 1
-        if self.settled:
-            return
+    def replayed(self, begun: float, pulled: float, made: float) -> None:
+        """An item was made and not sent (a restored worker replaying to its position):
+        its time counts, the item does not."""
+        sums = self._sums
+        sums[1] += made - begun
+        sums[2] += pulled - begun
+        sums[3] += made - pulled
+        self._replayed += 1
+        if not self.settled:
+            self._account(made - pulled)
+
+    def _sum_items(self) -> None:
+        """Add the items sent and replayed since the last call to the report's items and
+        busy seconds, the pipeline's time and the seeding and collate steps."""
+        sent, busy, seeding, pipeline, collate, collated = self._sums
+        replayed = self._replayed
+        if sent or replayed:
+            self._sums = [0, 0.0, 0.0, 0.0, 0.0, 0]
+            self._replayed = 0
+            self.add("seeding", seeding, sent + replayed)
+            if collated:
+                self.add("collate", collate, collated)
+            self._items += sent
+            self._busy += busy
+            self._all += pipeline
+            self._made += sent + replayed
+
+    def _account(self, pipeline: float) -> None:
+        """An item's ``pipeline`` seconds (while timing); whether the next item is timed."""
         run, probe = self._run, self._probe
         run[0] += 1
         run[3] += pipeline
@@ -249,6 +323,8 @@ class StageClock:
             self._owed = 2 * self.calls * self._read / TIMING_BUDGET - pipeline
         else:
             self._owed -= pipeline
+        self.on = not self.settled and self._owed <= 0.0
+        self.calls = 0
 
     def _judge(self) -> None:
         """End of a probe window: settle if the wrappers' cost alone exceeds the budget."""
@@ -264,12 +340,14 @@ class StageClock:
             slot[5] = seconds / timed_seconds if timed_seconds > 0 else 0.0
             slot[6] = count / items
             slot[1], slot[2], slot[4] = 0.0, 0, slot[4] - slot[2]
+        # (the items made since the last take are reported with the later ones, at these
+        # proportions: the stages' own counts of them are dropped)
         self._per_item = sum(slot[6] for slot in self._sources)
         self.settled = True
         self.on = False
 
     def add(self, name: str, seconds: float, items: int = 1) -> None:
-        """Charge ``seconds`` to the step ``name`` (not a dataset: ``collate``, ``snapshot``)."""
+        """Charge ``seconds`` to the step ``name`` (not a dataset: ``snapshot``)."""
         slot = self._extra.get(name)
         if slot is None:
             slot = self._extra[name] = [name, 0.0, 0, False, 0]
@@ -279,10 +357,11 @@ class StageClock:
     def take(self, final: bool = False) -> tuple[StageTime, ...]:
         """The stage times since the last :meth:`take` (the datasets' scaled to all items,
         see the module docstring), and start counting anew (``final``: the run's end)."""
+        self._sum_items()
         out: list[StageTime] = []
         if self.settled:  # the pipeline's time divided in the measured proportions
             work, self._all = self._all, 0.0
-            items, self._items_since = self._items_since, 0
+            items, self._made = self._made, 0
             for slot in self._slots.values():
                 if slot[5] or slot[6]:
                     out.append((slot[0], work * slot[5], round(items * slot[6]), slot[3]))
@@ -300,7 +379,7 @@ class StageClock:
                     if self._run[4] > 0:
                         for slot in self._slots.values():
                             slot[1] += carried * slot[5] / self._run[4]
-            self._items_since = 0
+            self._made = 0
             for slot in self._slots.values():
                 if slot[2] or slot[1]:
                     out.append((slot[0], slot[1] * scale, slot[2], slot[3]))
@@ -311,14 +390,14 @@ class StageClock:
             if slot[2] or slot[1]:
                 out.append((slot[0], slot[1], slot[2], slot[3]))
                 slot[1], slot[2] = 0.0, 0
-        self._flushed = _now()
+        self._due = _now() + FLUSH_SECONDS
         return tuple(out)
 
     def samples(self) -> int:
         """Items the sources (stages that wrap no dataset) yielded since the last call
-        (once settled: the item's share of them, at the measured rate)."""
+        (once settled: the share of the items made since, at the measured rate)."""
         if self.settled:
-            owed = self._owed_samples + self._per_item
+            owed = self._owed_samples + self._per_item * self._made
             count = int(owed)
             self._owed_samples = owed - count
             return count
@@ -328,18 +407,21 @@ class StageClock:
             slot[4] = slot[2]
         return count
 
-    def report(self, worker: int, busy: float, now: float, final: bool = False) -> WorkerReport:
-        """The report of an item ready at ``now`` (``final``: the epoch's end marker): its
-        samples (the sources' items since the last report), and the stage times if due
-        (always when ``final``)."""
-        samples = 0 if final and self.settled else self.samples()
-        stages = self.take(final) if final or now - self._flushed >= FLUSH_SECONDS else None
-        return (worker, None if final else now, busy, samples, stages)
+    def report(self, now: float, final: bool = False) -> WorkerReport:
+        """The report of the items made since the last one, sent with an item ready at
+        ``now`` or (``final``) with the epoch's end marker; counting starts anew."""
+        self._sum_items()
+        samples = self.samples()
+        stages = self.take(final)
+        report = (self.worker, None if final else now, self._items, self._busy, samples, stages)
+        self._items, self._busy = 0, 0.0
+        return report
 
 
 def timed(iterator: Iterator[Any], slot: list[Any], clock: StageClock) -> Iterator[Any]:
     """``iterator`` whose ``next()`` calls add their own time to ``slot`` (see the module
-    docstring); closing it closes ``iterator``."""
+    docstring), until ``clock`` settles (then it returns, and its :class:`Handover` goes
+    on with ``iterator``); closing it while it runs closes ``iterator``."""
     now = _now
     pull = iterator.__next__
     try:
@@ -359,26 +441,27 @@ def timed(iterator: Iterator[Any], slot: list[Any], clock: StageClock) -> Iterat
                 value = pull()
             slot[2] += 1
             yield value
-        yield from iterator  # settled: the dataset's own generator, at C speed
     except StopIteration:
         return
-    finally:
+    except BaseException:  # closed, or the dataset's exception: its iterator is done with
         close = getattr(iterator, "close", None)
         if close is not None:
             close()
+        raise
 
 
 class TimedIterator:
-    """An iterator that is not a generator, timed as :func:`timed` times a generator:
-    an exception from its ``next()`` passes through and the iterator goes on;
-    ``close()`` closes it; its other attributes are its own."""
+    """An iterator that is not a generator, timed as :func:`timed` times a generator
+    until its clock settles (then it ends, ``handed_over`` set): an exception from its
+    ``next()`` passes through and the iterator goes on."""
 
-    __slots__ = ("_clock", "_it", "_slot")
+    __slots__ = ("_clock", "_it", "_slot", "handed_over")
 
     def __init__(self, iterator: Iterator[Any], slot: list[Any], clock: StageClock) -> None:
         self._it = iterator
         self._slot = slot
         self._clock = clock
+        self.handed_over = False
 
     def __iter__(self) -> TimedIterator:
         return self
@@ -386,7 +469,8 @@ class TimedIterator:
     def __next__(self) -> Any:
         clock, slot = self._clock, self._slot
         if clock.settled:
-            return next(self._it)
+            self.handed_over = True
+            raise StopIteration
         if not clock.on:
             value = next(self._it)
             slot[2] += 1
@@ -404,13 +488,33 @@ class TimedIterator:
         slot[2] += 1
         return value
 
+
+def _then(phase: TimedIterator, iterator: Iterator[Any]) -> Iterator[Iterator[Any]]:
+    """The parts of a :class:`Handover` over an iterator that is not a generator: the
+    timed phase, then the iterator itself only if the phase handed it over (an iterator
+    that ended is not asked again)."""
+    yield phase
+    if phase.handed_over:
+        yield iterator
+
+
+class Handover(itertools.chain[Any]):
+    """A timed stage's iterator: its timing wrapper, then (once the clock settles) the
+    dataset's own iterator, passed through in C. ``close()`` closes the dataset's
+    iterator; its other attributes are the dataset iterator's."""
+
+    __slots__ = ("inner",)
+    inner: Iterator[Any]
+
     def close(self) -> None:
-        close = getattr(self._it, "close", None)
+        close = getattr(self.inner, "close", None)
         if close is not None:
             close()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._it, name)
+        if name == "inner":  # (not set yet)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def active_clock() -> StageClock | None:

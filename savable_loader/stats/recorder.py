@@ -2,30 +2,35 @@
 
 A loader that records statistics (``record_stats=True``, the default) holds one
 :class:`Recorder`. Its iterations tell it when each ``next()`` was called and when it
-returned (:meth:`Recorder.yielded`), and hand it the :data:`~savable_loader.stats.clock.WorkerReport`
-that came with each item (:meth:`Recorder.report`). It keeps two windows: the user's
+returned (:meth:`Recorder.yielded`), and hand it what came with each item
+(:meth:`Recorder.report`): from a worker process, the time the item was ready, and at
+most every :data:`~savable_loader.stats.clock.FLUSH_SECONDS` the worker's
+:data:`~savable_loader.stats.clock.WorkerReport` on the items it made since its last
+(their count, busy time, samples and stage times). It keeps two windows: the user's
 (since the last ``stats()`` call or the epoch's start, whichever is later) and, with a
 stats log, the log's (written every ``stats_log_every`` seconds and at each epoch's end).
+The wait, the steps and the queue's depths are exact per call; the workers' figures and
+the stage times reach the windows with the reports, at most ``FLUSH_SECONDS`` late.
 
 **Items ready when the loop asked.** The depth of the loader's queue at a ``next()`` call
 is the number of items, that one included, whose worker had finished them before the
-call (a :data:`~savable_loader.stats.clock.WorkerReport`'s ``done_at``;
-``time.perf_counter()`` is the system's monotonic clock, one for every process of the
-machine). It is known once the items that could have been finished by then have
+call (``time.perf_counter()`` is the system's monotonic clock, one for every process of
+the machine). It is known once the items that could have been finished by then have
 arrived: torch's iterator has at most ``ahead`` items (``prefetch_factor x
 num_workers``) in flight, so the depth of call ``j`` is final at call ``j + ahead``,
 exactly, and a few calls are pending at any moment (they land in the windows current
-when they are folded in, below).
+when they are folded in, below). With ``num_workers=0`` there is no queue: each item is
+made in the call that returns it.
 
-**Cost.** The main process books each item in a few plain counters and appends its call
-to a list; every :data:`FOLD_ITEMS` items, and whenever a window is read, the counters
-are added into the windows (so a log window costs nothing per item).
+**Cost.** Per item, the main process appends the call's times to three lists (with no
+queue: adds its wait to a sum); every :data:`FOLD_ITEMS` items, and whenever a window
+is read, they are summed (in C) and the depths worked out, into the windows.
 
 Example (what an iteration does per item)::
 
     called = time.perf_counter()
     recorder.begin(epoch=0, called_at=called)      # the iteration's first next()
-    recorder.report(report)           # in the engine's on_item
+    recorder.report(ready_or_report)  # in the engine's on_item
     recorder.yielded(called)          # the item is returned to the loop
     stats = recorder.take()
 """
@@ -34,9 +39,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from savable_loader.stats.clock import WorkerReport
 from savable_loader.stats.record import LoaderStats, QueueStats, StageStats, WorkerStats
@@ -51,6 +57,25 @@ SERIES_POINTS = 100
 FOLD_ITEMS = 256
 
 _now = time.perf_counter
+
+#: The ready time of an item made in the ``next()`` that returned it (or not known): it
+#: was in no queue.
+_NOT_READY = float("inf")
+
+
+def _depths(at: Any, ready_at: Any, count: int, ahead: int) -> list[int]:
+    """The depths of the first ``count`` calls, made at ``at`` (an array), whose items
+    were ready at ``ready_at``: call ``j``'s is the items ``j`` to ``j + ahead`` (those
+    that arrived) ready by then."""
+    n = len(at)
+    depth = np.zeros(count, dtype=np.int64)
+    for d in range(ahead + 1):
+        upto = min(count, n - d)
+        if upto <= 0:
+            break
+        depth[:upto] += ready_at[d : d + upto] <= at[:upto]
+    out: list[int] = depth.tolist()
+    return out
 
 
 class _Window:
@@ -109,21 +134,27 @@ class _Window:
                     slot = stages[name] = [0.0, 0]
                 slot[0] += seconds
                 slot[1] += items
-        for called_at, depth in batch.calls:
-            self.depth(called_at, depth)
+        if batch.times:
+            self.depths(batch.times, batch.depths)
 
-    def depth(self, called_at: float, depth: int) -> None:
-        self.calls += 1
-        self.depth_sum += depth
-        self.depth_max = max(self.depth_max, depth)
-        if depth == 0:
-            self.depth_zero += 1
-        if (self.calls - 1) % self.stride == 0:
+    def depths(self, times: list[float], depths: list[int]) -> None:
+        """Book calls made at ``times`` (``time.perf_counter()``) and their depths."""
+        n = len(depths)
+        self.depth_sum += sum(depths)
+        self.depth_max = max(self.depth_max, max(depths))
+        self.depth_zero += depths.count(0)
+        base, k, series = self.calls, 0, self.series
+        while True:  # every stride-th call of the window goes into the series
+            k += -(base + k) % self.stride
+            if k >= n:
+                break
             # (a call made before the window began, whose depth became final in it: at 0)
-            self.series.append((round(max(called_at - self.start, 0.0), 6), depth))
-            if len(self.series) >= 2 * SERIES_POINTS:
-                self.series = self.series[::2]
+            series.append((round(max(times[k] - self.start, 0.0), 6), depths[k]))
+            if len(series) >= 2 * SERIES_POINTS:
+                series = self.series = series[::2]
                 self.stride *= 2
+            k += 1
+        self.calls += n
 
     def result(self, now: float, rank: int, step: int) -> LoaderStats:
         seconds = max(now - self.start, 1e-9)
@@ -167,9 +198,9 @@ class _Window:
 
 
 class _Batch:
-    """What the items since the last fold booked (see the module docstring)."""
+    """What the reports since the last fold booked, and the calls whose depth became final."""
 
-    __slots__ = ("calls", "samples", "stages", "steps", "waited", "workers")
+    __slots__ = ("depths", "samples", "stages", "steps", "times", "waited", "workers")
 
     def __init__(self) -> None:
         self.waited = 0.0
@@ -179,16 +210,16 @@ class _Batch:
         self.workers: dict[int, list[Any]] = {}
         #: the stage times reports carried
         self.stages: list[Any] = []
-        #: [called_at, depth] of the calls whose depth became final
-        self.calls: list[list[Any]] = []
+        #: when the calls whose depth became final were made, and their depths
+        self.times: list[float] = []
+        self.depths: list[int] = []
 
     def report(self, r: WorkerReport) -> None:
-        who, done_at, busy, samples, reported = r
+        who, _, items, busy, samples, reported = r
         worker = self.workers.get(who)
         if worker is None:
             worker = self.workers[who] = [0, 0, 0.0]
-        if done_at is not None:
-            worker[0] += 1
+        worker[0] += items
         worker[1] += samples
         worker[2] += busy
         self.samples += samples
@@ -200,10 +231,34 @@ class Recorder:
     """One loader's statistics (see the module docstring).
 
     ``rank``: the loader's rank (recorded in each :class:`LoaderStats`); ``ahead``: the
-    items torch's iterator may have in flight (``prefetch_factor x num_workers``, 1 in
-    the main process); ``log``: called with each finished log window, every
+    items torch's iterator may have in flight (``prefetch_factor x num_workers``; 0: the
+    main process makes each item in the call, there is no queue, and the windows'
+    ``queue`` is None); ``log``: called with each finished log window, every
     ``log_every`` seconds and at the end of each iteration (None: no log).
     """
+
+    __slots__ = (
+        "_batch",
+        "_called",
+        "_done",
+        "_held",
+        "_lock",
+        "_log",
+        "_log_due",
+        "_logged",
+        "_ready",
+        "_returned",
+        "_stamped",
+        "_steps",
+        "_user",
+        "_waited",
+        "ahead",
+        "epoch",
+        "log_every",
+        "queued",
+        "rank",
+        "step",
+    )
 
     def __init__(
         self,
@@ -213,6 +268,7 @@ class Recorder:
         log_every: float = 10.0,
     ) -> None:
         self.rank = rank
+        self.queued = ahead > 0
         self.ahead = max(1, ahead)
         self._log = log
         self.log_every = log_every
@@ -222,14 +278,54 @@ class Recorder:
         self.step = 0
         self._user = _Window(now, 0)
         self._logged = _Window(now, 0) if log is not None else None
-        #: [called_at, depth] of the calls whose depth is not final yet, oldest first
-        self._pending: deque[list[Any]] = deque()
-        self._item: WorkerReport | None = None  # the report of the item being returned
+        self._log_due = now + log_every if log is not None else float("inf")
+        #: (called_at, ready_at) of the calls whose depth is not final yet, oldest first
+        self._held: list[tuple[float, float]] = []
+        #: when the item being returned was ready (inf: not known, or made in the call)
+        self._done = _NOT_READY
+        #: of each call not folded in yet: when it was made, when it returned, when its
+        #: item was ready (three lists: appended to in C, summed in C)
+        self._called: list[float] = []
+        self._returned: list[float] = []
+        self._ready: list[float] = []
+        self._stamped = False  # a ready time arrived since the last fold
+        #: without a queue: the calls' count and wait since the last fold
+        self._steps = 0
+        self._waited = 0.0
         self._batch = _Batch()
 
     def _fold(self) -> None:
-        """Add the booked items to the windows (the lock held)."""
+        """Add the calls made and the reports booked since the last fold to the windows
+        (the lock held)."""
+        called, returned, ready = self._called, self._returned, self._ready
+        count = min(len(called), len(returned), len(ready))  # (a call appended meanwhile waits)
         batch, self._batch = self._batch, _Batch()
+        if self._steps:
+            steps, waited, self._steps, self._waited = self._steps, self._waited, 0, 0.0
+            batch.steps += steps
+            batch.waited += waited
+            self.step += steps
+        if count:
+            batch.waited += sum(returned[:count]) - sum(called[:count])
+            batch.steps += count
+            self.step += count
+            times, depths = batch.times, batch.depths
+            if not self._stamped and not self._held:  # no item was ready before its call
+                times.extend(called[:count])
+                depths.extend([0] * count)
+            else:
+                held = self._held
+                at = np.array([c for c, _ in held] + called[:count])
+                ready_at = np.array([r for _, r in held] + ready[:count])
+                final = len(at) - self.ahead  # (the calls with all their possible items in)
+                if final > 0:
+                    times.extend(at[:final].tolist())
+                    depths.extend(_depths(at, ready_at, final, self.ahead))
+                    self._held = list(zip(at[final:].tolist(), ready_at[final:].tolist()))
+                else:
+                    self._held = list(zip(at.tolist(), ready_at.tolist()))
+                self._stamped = False
+            del called[:count], returned[:count], ready[:count]
         self._user.fold(batch)
         if self._logged is not None:
             self._logged.fold(batch)
@@ -239,8 +335,8 @@ class Recorder:
         (default: now): the user's window restarts there (the iteration's start is time
         the loop waits)."""
         with self._lock:
-            self._settle()
             self._fold()
+            self._settle()
             now = _now() if called_at is None else called_at
             self.epoch = epoch
             self._user = _Window(now, epoch)
@@ -248,42 +344,41 @@ class Recorder:
                 self._flush_log(now)
                 self._logged = _Window(now, epoch)
 
-    def report(self, r: WorkerReport) -> None:
-        """A loading context's report on an item (kept for :meth:`yielded`, which books
-        it with the call) or on its epoch's end (booked now)."""
-        if r[1] is not None:
-            self._item = r
+    def report(self, r: WorkerReport | float) -> None:
+        """What came with an item: the time it was ready (kept for :meth:`yielded`) or a
+        loading context's report (booked now), with an item or its epoch's end marker."""
+        if type(r) is float:
+            self._done = r
+            self._stamped = True
             return
         with self._lock:
-            self._batch.report(r)
+            self._batch.report(r)  # type: ignore[arg-type]
+        if r[1] is not None:  # type: ignore[index]
+            self._done = r[1]  # type: ignore[index]
+            self._stamped = True
 
     def yielded(self, called_at: float) -> None:
         """``next()``, called at ``called_at``, returns an item to the loop now."""
         now = _now()
-        item, self._item = self._item, None
-        with self._lock:
-            self.step += 1
-            batch = self._batch
-            batch.waited += now - called_at
-            batch.steps += 1
-            pending = self._pending
-            pending.append([called_at, 0])
-            if item is not None:
-                batch.report(item)
-                ready = item[1]  # ready before the calls made since: one more in their queue
-                for call in reversed(pending):
-                    if call[0] < ready:
-                        break
-                    call[1] += 1
-            if len(pending) > self.ahead:
-                batch.calls.append(pending.popleft())
-            if batch.steps >= FOLD_ITEMS:
+        if not self.queued:  # (no queue: the count and the wait are all there is to book)
+            self._waited += now - called_at
+            self._steps += 1
+            if now >= self._log_due:
+                with self._lock:
+                    self._fold()
+                    self._flush_log(now)
+                    self._logged = _Window(now, self.epoch)
+            return
+        self._called.append(called_at)
+        self._returned.append(now)
+        self._ready.append(self._done)
+        self._done = _NOT_READY
+        if len(self._called) >= FOLD_ITEMS or now >= self._log_due:
+            with self._lock:
                 self._fold()
-            logged = self._logged
-            if logged is not None and now - logged.start >= self.log_every:
-                self._fold()
-                self._flush_log(now)
-                self._logged = _Window(now, self.epoch)
+                if now >= self._log_due:
+                    self._flush_log(now)
+                    self._logged = _Window(now, self.epoch)
 
     def waited(self, called_at: float) -> None:
         """``next()``, called at ``called_at``, ends the iteration now (StopIteration):
@@ -293,15 +388,23 @@ class Recorder:
             self._batch.waited += now - called_at
 
     def _settle(self) -> None:
-        """The iteration is over: every pending depth is final."""
-        self._batch.calls.extend(self._pending)
-        self._pending.clear()
+        """The iteration is over: every pending depth is final (the calls folded in)."""
+        batch = _Batch()
+        if self._held:
+            at = np.array([c for c, _ in self._held])
+            ready_at = np.array([r for _, r in self._held])
+            batch.times.extend(at.tolist())
+            batch.depths.extend(_depths(at, ready_at, len(at), self.ahead))
+            self._held = []
+        self._user.fold(batch)
+        if self._logged is not None:
+            self._logged.fold(batch)
 
     def end(self) -> None:
         """The iteration ends (finished, abandoned or failed): the log gets its window."""
         with self._lock:
-            self._settle()
             self._fold()
+            self._settle()
             if self._logged is not None:
                 now = _now()
                 self._flush_log(now)
@@ -309,7 +412,10 @@ class Recorder:
 
     def _flush_log(self, now: float) -> None:
         logged, log = self._logged, self._log
-        if logged is not None and log is not None and logged.steps:
+        self._log_due = now + self.log_every if log is not None else float("inf")
+        # (a window without steps is written when reports came in it: the workers' last,
+        # with their epoch's end markers, after the log's last window of steps)
+        if logged is not None and log is not None and (logged.steps or logged.workers):
             log(logged.result(now, self.rank, self.step))
 
     def take(self) -> LoaderStats:

@@ -1,8 +1,9 @@
 """``StageClock`` and the timed iterators, on a clock the test moves (``clock._now``):
 each stage's own time (the inner stages' time left out, however they nest, exceptions
 included), items and samples, ``close()``, iterators that go on after an exception,
-nothing wrapped outside an active clock, stage names, the sampling of cheap items, and
-the reports."""
+nothing wrapped outside an active clock, stage names, the sampling of cheap items, the
+hand-over of a settled clock's stages to the datasets' own iterators (``Handover``), and
+what travels with each item (``made()``, ``replayed()``, the reports)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import savable_loader as sl
 from savable_loader.pipeline.worker import walk
 from savable_loader.stats import clock as clock_module
-from savable_loader.stats.clock import FLUSH_SECONDS, StageClock, activate, active_clock, stage_name
+from savable_loader.stats.clock import FLUSH_SECONDS, Handover, StageClock, activate, active_clock, stage_name
 from savable_loader.wrappers import BatchDataset, MapDataset
 
 
@@ -36,11 +37,32 @@ class FakeTime:
         self.now += seconds
 
 
+def clear_costs() -> None:
+    """Forget the clock-read and wrapper costs measured in this process (cached: measured
+    again, on the clock ``_now`` is then, by the next ``StageClock``)."""
+    clock_module._read_cost.cache_clear()
+    clock_module._layer_cost.cache_clear()
+
+
+def use_fake(monkeypatch: pytest.MonkeyPatch, t: FakeTime) -> FakeTime:
+    """``t`` as the clock's ``_now``, its costs measured on it."""
+    monkeypatch.setattr(clock_module, "_now", t)
+    clear_costs()
+    return t
+
+
+@pytest.fixture(autouse=True)
+def _costs_measured_anew():
+    """No test sees costs measured on another test's clock, nor leaves its own behind
+    (for later tests in this process)."""
+    clear_costs()
+    yield
+    clear_costs()
+
+
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
-    t = FakeTime()
-    monkeypatch.setattr(clock_module, "_now", t)
-    return t
+    return use_fake(monkeypatch, FakeTime())  # (its costs forgotten after the test: above)
 
 
 WC = sl.WorkerConfig(rank=0, world_size=1, num_workers=0, seed=0)
@@ -184,12 +206,12 @@ def test_an_exception_in_an_inner_stage_keeps_the_accounts(fake):
 
 
 class GoesOn:
-    """An iterator (not a generator) that raises for its 3rd item and goes on, as torch
-    allows an IterableDataset's iterator to (the loader raises that batch's error, and
-    the next ``next()`` gets the next batch)."""
+    """An iterator (not a generator) that raises for its items ``bad`` (default: the 3rd)
+    and goes on, as torch allows an IterableDataset's iterator to (the loader raises that
+    batch's error, and the next ``next()`` gets the next batch)."""
 
-    def __init__(self, n: int) -> None:
-        self.i, self.n = 0, n
+    def __init__(self, n: int, bad: tuple[int, ...] = (2,)) -> None:
+        self.i, self.n, self.bad = 0, n, bad
         self.closed = False
         self.label = "goes on"
 
@@ -201,8 +223,8 @@ class GoesOn:
         self.i += 1
         if i >= self.n:
             raise StopIteration
-        if i == 2:
-            raise ValueError("item 2")
+        if i in self.bad:
+            raise ValueError(f"item {i}")
         return i
 
     def close(self) -> None:
@@ -273,10 +295,13 @@ def test_outside_an_active_clock_nothing_is_wrapped(fake):
     with activate(clock):
         assert active_clock() is clock
         wrapped = iter(src)
-        assert getattr(wrapped, "gi_code", None) is not Source.__iter__.__wrapped__.__code__  # timed
+        # timed: a Handover (its timing wrapper first) over the dataset's own generator
+        assert type(wrapped) is Handover
+        assert type(wrapped.inner) is types.GeneratorType  # type: ignore[attr-defined]
+        assert wrapped.inner.gi_code is Source.__iter__.__wrapped__.__code__  # type: ignore[attr-defined]
         assert list(wrapped) == [0, 1, 2]
     assert active_clock() is None
-    assert stages(clock)["Source"][1] == 3
+    assert stages(clock)["Source"] == (pytest.approx(3.0), 3, True)
 
 
 def test_activate_nests_and_is_per_thread():
@@ -381,89 +406,269 @@ def test_samples_are_the_sources_items_since_the_last_report(fake):
     assert clock.samples() == 0
 
 
+def named(times) -> dict[str, tuple[float, int, bool]]:
+    """Stage times (as a report carries them) by name."""
+    return {name: (seconds, items, source) for name, seconds, items, source in times}
+
+
+def make_item(clock: StageClock, it, fake: FakeTime, ready: float, seeding: float = 0.0, collate=None):
+    """One item as the pipeline runtime makes it: ``seeding`` seconds of re-seeding, the
+    pipeline's ``next()``, then ready at ``ready``; what :meth:`StageClock.made` returns."""
+    begun = fake()
+    fake.sleep(seeding)
+    pulled = fake()
+    next(it)
+    made = fake()
+    fake.now = ready
+    return clock.made(begun, pulled, made, fake(), collate)
+
+
 def test_reports_carry_the_stages_when_due_and_at_the_end(fake):
     ds = Source(5, fake, cost=0.01)
-    clock = StageClock()  # (flushed now)
-    clock.name_stages([ds])
     start = fake.now
-    reports = []
+    clock = StageClock(worker=1)  # (the first report due FLUSH_SECONDS from now)
+    clock.name_stages([ds])
     with activate(clock):
         it = iter(ds)
-        for at in (0.5, 1.0, 1.2):  # x FLUSH_SECONDS after the start
-            next(it)
-            fake.now = start + at * FLUSH_SECONDS
-            reports.append(clock.report(worker=1, busy=0.01, now=fake.now))
+        # x FLUSH_SECONDS after the start: items carry their ready time until a report is due
+        first = make_item(clock, it, fake, ready=start + 0.5 * FLUSH_SECONDS, seeding=0.002)
+        second = make_item(clock, it, fake, ready=start + 1.0 * FLUSH_SECONDS, seeding=0.002, collate=0.004)
+        third = make_item(clock, it, fake, ready=start + 1.2 * FLUSH_SECONDS, seeding=0.001)
         fake.now = start + 1.3 * FLUSH_SECONDS
-        final = clock.report(worker=1, busy=0.0, now=fake.now, final=True)
-    first, second, third = reports
-    assert first == (1, start + 0.5 * FLUSH_SECONDS, 0.01, 1, None)
-    worker, done_at, busy, samples, times = second
-    assert (worker, done_at, busy, samples) == (1, start + FLUSH_SECONDS, 0.01, 1)
-    assert times is not None and [(n, i) for n, _, i, _ in times] == [("Source", 2)]
-    assert times[0][1] == pytest.approx(0.02)
-    assert third == (1, start + 1.2 * FLUSH_SECONDS, 0.01, 1, None)  # flushed less than FLUSH_SECONDS ago
-    assert final[:4] == (1, None, 0.0, 0)
-    assert final[4] is not None and [(n, i) for n, _, i, _ in final[4]] == [("Source", 1)]
-    assert final[4][0][1] == pytest.approx(0.01)
+        final = clock.report(fake.now, final=True)
+    assert first == start + 0.5 * FLUSH_SECONDS
+    # the report covers both items made since the clock began, the one it travels with included
+    worker, done_at, items, busy, samples, times = second
+    assert (worker, done_at, items, samples) == (1, start + FLUSH_SECONDS, 2, 2)
+    assert busy == pytest.approx(FLUSH_SECONDS)  # begun at the start, the 2nd ready FLUSH_SECONDS later
+    assert type(times) is tuple
+    assert named(times) == {
+        "Source": (pytest.approx(0.02), 2, True),
+        "seeding": (pytest.approx(0.004), 2, False),
+        "collate": (0.004, 1, False),  # (only the item that went through a collate function)
+    }
+    assert third == start + 1.2 * FLUSH_SECONDS  # the last report less than FLUSH_SECONDS ago
+    worker, done_at, items, busy, samples, times = final
+    assert (worker, done_at, items, samples) == (1, None, 1, 1)
+    assert busy == pytest.approx(0.2 * FLUSH_SECONDS)
+    assert named(times) == {"Source": (pytest.approx(0.01), 1, True), "seeding": (pytest.approx(0.001), 1, False)}
+    # nothing since: an empty report, its stages an empty tuple
+    assert clock.report(fake.now, final=True) == (1, None, 0, 0.0, 0, ())
+
+
+def test_made_returns_the_ready_time_or_nothing_until_a_report_is_due(fake):
+    for stamp, worker in ((True, 3), (False, -1)):
+        start = fake.now
+        clock = StageClock(worker=worker, stamp=stamp)
+        sent = []
+        for k in range(4):  # ready at 0.3, 0.6, 0.9 and 1.2 x FLUSH_SECONDS after the start
+            begun = fake.now
+            fake.now = start + 0.3 * (k + 1) * FLUSH_SECONDS
+            sent.append(clock.made(begun, begun, begun, fake.now))
+        assert sent[:3] == ([start + 0.3 * (k + 1) * FLUSH_SECONDS for k in range(3)] if stamp else [None] * 3)
+        worker_, done_at, items, busy, samples, times = sent[3]
+        assert (worker_, done_at, items, samples) == (worker, start + 1.2 * FLUSH_SECONDS, 4, 0)
+        assert busy == pytest.approx(1.2 * FLUSH_SECONDS)
+        assert named(times) == {"seeding": (0.0, 4, False)}
+        # the next report is due FLUSH_SECONDS after this one
+        fake.now += 0.9 * FLUSH_SECONDS
+        assert clock.made(fake.now, fake.now, fake.now, fake.now) == (fake.now if stamp else None)
+        fake.now += 0.1 * FLUSH_SECONDS
+        assert type(clock.made(fake.now, fake.now, fake.now, fake.now)) is tuple
+
+
+def test_replayed_items_count_in_busy_and_seeding_not_in_items(fake):
+    clock = StageClock(worker=2)
+    t = fake.now
+    clock.replayed(t, t + 0.1, t + 0.5)  # re-seeded 0.1 s, 0.4 s in the pipeline: made, not sent
+    clock.replayed(t + 0.5, t + 0.7, t + 1.0)
+    fake.now = t + 2.5
+    report = clock.made(t + 1.0, t + 1.25, t + 2.0, ready=t + 2.5)  # (due: a report)
+    worker, done_at, items, busy, samples, times = report
+    assert (worker, done_at, items, samples) == (2, t + 2.5, 1, 0)
+    assert busy == pytest.approx(0.5 + 0.5 + 1.5)
+    assert named(times) == {"seeding": (pytest.approx(0.1 + 0.2 + 0.25), 3, False)}
+    # replayed alone: their time goes with the next report, no item
+    clock.replayed(t + 2.5, t + 2.75, t + 3.0)
+    worker, done_at, items, busy, samples, times = clock.report(t + 3.0, final=True)
+    assert (worker, done_at, items, samples) == (2, None, 0, 0)
+    assert busy == pytest.approx(0.5)
+    assert named(times) == {"seeding": (pytest.approx(0.25), 1, False)}
+
+
+class Restarting:
+    """An iterator (not a generator) that, asked again after its StopIteration, starts
+    over; counts the ``next()`` calls it gets."""
+
+    def __init__(self, n: int) -> None:
+        self.i, self.n, self.calls = 0, n, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        self.calls += 1
+        i = self.i
+        if i >= self.n:
+            self.i = 0
+            raise StopIteration
+        self.i += 1
+        return i
+
+
+def drain(it, clock: StageClock | None = None, settle_at: int | None = None) -> list[Any]:
+    """What ``next(it)`` gives until StopIteration: values, and the ValueErrors raised as
+    ``"raised <message>"``; ``clock`` settles before the ``settle_at``-th ``next()``."""
+    got: list[Any] = []
+    while True:
+        if clock is not None and len(got) == settle_at:
+            clock.settled = True
+        try:
+            got.append(next(it))
+        except ValueError as e:
+            got.append(f"raised {e}")
+        except StopIteration:
+            return got
+
+
+def counted(clock: StageClock) -> dict[str, tuple[float, int]]:
+    """Each stage's own seconds and items the clock counted since its last take()."""
+    return {slot[0]: (slot[1], slot[2]) for slot in clock._slots.values()}
+
+
+def test_a_handover_over_a_generator_passes_items_through_once_settled(fake):
+    def pipeline():
+        return MapDataset(Source(10, fake, cost=1.0), sleeper(fake, 2.0))
+
+    unwrapped = list(iter(pipeline()))  # (no active clock)
+    assert unwrapped == list(range(10))
+    ds = pipeline()
+    clock = StageClock()
+    clock.name_stages(walk(ds))
+    start = fake.now
+    with activate(clock):
+        it = iter(ds)
+        assert type(it) is Handover
+        assert it.inner.gi_code is MapDataset.__iter__.__wrapped__.__code__  # type: ignore[attr-defined]
+        got = [next(it) for _ in range(4)]
+        assert counted(clock) == {"MapDataset(step)": (pytest.approx(8.0), 4), "Source": (pytest.approx(4.0), 4)}
+        clock.settled = True
+        # the rest straight from the datasets' own generators: the stream unchanged, nothing counted
+        got += list(it)
+        with pytest.raises(StopIteration):
+            next(it)
+    assert got == unwrapped
+    assert counted(clock) == {"MapDataset(step)": (pytest.approx(8.0), 4), "Source": (pytest.approx(4.0), 4)}
+    assert fake.now == start + 10 * 3.0  # (each item made once)
+
+
+@pytest.mark.parametrize("settle_at", [None, 0, 2, 3, 6, 9, 11])
+def test_a_handover_over_an_iterator_that_goes_on_after_exceptions_goes_on_before_and_after_settling(fake, settle_at):
+    want = drain(GoesOn(11, bad=(2, 3, 8)))
+    assert want == [0, 1, "raised item 2", "raised item 3", 4, 5, 6, 7, "raised item 8", 9, 10]
+    clock = StageClock()
+    inner = GoesOn(11, bad=(2, 3, 8))
+    it = clock.wrap(Source(0, fake), inner)
+    assert type(it) is Handover and it.inner is inner  # type: ignore[attr-defined]
+    assert drain(it, clock, settle_at) == want
+    # the items it yielded timed: those before it settled
+    before = want if settle_at is None else want[:settle_at]
+    assert counted(clock)["Source"][1] == sum(type(v) is int for v in before)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+@pytest.mark.parametrize("settle_at", [None, 0, 2, 4])
+def test_an_iterator_that_ended_is_not_asked_again(fake, settle_at):
+    plain = Restarting(4)
+    assert drain(plain) == [0, 1, 2, 3]
+    assert next(plain) == 0  # (unwrapped, it would start over)
+    clock = StageClock()
+    inner = Restarting(4)
+    it = clock.wrap(Source(0, fake), inner)
+    assert drain(it, clock, settle_at) == [0, 1, 2, 3]
+    for _ in range(3):
+        with pytest.raises(StopIteration):
+            next(it)
+    assert inner.calls == 5  # 4 items and one StopIteration
 
 
 def run_items(clock: StageClock, fake: FakeTime, dataset: sl.SavableDataset, n: int):
-    """Make ``n`` items as the pipeline runtime does (a report after each, and a final
-    one); whether each was timed, the samples reported, and the stage times reported
-    (name -> [seconds, items], summed over the reports)."""
-    timed_items, samples = [], 0
-    totals: dict[str, list[float]] = {}
-
-    def add(report) -> None:
-        nonlocal samples
-        samples += report[3]
-        for name, seconds, items, _ in report[4] or ():
-            slot = totals.setdefault(name, [0.0, 0])
-            slot[0] += seconds
-            slot[1] += items
-
+    """Make ``n`` items as the pipeline runtime does (``made()`` after each, a final
+    report); whether each was timed, the reports, and the busy seconds of the items."""
+    timed_items: list[bool] = []
+    reports = []
+    busy = 0.0
     with activate(clock):
         it = iter(dataset)
         for _ in range(n):
-            clock.begin_item()
-            timed_items.append(clock.on)
-            t0 = fake()
+            timed_items.append(clock.on)  # (decided when the item before was made)
+            begun = fake()
+            pulled = fake()
             next(it)
             made = fake()
-            clock.end_item(seeding=0.0, pipeline=made - t0)
-            add(clock.report(worker=0, busy=made - t0, now=fake()))
-        add(clock.report(worker=0, busy=0.0, now=fake(), final=True))
-    return timed_items, samples, totals
+            ready = fake()
+            busy += ready - begun
+            sent = clock.made(begun, pulled, made, ready)
+            if type(sent) is tuple:
+                assert sent[1] == ready
+                reports.append(sent)
+            else:
+                assert sent == ready
+        reports.append(clock.report(fake(), final=True))
+    return timed_items, reports, busy
+
+
+def summed(reports) -> tuple[int, float, int, dict[str, list[Any]]]:
+    """The items, busy seconds and samples the reports carried, and their stage times
+    (name -> [seconds, items])."""
+    items, busy, samples = 0, 0.0, 0
+    totals: dict[str, list[Any]] = {}
+    for _, _, n, seconds, count, times in reports:
+        items += n
+        busy += seconds
+        samples += count
+        for name, spent, made, _ in times:
+            slot = totals.setdefault(name, [0.0, 0])
+            slot[0] += spent
+            slot[1] += made
+    return items, busy, samples, totals
 
 
 def test_every_item_is_timed_when_the_budget_allows(monkeypatch):
-    fake = FakeTime(read_cost=1e-9)  # 2 pulls cost 4e-9 s, far less than 0.3 % of an item of 2 ms
-    monkeypatch.setattr(clock_module, "_now", fake)
-    ds = MapDataset(Source(40, fake, cost=1e-3), sleeper(fake, 1e-3))
+    fake = use_fake(monkeypatch, FakeTime(read_cost=1e-9))  # 2 pulls: 4e-9 s, far less than 0.3 % of 2 ms
+    n = 120  # (0.24 s: reports due twice, and the final one)
+    ds = MapDataset(Source(n, fake, cost=1e-3), sleeper(fake, 1e-3))
     clock = StageClock()
     clock.name_stages(walk(ds))
-    timed_items, samples, totals = run_items(clock, fake, ds, 40)
+    timed_items, reports, busy = run_items(clock, fake, ds, n)
     assert all(timed_items)
-    assert samples == 40
-    assert totals["MapDataset(step)"] == [pytest.approx(40e-3, rel=1e-3), 40]
-    assert totals["Source"] == [pytest.approx(40e-3, rel=1e-3), 40]
+    assert [r[1] is None for r in reports] == [False, False, True]
+    items, reported_busy, samples, totals = summed(reports)
+    assert (items, samples) == (n, n)
+    assert reported_busy == pytest.approx(busy, rel=1e-9)
+    assert totals["MapDataset(step)"] == [pytest.approx(n * 1e-3, rel=1e-3), n]
+    assert totals["Source"] == [pytest.approx(n * 1e-3, rel=1e-3), n]
+    assert totals["seeding"] == [pytest.approx(n * 1e-9, rel=1e-3), n]
 
 
 def test_cheap_items_are_timed_in_a_sample_and_scaled(monkeypatch):
     """When timing every item would cost more than TIMING_BUDGET of the pipeline's time,
     some items are not timed; items are counted exactly, and the stage times scaled to
     all items."""
-    fake = FakeTime(read_cost=1e-7)
-    monkeypatch.setattr(clock_module, "_now", fake)
+    fake = use_fake(monkeypatch, FakeTime(read_cost=1e-7))
     monkeypatch.setattr(clock_module, "TIMING_BUDGET", 1e-5)  # 4 reads: 0.04 s of items, 1 item in 10
     n = 60
     ds = MapDataset(Source(n, fake, cost=1e-3), sleeper(fake, 3e-3))
     clock = StageClock()
     clock.name_stages(walk(ds))
-    timed_items, samples, totals = run_items(clock, fake, ds, n)
-    assert 4 <= timed_items.count(True) <= 12
+    timed_items, reports, busy = run_items(clock, fake, ds, n)
+    assert timed_items == ([True] + [False] * 9) * 6
     assert not clock.settled
-    assert samples == n
+    assert len(reports) == 3
+    items, reported_busy, samples, totals = summed(reports)
+    assert (items, samples) == (n, n)
+    assert reported_busy == pytest.approx(busy, rel=1e-9)
     assert totals["MapDataset(step)"] == [pytest.approx(n * 3e-3, rel=0.01), n]
     assert totals["Source"] == [pytest.approx(n * 1e-3, rel=0.01), n]
     assert totals["seeding"][1] == n
@@ -473,16 +678,21 @@ def test_a_clock_whose_wrappers_cost_too_much_settles_and_divides_the_time(monke
     """Where even an untimed wrapper costs more than the budget, the clock settles after
     PROBE_ITEMS items: the stages' time and items are the pipeline's divided in the
     proportions measured until then."""
-    fake = FakeTime(read_cost=1e-9)
-    monkeypatch.setattr(clock_module, "_now", fake)
+    fake = use_fake(monkeypatch, FakeTime(read_cost=1e-9))
     monkeypatch.setattr(clock_module, "TIMING_BUDGET", 2e-7)
-    n = 3 * clock_module.PROBE_ITEMS
+    n = 4 * clock_module.PROBE_ITEMS
     ds = MapDataset(Source(n, fake, cost=1e-3), sleeper(fake, 3e-3))
     clock = StageClock()
     clock.name_stages(walk(ds))
-    _, samples, totals = run_items(clock, fake, ds, n)
+    timed_items, reports, busy = run_items(clock, fake, ds, n)
     assert clock.settled
-    assert samples == n
+    # (timed 1 item in so many at this budget) settled at the end of the first probe window
+    probe = clock_module.PROBE_ITEMS
+    assert timed_items[0] and not any(timed_items[probe:])
+    assert len(reports) == 3
+    items, reported_busy, samples, totals = summed(reports)
+    assert (items, samples) == (n, n)
+    assert reported_busy == pytest.approx(busy, rel=1e-9)
     assert totals["MapDataset(step)"][0] == pytest.approx(n * 3e-3, rel=0.02)
     assert totals["Source"][0] == pytest.approx(n * 1e-3, rel=0.02)
-    assert totals["MapDataset(step)"][1] == totals["Source"][1] == n
+    assert totals["MapDataset(step)"][1] == totals["Source"][1] == totals["seeding"][1] == n
