@@ -20,7 +20,11 @@ loader's own throughput is what is measured. The cases:
   per ``next()``) show;
 * ``pipe-2w`` and ``pipe-0w``: a savable pipeline of three stages, ``BatchDataset(
   MapDataset(IndexSource(n), small_item), 32)`` of 4-float tensors, with 2 workers and in
-  the main process: every stage's ``next()`` is timed per sample.
+  the main process: the worst case, samples of a few µs, where the clocks settle (their
+  stages hand over to the datasets' own iterators) after their first items;
+* ``pack-0w``: bench_packing's LLM pipeline (a Parquet corpus of 12,000 documents,
+  tokenized, best-fit packed into rows of 512 tokens, batches of 32 rows) in the main
+  process, as nanochat runs its loader: its samples are the rows.
 
 Figures, median (min-max) over the repeats; the overheads are paired per repeat:
 
@@ -31,11 +35,13 @@ Figures, median (min-max) over the repeats; the overheads are paired per repeat:
   1 % target by ``measure.verdict`` (bench/README.md, "Method"): PASS when every repeat
   is at most 1 %, MISS when the median is above it, NOISY otherwise.
 
-Before the loaders, two calls that recording adds are timed in this process (CPU time of
-this thread, the rounds interleaved): a timed stage's ``next()`` over a plain one (a
-pipeline stage while its item is timed), and the main process's work per item (the
-item's report taken in, its ``next()`` accounted). Set against the CPU µs per sample,
-they say how far a case is from the target on a machine too busy to measure 1 %.
+Before the loaders, three calls that recording adds are timed in this process (CPU time
+of this thread, the rounds interleaved): a timed stage's ``next()`` over a plain one (a
+pipeline stage while its item is timed), the main process's work per item (the time the
+item was ready taken in, its ``next()`` accounted), and a worker's booking of an item
+once its clock has settled (a clock read included). Set against the CPU µs per sample,
+they say how far a case is from the target on a machine too busy to measure 1 %; in a
+loader they cost more than here, where they stay in the CPU's caches.
 
 ``main(argv)`` returns the results as a dict; ``python -m bench`` runs it as the extra
 section ``stats`` (5 repeats in a full run).
@@ -48,6 +54,7 @@ import gc
 import os
 import resource
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -60,6 +67,7 @@ if str(_REPO) not in sys.path:  # `python bench/bench_stats.py` puts bench/ firs
 import torch
 
 import savable_loader as sl
+from bench import bench_packing
 from bench import measure as M
 from bench.bench_dropin import MidDataset
 from bench.contenders import IndexSource
@@ -78,7 +86,15 @@ CASES: dict[str, tuple[str, int, int]] = {
     "dropin-tiny": ("drop-in, 4-float samples, 2 workers", 100_000, 4_000),
     "pipe-2w": ("pipeline source -> map -> batch, 4-float items, 2 workers", 200_000, 8_000),
     "pipe-0w": ("pipeline source -> map -> batch, 4-float items, num_workers=0", 200_000, 4_000),
+    "pack-0w": (
+        "bench_packing's LLM pipeline (Parquet -> tokenize -> best-fit packing, T=512 -> batch 32), num_workers=0",
+        12_000,
+        1_500,
+    ),
 }
+
+#: Cases whose size is the documents of a corpus (their samples are the packed rows).
+CORPUS_CASES = ("pack-0w",)
 
 
 def case_sizes(quick: bool, scale: float = 1.0, cases: list[str] | None = None) -> dict[str, int]:
@@ -92,8 +108,30 @@ def small_item(index: int) -> torch.Tensor:
     return torch.full((4,), float(index))
 
 
+_corpora: dict[int, Path] = {}
+
+
+def corpus(docs: int) -> Path:
+    """bench_packing's Parquet corpus of ``docs`` documents (written once per process)."""
+    if docs not in _corpora:
+        folder = Path(tempfile.mkdtemp(prefix="bench-stats-")) / "corpus"
+        bench_packing.write_corpus(folder, docs)
+        _corpora[docs] = folder
+    return _corpora[docs]
+
+
 def loader_maker(case: str, n: int, record: bool) -> Callable[[], Any]:
     """A function building the case's loader, with ``record_stats=record``."""
+    if case in CORPUS_CASES:
+        folder = corpus(n)
+
+        def packing() -> Any:
+            ds = bench_packing.pipeline(folder, 512, 0)
+            return sl.SavableDataLoader(
+                ds, batch_size=None, worker_config=ds.worker_config, global_rngs=(), record_stats=record
+            )
+
+        return packing
     if case in ("dropin", "dropin-tiny"):
         ds = MidDataset(n) if case == "dropin" else MapStyle(n, small_item)
         return lambda: sl.SavableDataLoader(
@@ -116,9 +154,10 @@ def _usage() -> tuple[float, float]:
     return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
-def epoch(make: Callable[[], Any], n: int) -> dict[str, Any]:
-    """One whole epoch of a fresh loader: wall samples/s, CPU µs a sample (main, workers,
-    both) and, with statistics on, the stages ``stats()`` named (a check that they ran)."""
+def epoch(make: Callable[[], Any], n: int | None) -> dict[str, Any]:
+    """One whole epoch of a fresh loader (of ``n`` samples; None: not known): wall
+    samples/s, CPU µs a sample (main, workers, both), the samples and, with statistics
+    on, the stages ``stats()`` named (a check that they ran)."""
     gc.collect()
     loader = make()
     main0, kids0 = _usage()
@@ -134,10 +173,12 @@ def epoch(make: Callable[[], Any], n: int) -> dict[str, Any]:
     del loader
     gc.collect()
     _, kids1 = _usage()
-    if count != n:
+    if n is not None and count != n:
         raise RuntimeError(f"an epoch yielded {count} samples, expected {n}")
+    n = count
     main_us, kids_us = (main1 - main0) / n * 1e6, (kids1 - kids0) / n * 1e6
     return {
+        "samples": n,
         "samples_per_s": n / wall,
         "main_us": main_us,
         "workers_us": kids_us,
@@ -178,10 +219,23 @@ def call_costs(calls: int, repeats: int) -> dict[str, dict[str, Any]]:
     def main_item(k: int) -> None:
         for _ in range(k):
             called = time.perf_counter()
-            recorder.report((0, called, 0.001, BATCH, None))
+            recorder.report(called - 1e-4)  # (a worker's item: the time it was ready)
             recorder.yielded(called)
 
-    rounds = {"plain next()": plain_next, "timed next()": timed_next, "main process": main_item}
+    clock = StageClock(worker=0)
+    clock.settled = True  # (a settled worker's per-item booking)
+
+    def worker_item(k: int) -> None:
+        for _ in range(k):
+            now = time.perf_counter()
+            clock.made(now, now, now, now, 0.0)
+
+    rounds = {
+        "plain next()": plain_next,
+        "timed next()": timed_next,
+        "main process": main_item,
+        "worker": worker_item,
+    }
     clock_ns = time.thread_time_ns
 
     def timed(fn: Callable[[int], None]) -> float:
@@ -197,7 +251,8 @@ def call_costs(calls: int, repeats: int) -> dict[str, dict[str, Any]]:
         "a timed stage's next() over a plain one": M.spread(
             [t - p for t, p in zip(got["timed next()"], got["plain next()"])]
         ),
-        "main process: an item's report taken in, its next() accounted": M.spread(got["main process"]),
+        "main process: an item's ready time taken in, its next() accounted": M.spread(got["main process"]),
+        "a worker: an item booked (settled clock)": M.spread(got["worker"]),
     }
 
 
@@ -220,11 +275,12 @@ def run(sizes: dict[str, int], repeats: int, call_rounds: int = 200_000) -> dict
     for case, n in sizes.items():
         M.log(f"stats overhead: {case} ({n:,} samples, {repeats} repeats)")
         makers = {"on": loader_maker(case, n, True), "off": loader_maker(case, n, False)}
+        samples = None if case in CORPUS_CASES else n
         for make in makers.values():  # warm-up: imports, first fork, page faults
-            epoch(make, n)
-        runs = M.interleaved({name: (lambda r, mk=mk, n=n: epoch(mk, n)) for name, mk in makers.items()}, repeats)
+            samples = epoch(make, samples)["samples"]
+        runs = M.interleaved({name: (lambda r, mk=mk, k=samples: epoch(mk, k)) for name, mk in makers.items()}, repeats)
         on, off = runs["on"], runs["off"]
-        res: dict[str, Any] = {"what": CASES[case][0], "samples": n, "stages": on[-1]["stages"]}
+        res: dict[str, Any] = {"what": CASES[case][0], "samples": samples, "stages": on[-1]["stages"]}
         for name, got in runs.items():
             res[name] = {fig: M.spread([g[fig] for g in got]) for fig in ("samples_per_s", "cpu_us", "main_us")}
             res[name]["workers_us"] = M.spread([g["workers_us"] for g in got])
