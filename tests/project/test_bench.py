@@ -116,7 +116,7 @@ def test_stats_bench_writes_every_figure(tmp_path):
     """`bench/bench_stats.py` (#34) on a tiny size: every case ran with statistics on (its
     stages named) and off, and its overheads are paired per repeat and judged."""
     results, printed = run_bench("bench.bench_stats", *("--quick", "--scale", "0.1"), out=tmp_path / "stats.json")
-    assert set(results["cases"]) == {"dropin", "dropin-tiny", "pipe-2w", "pipe-0w"}
+    assert set(results["cases"]) == {"dropin", "dropin-tiny", "pipe-2w", "pipe-0w", "pack-0w"}
     for case, res in results["cases"].items():
         for side in ("on", "off"):
             assert len(res[side]["samples_per_s"]["values"]) == 2 and res[side]["cpu_us"]["median"] > 0
@@ -124,5 +124,7 @@ def test_stats_bench_writes_every_figure(tmp_path):
             assert len(res[figure]["values"]) == 2
         assert "collate" in res["stages"], case
     assert "MapDataset(small_item)" in results["cases"]["pipe-0w"]["stages"]
-    assert len(results["targets"]) == 8 and {t["result"] for t in results["targets"]} <= {"PASS", "NOISY", "MISS"}
+    assert "PackingDataset" in results["cases"]["pack-0w"]["stages"]
+    assert results["cases"]["pack-0w"]["samples"] > 0  # (the packed rows of the corpus)
+    assert len(results["targets"]) == 10 and {t["result"] for t in results["targets"]} <= {"PASS", "NOISY", "MISS"}
     assert "record_stats, pipe-0w: CPU overhead" in printed
