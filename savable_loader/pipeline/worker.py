@@ -401,9 +401,8 @@ class WorkerRuntime:
                     # streams are put back after the batch
                     item = collate(item)
                     if clock is not None:
-                        collated = mark
-                        mark = time.perf_counter()
-                        collated = mark - collated
+                        collating, mark = mark, time.perf_counter()
+                        collated = mark - collating
                 if guard is not None:  # a draw the loader did not seed: an error, never the item
                     guard.check(
                         partial("item {} of worker {} in epoch {}".format, index - 1, worker_id, epoch),
