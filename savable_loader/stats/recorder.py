@@ -78,6 +78,16 @@ def _depths(at: Any, ready_at: Any, count: int, ahead: int) -> list[int]:
     return out
 
 
+def _add_worker(workers: dict[int, list[Any]], who: int, items: int, samples: int, busy: float) -> None:
+    """Add to worker ``who``'s ``[items, samples, busy seconds]`` in ``workers``."""
+    worker = workers.get(who)
+    if worker is None:
+        worker = workers[who] = [0, 0, 0.0]
+    worker[0] += items
+    worker[1] += samples
+    worker[2] += busy
+
+
 class _Window:
     """What one window has seen so far."""
 
@@ -120,12 +130,7 @@ class _Window:
         self.steps += batch.steps
         self.samples += batch.samples
         for who, (items, samples, busy) in batch.workers.items():
-            worker = self.workers.get(who)
-            if worker is None:
-                worker = self.workers[who] = [0, 0, 0.0]
-            worker[0] += items
-            worker[1] += samples
-            worker[2] += busy
+            _add_worker(self.workers, who, items, samples, busy)
         stages = self.stages
         for reported in batch.stages:
             for name, seconds, items, _ in reported:
@@ -216,12 +221,7 @@ class _Batch:
 
     def report(self, r: WorkerReport) -> None:
         who, _, items, busy, samples, reported = r
-        worker = self.workers.get(who)
-        if worker is None:
-            worker = self.workers[who] = [0, 0, 0.0]
-        worker[0] += items
-        worker[1] += samples
-        worker[2] += busy
+        _add_worker(self.workers, who, items, samples, busy)
         self.samples += samples
         if reported:
             self.stages.append(reported)

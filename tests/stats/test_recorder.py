@@ -15,7 +15,7 @@ import pytest
 
 from savable_loader.stats import recorder as recorder_module
 from savable_loader.stats.clock import StageTime, WorkerReport
-from savable_loader.stats.record import LoaderStats
+from savable_loader.stats.record import LoaderStats, QueueStats
 from savable_loader.stats.recorder import FOLD_ITEMS, SERIES_POINTS, Recorder
 
 
@@ -367,6 +367,17 @@ def test_no_log_no_log_windows(clock):
     assert rec.take().steps == 3
 
 
+def every_call_once(rec: Recorder, windows: list[LoaderStats], calls: int) -> list[QueueStats]:
+    """End ``rec``'s iteration and check that its ``windows`` (the last taken here) hold
+    each of its ``calls`` once, each having waited 0.25 s; their queues."""
+    rec.end()
+    windows.append(rec.take())
+    assert sum(w.steps for w in windows) == calls
+    assert rec.step == windows[-1].step == calls
+    assert sum(w.wait_seconds for w in windows) == 0.25 * calls
+    return [w.queue for w in windows if w.queue is not None]
+
+
 def test_calls_made_while_another_thread_takes_a_window_are_not_lost(clock):
     """``take()`` from another thread (``loader.stats()`` off the training thread) folds
     the calls while the loop appends more: none is lost, none booked twice, each keeps
@@ -399,12 +410,7 @@ def test_calls_made_while_another_thread_takes_a_window_are_not_lost(clock):
         stop.set()
         thread.join()
         sys.setswitchinterval(interval)
-    rec.end()
-    windows.append(rec.take())
-    assert sum(w.steps for w in windows) == calls
-    assert rec.step == windows[-1].step == calls
-    assert sum(w.wait_seconds for w in windows) == 0.25 * calls
-    queues = [w.queue for w in windows if w.queue is not None]
+    queues = every_call_once(rec, windows, calls)
     assert all((q.mean, q.max, q.empty_share) == (1.0, 1, 0.0) for q in queues)
 
 
@@ -456,12 +462,7 @@ def test_a_window_taken_between_the_appends_of_a_call_leaves_the_call_whole(cloc
         go.set()
         thread.join()
     assert len(windows) == calls
-    rec.end()
-    windows.append(rec.take())
-    assert sum(w.steps for w in windows) == calls
-    assert rec.step == windows[-1].step == calls
-    assert sum(w.wait_seconds for w in windows) == 0.25 * calls
-    queues = [w.queue for w in windows if w.queue is not None]
+    queues = every_call_once(rec, windows, calls)
     assert sum(len(q.series) for q in queues) == calls  # (every call in a series: fewer than SERIES_POINTS a window)
     assert all((q.mean, q.max, q.empty_share) == (1.0, 1, 0.0) for q in queues)
 
