@@ -284,6 +284,9 @@ class WorkerRuntime:
         self.carried: DatasetState | None = None
         #: Time each stage and report it with each item (``stats/clock.py``).
         self.timing = False
+        #: What the item being sent carries for the statistics (worker processes: put in
+        #: it on its way out, with its snapshot; see :meth:`_with_report`).
+        self.report: WorkerReport | float | None = None
 
     # -- iterating thread -------------------------------------------------------------
 
@@ -325,7 +328,7 @@ class WorkerRuntime:
                 index, skip, snapshot = start.snapshot_index, start.skip, start.dataset
         self.ring.reset(index, snapshot)
         self.epoch, self.worker_id = epoch, worker_id
-        self.outbox = None
+        self.outbox = self.report = None
         # A fresh run snapshots its first sample (which measures the cost); a restored run
         # holds the restored snapshot already, of unknown cost: no snapshot while it
         # replays (nothing is yielded, so nothing can be saved past it), and then one
@@ -409,12 +412,21 @@ class WorkerRuntime:
                         "in the pipeline",
                     )
                 if clock is not None:
-                    if skip:
+                    if clock.settled:  # (what clock.made() would do, without a call per item)
+                        clock.busy += mark - begun_item
+                        if skip:
+                            clock.replays += 1
+                            report = None
+                        else:
+                            clock.sent += 1
+                            report = clock.report(mark) if mark >= clock.due else mark if clock.stamp else None
+                    elif skip:
                         clock.replayed(begun_item, t0, made)
+                        report = None
                     else:
                         report = clock.made(begun_item, t0, made, mark, collated)
-                        if report is not None:
-                            item = _reported(item, report)
+                    if report is not None:
+                        item = self._with_report(item, report)
             if skip:
                 skip -= 1
                 continue
@@ -433,6 +445,15 @@ class WorkerRuntime:
             None,
             None if clock is None else clock.report(time.perf_counter(), final=True),
         )
+
+    def _with_report(self, item: Item | End, report: WorkerReport | float) -> Item | End:
+        """``item`` with ``report`` (a :class:`~savable_loader.stats.clock.StageClock`'s,
+        or the time it was ready). A worker process's items are rebuilt on their way out
+        anyway (``_with_snapshots``): the report goes in then, sparing a copy per item."""
+        if self.attach:
+            self.report = report
+            return item
+        return _reported(item, report)
 
     def _snapshot(self, index: int) -> float:
         """Snapshot the pipeline after ``index`` samples; returns the seconds it took.
@@ -623,12 +644,14 @@ def _copy_pipeline(dataset: SavableDataset, workers: int) -> SavableDataset:
 
 def _with_snapshots(runtime: WorkerRuntime, items: Iterator[Item | End]) -> Iterator[Item | End]:
     """Each item (and the end marker) with the snapshot taken since the previous one, if
-    any (see ``WorkerRuntime._snapshot``), on its way out of a worker process."""
+    any (see ``WorkerRuntime._snapshot``), and each item with its report (see
+    ``WorkerRuntime._with_report``), on its way out of a worker process."""
     for item in items:
-        outbox = runtime.outbox
-        runtime.outbox = None
+        outbox, report = runtime.outbox, runtime.report
+        runtime.outbox = runtime.report = None
         if isinstance(item, Item):  # its small tensors ride in the message (dataset/inline.py)
-            item = item._replace(payload=inline_small_tensors(item.payload), snapshot=outbox)
+            payload = inline_small_tensors(item.payload)
+            item = Item(item.worker, item.item_index, item.key, payload, outbox, report)
         elif outbox is not None:
             item = item._replace(snapshot=outbox)
         yield item

@@ -29,8 +29,11 @@ exceeds the budget (samples of a few microseconds: judged over each
 :data:`PROBE_ITEMS` items), the clock **settles**: every wrapper hands its stage over to
 the dataset's own iterator (a :class:`Handover`, an ``itertools.chain`` whose first part
 is the timing wrapper: once that ends, the stage's items pass through C code, about
-3 ns a sample), and each later report divides the pipeline's measured time among the
-stages, and its items, in the proportions measured until then.
+3 ns a sample), and each later report divides the items' measured busy time (less the
+snapshots, still timed) among the re-seeding, the stages and the collate function, and
+their items, in the proportions measured until then. A settled clock keeps per item only
+its count and busy seconds, in counters a loading loop may add to itself (see
+:meth:`StageClock.made`): a call per item is a share of a µs-sample pipeline's time.
 
 A clock's totals leave the context in :data:`WorkerReport` s, at most every
 :data:`FLUSH_SECONDS` (with the item then made) and with the epoch's end marker: the
@@ -194,16 +197,32 @@ class StageClock:
         self._all = 0.0
         self._timed = 0.0
         self._made = 0
-        #: since the last report: items sent, and their busy, seeding, pipeline and
-        #: collate seconds; items that used the collate function
+        #: since the last report, while timing: items sent, and their busy, seeding,
+        #: pipeline and collate seconds; items that used the collate function
         self._sums: list[Any] = [0, 0.0, 0.0, 0.0, 0.0, 0]
         #: items sent since the last report, and the seconds spent on them
         self._items = 0
         self._busy = 0.0
-        #: items replayed since the last report (their seconds are in _sums)
-        self._replayed = 0
+        #: items replayed since the last report, while timing, and their busy, seeding
+        #: and pipeline seconds
+        self._replay: list[Any] = [0, 0.0, 0.0, 0.0]
+        #: Once settled, the loading loop adds each item to these itself (see
+        #: :meth:`made`): items sent and replayed, and their busy seconds.
+        self.sent = 0
+        self.replays = 0
+        self.busy = 0.0
+        #: seconds of steps timed by :meth:`add` (snapshots) since the settled counters
+        #: were last summed: they are in ``busy``, and not divided among the stages
+        self._measured = 0.0
+        #: in the run until settling, of the items sent: their count, and their busy,
+        #: seeding, pipeline, collate and snapshot seconds; items that used the collate
+        #: function
+        self._totals: list[Any] = [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0]
+        #: after settling: the shares of an item's busy seconds (snapshots left out) of
+        #: seeding, the pipeline and the collate function; collated items per item
+        self._split = (0.0, 0.0, 0.0, 0.0)
         #: when the next report is due (FLUSH_SECONDS after the last)
-        self._due = _now() + FLUSH_SECONDS
+        self.due = _now() + FLUSH_SECONDS
         #: stage timing is over for this run (see the module docstring)
         self.settled = False
         self._layer = 0.0  # measured when first needed
@@ -259,50 +278,95 @@ class StageClock:
         """An item was made: re-seeded from ``begun`` to ``pulled``, the pipeline's
         ``next()`` from ``pulled`` to ``made``, ``collate`` seconds in the collate
         function (None: none), ready to leave at ``ready``. Returns what travels with it:
-        a :data:`WorkerReport` when one is due, else ``ready`` (``stamp``) or None."""
-        sums = self._sums
-        sums[0] += 1
-        sums[1] += ready - begun
-        sums[2] += pulled - begun
-        sums[3] += made - pulled
-        if collate is not None:
-            sums[4] += collate
-            sums[5] += 1
-        if not self.settled:
-            self._account(made - pulled)
-        if ready >= self._due:
+        a :data:`WorkerReport` when one is due, else ``ready`` (``stamp``) or None.
+
+        Once the clock has settled, only the item's count and busy seconds are kept
+        (the steps are divided in the proportions measured until then), and a loading
+        loop may do that itself, sparing a call per item::
+
+            clock.sent += 1
+            clock.busy += ready - begun
+            report = clock.report(ready) if ready >= clock.due else ready if clock.stamp else None
+        """
+        if self.settled:
+            self.sent += 1
+            self.busy += ready - begun
+        else:
+            sums = self._sums
+            sums[0] += 1
+            sums[1] += ready - begun
+            sums[2] += pulled - begun
+            sums[3] += made - pulled
+            if collate is not None:
+                sums[4] += collate
+                sums[5] += 1
+            self._account(made - pulled, sent=True)
+        if ready >= self.due:
             return self.report(ready)
         return ready if self.stamp else None
 
     def replayed(self, begun: float, pulled: float, made: float) -> None:
         """An item was made and not sent (a restored worker replaying to its position):
-        its time counts, the item does not."""
-        sums = self._sums
-        sums[1] += made - begun
-        sums[2] += pulled - begun
-        sums[3] += made - pulled
-        self._replayed += 1
-        if not self.settled:
-            self._account(made - pulled)
+        its time counts, the item does not. (Settled: ``clock.replays += 1`` and
+        ``clock.busy += made - begun`` do the same.)"""
+        if self.settled:
+            self.replays += 1
+            self.busy += made - begun
+            return
+        replay = self._replay
+        replay[0] += 1
+        replay[1] += made - begun
+        replay[2] += pulled - begun
+        replay[3] += made - pulled
+        self._account(made - pulled, sent=False)
 
     def _sum_items(self) -> None:
         """Add the items sent and replayed since the last call to the report's items and
-        busy seconds, the pipeline's time and the seeding and collate steps."""
+        busy seconds, the pipeline's time and the seeding and collate steps (once
+        settled: the busy seconds, snapshots left out, divided in the measured shares)."""
         sent, busy, seeding, pipeline, collate, collated = self._sums
-        replayed = self._replayed
-        if sent or replayed:
+        if sent:
             self._sums = [0, 0.0, 0.0, 0.0, 0.0, 0]
-            self._replayed = 0
-            self.add("seeding", seeding, sent + replayed)
+            if not self.settled:  # (the shares are of sent items: replays are not collated)
+                totals = self._totals
+                totals[0] += sent
+                totals[1] += busy
+                totals[2] += seeding
+                totals[3] += pipeline
+                totals[4] += collate
+                totals[6] += collated
+        replayed, replay_busy, replay_seeding, replay_pipeline = self._replay
+        if replayed:
+            self._replay = [0, 0.0, 0.0, 0.0]
+        made = sent + replayed
+        if made:
+            self.add("seeding", seeding + replay_seeding, made)
             if collated:
                 self.add("collate", collate, collated)
             self._items += sent
+            self._busy += busy + replay_busy
+            self._all += pipeline + replay_pipeline
+            self._made += made
+        sent, replayed, busy = self.sent, self.replays, self.busy
+        if sent or replayed:
+            self.sent = self.replays = 0
+            self.busy = 0.0
+            spent, self._measured = max(busy - self._measured, 0.0), 0.0
+            seeding, pipeline, collate, collated = self._split
+            made = sent + replayed
+            self.add("seeding", spent * seeding, made)
+            if collated:
+                self.add("collate", spent * collate, round(sent * collated))
+            self._items += sent
             self._busy += busy
-            self._all += pipeline
-            self._made += sent + replayed
+            self._all += spent * pipeline
+            self._made += made
 
-    def _account(self, pipeline: float) -> None:
-        """An item's ``pipeline`` seconds (while timing); whether the next item is timed."""
+    def _account(self, pipeline: float, sent: bool) -> None:
+        """An item's ``pipeline`` seconds (while timing); whether the next item is timed.
+        The clock settles once it has timed :data:`PROBE_ITEMS` sent items at least: a
+        restored worker's replay (first in its run) is not collated, and the shares
+        after settling are measured on items that are."""
         run, probe = self._run, self._probe
         run[0] += 1
         run[3] += pipeline
@@ -314,7 +378,7 @@ class StageClock:
             run[4] += pipeline
             probe[1] += 1
             probe[2] += self.calls
-        if probe[0] >= PROBE_ITEMS and probe[1]:
+        if sent and probe[0] >= PROBE_ITEMS and probe[1] and self._sums[0] + self._totals[0] >= PROBE_ITEMS:
             self._judge()
         if self.on:
             self._timed += pipeline
@@ -343,6 +407,11 @@ class StageClock:
         # (the items made since the last take are reported with the later ones, at these
         # proportions: the stages' own counts of them are dropped)
         self._per_item = sum(slot[6] for slot in self._sources)
+        self._sum_items()  # (the run's totals complete; the item being made is in them)
+        made, busy, seeding, pipeline, collate, snapshots, collated = self._totals
+        spent = busy - snapshots
+        if spent > 0:
+            self._split = (seeding / spent, pipeline / spent, collate / spent, collated / made)
         self.settled = True
         self.on = False
 
@@ -353,6 +422,11 @@ class StageClock:
             slot = self._extra[name] = [name, 0.0, 0, False, 0]
         slot[1] += seconds
         slot[2] += items
+        if name not in ("seeding", "collate"):  # (a step inside an item's busy seconds)
+            if self.settled:
+                self._measured += seconds
+            else:
+                self._totals[5] += seconds
 
     def take(self, final: bool = False) -> tuple[StageTime, ...]:
         """The stage times since the last :meth:`take` (the datasets' scaled to all items,
@@ -390,7 +464,7 @@ class StageClock:
             if slot[2] or slot[1]:
                 out.append((slot[0], slot[1], slot[2], slot[3]))
                 slot[1], slot[2] = 0.0, 0
-        self._due = _now() + FLUSH_SECONDS
+        self.due = _now() + FLUSH_SECONDS
         return tuple(out)
 
     def samples(self) -> int:

@@ -696,3 +696,108 @@ def test_a_clock_whose_wrappers_cost_too_much_settles_and_divides_the_time(monke
     assert totals["MapDataset(step)"][0] == pytest.approx(n * 3e-3, rel=0.02)
     assert totals["Source"][0] == pytest.approx(n * 1e-3, rel=0.02)
     assert totals["MapDataset(step)"][1] == totals["Source"][1] == totals["seeding"][1] == n
+
+
+def settled_run(monkeypatch, inline: bool, replays: int = 0):
+    """Make 200 items of known costs as the pipeline runtime does: ``replays`` of them
+    replayed first, a snapshot (5 ms) every 40th, the clock settling after the first
+    probe window. ``inline``: once settled, the runtime's own additions to the clock's
+    counters (``WorkerRuntime.run``) instead of ``made()``/``replayed()``. The reports,
+    and the true seconds of each step."""
+    fake = use_fake(monkeypatch, FakeTime(read_cost=1e-9))
+    monkeypatch.setattr(clock_module, "TIMING_BUDGET", 2e-7)  # (settles: see above)
+    n = 200
+    ds = MapDataset(Source(n, fake, cost=1e-3), sleeper(fake, 3e-3))
+    clock = StageClock(worker=4)
+    clock.name_stages(walk(ds))
+    reports: list[Any] = []
+    truth = {"seeding": 0.0, "collate": 0.0, "snapshot": 0.0, "busy": 0.0}
+    with activate(clock):
+        it = iter(ds)
+        for k in range(n):
+            begun = fake()
+            fake.sleep(0.5e-3)  # re-seeding
+            pulled = fake()
+            next(it)
+            made = collating = mark = fake()
+            truth["seeding"] += pulled - begun
+            replay = k < replays  # (a replayed item is neither snapshotted nor collated)
+            if k % 40 == 39 and not replay:
+                fake.sleep(5e-3)
+                snapped = fake()
+                clock.add("snapshot", snapped - mark)
+                truth["snapshot"] += snapped - mark
+                collating = mark = snapped
+            if not replay:
+                fake.sleep(2e-3)
+                mark = fake()
+                truth["collate"] += mark - collating
+            truth["busy"] += mark - begun
+            if inline and clock.settled:
+                clock.busy += mark - begun
+                if replay:
+                    clock.replays += 1
+                else:
+                    clock.sent += 1
+                    report = clock.report(mark) if mark >= clock.due else mark if clock.stamp else None
+                    if type(report) is tuple:
+                        reports.append(report)
+            elif replay:
+                clock.replayed(begun, pulled, made)
+            else:
+                report = clock.made(begun, pulled, made, mark, mark - collating)
+                if type(report) is tuple:
+                    reports.append(report)
+        reports.append(clock.report(fake(), final=True))
+    assert clock.settled
+    return reports, truth
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_settled_clock_divides_the_items_time_among_seeding_stages_and_collate(monkeypatch, inline):
+    """Once settled, each item's busy seconds (the snapshots, still timed, left out) are
+    divided among the re-seeding, the stages and the collate function in the proportions
+    measured until then; the items, the busy seconds and the snapshots stay exact, and
+    the runtime's own additions to the counters report what ``made()`` reports."""
+    reports, truth = settled_run(monkeypatch, inline)
+    assert len(reports) > 3  # (reports due every FLUSH_SECONDS of the 1.3 s run, and the final one)
+    items, busy, samples, totals = summed(reports)
+    assert (items, samples) == (200, 200)
+    assert busy == pytest.approx(truth["busy"], rel=1e-9)
+    assert totals["snapshot"] == [pytest.approx(truth["snapshot"], rel=1e-9), 5]
+    assert totals["seeding"] == [pytest.approx(truth["seeding"], rel=0.01), 200]
+    assert totals["collate"] == [pytest.approx(truth["collate"], rel=0.01), 200]
+    assert totals["MapDataset(step)"] == [pytest.approx(200 * 3e-3, rel=0.01), 200]
+    assert totals["Source"] == [pytest.approx(200 * 1e-3, rel=0.01), 200]
+    # the whole: every second of the items is in a step (the reads between them aside)
+    steps = sum(seconds for seconds, _ in totals.values())
+    assert steps == pytest.approx(truth["busy"], rel=1e-3)
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_settled_clock_counts_replayed_items_in_busy_not_in_items(monkeypatch, inline):
+    """A restored worker's replay that goes on after the clock settled: the replayed
+    items' seconds are busy time and divided among the steps, the items are not sent."""
+    reports, truth = settled_run(monkeypatch, inline, replays=60)
+    items, busy, samples, totals = summed(reports)
+    assert items == 140  # (sent: the 200 made, less the 60 replayed)
+    assert samples == 200  # (what the source read, the replay included)
+    assert busy == pytest.approx(truth["busy"], rel=1e-9)
+    assert totals["snapshot"] == [pytest.approx(truth["snapshot"], rel=1e-9), 4]
+    assert totals["seeding"] == [pytest.approx(truth["seeding"], rel=0.01), 200]
+    assert totals["Source"][0] == pytest.approx(200 * 1e-3, rel=0.01)
+    steps = sum(seconds for seconds, _ in totals.values())
+    assert steps == pytest.approx(truth["busy"], rel=1e-3)
+
+
+def test_a_settled_clock_with_no_time_measured_divides_nothing(fake):
+    """A clock that settled over items of no measured time (a clock that did not move)
+    has no proportions: later items are counted, their steps get no seconds."""
+    clock = StageClock(worker=0)
+    clock.settled = True  # (as _judge leaves it with no busy seconds measured)
+    t = fake.now
+    for _ in range(3):
+        clock.made(t, t, t, t)
+    worker, done_at, items, busy, samples, times = clock.report(t, final=True)
+    assert (items, busy) == (3, 0.0)
+    assert named(times)["seeding"] == (0.0, 3, False)
