@@ -26,6 +26,17 @@ loader's own throughput is what is measured. The cases:
   tokenized, best-fit packed into rows of 512 tokens, batches of 32 rows) in the main
   process, as nanochat runs its loader: its samples are the rows.
 
+Each repeat runs in a fresh Python process (``--in-process``, the default with
+``--quick``: all in this one), after a warm-up epoch of each loader: within one process
+the memory layout (address and hash randomization) gives one loader a lasting edge of up
+to a few percent, either way, which pairing the epochs inside that process does not
+cancel; over processes it averages out.
+
+Each repeat also runs a second loader with ``record_stats=False`` (``off again``): the
+last column, ``CPU, off vs off``, is the same figure between two loaders that do the same
+work, the noise floor of the run (on 2 shared cores, a few percent either way: below
+it, an overhead is not a result).
+
 Figures, median (min-max) over the repeats; the overheads are paired per repeat:
 
 * **samples/s** (wall clock) and **CPU µs/sample** of all processes (the main process,
@@ -51,8 +62,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -223,12 +236,14 @@ def call_costs(calls: int, repeats: int) -> dict[str, dict[str, Any]]:
             recorder.yielded(called)
 
     clock = StageClock(worker=0)
-    clock.settled = True  # (a settled worker's per-item booking)
+    clock.settled = True  # (a settled worker's per-item booking, as WorkerRuntime.run does it)
 
     def worker_item(k: int) -> None:
         for _ in range(k):
             now = time.perf_counter()
-            clock.made(now, now, now, now, 0.0)
+            clock.busy += now - now
+            clock.sent += 1
+            _ = clock.report(now) if now >= clock.due else now if clock.stamp else None
 
     rounds = {
         "plain next()": plain_next,
@@ -259,13 +274,60 @@ def call_costs(calls: int, repeats: int) -> dict[str, dict[str, Any]]:
 # -- the run ----------------------------------------------------------------------------
 
 
-def run(sizes: dict[str, int], repeats: int, call_rounds: int = 200_000) -> dict[str, Any]:
-    """Every case of ``sizes`` (case -> samples), ``repeats`` interleaved repeats each."""
+#: The loaders of a repeat: statistics on, off, and off again (the A/A control).
+SIDES = ("on", "off", "off again")
+
+
+def makers_of(case: str, n: int) -> dict[str, Callable[[], Any]]:
+    """The case's loader builders, by side (see :data:`SIDES`)."""
+    return {side: loader_maker(case, n, side == "on") for side in SIDES}
+
+
+def one_round(case: str, n: int, samples: int | None, order: list[str]) -> dict[str, dict[str, Any]]:
+    """One repeat in this process, after a warm-up epoch of each side: an epoch of each
+    side, in ``order``."""
+    makers = makers_of(case, n)
+    for side in order:  # warm-up: imports, first fork, page faults
+        samples = epoch(makers[side], samples)["samples"]
+    return {side: epoch(makers[side], samples) for side in order}
+
+
+def fresh_round(case: str, n: int, samples: int | None, order: list[str]) -> dict[str, dict[str, Any]]:
+    """:func:`one_round` in a fresh Python process (``python -m bench.bench_stats --child``)."""
+    spec = {"case": case, "n": n, "samples": samples, "order": order}
+    if case in CORPUS_CASES:
+        spec["corpus"] = str(corpus(n))  # (written once, by this process)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.bench_stats", "--child", json.dumps(spec)],
+        cwd=_REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"a repeat of {case} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    got: dict[str, dict[str, Any]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return got
+
+
+def child(spec_json: str) -> None:
+    """``--child SPEC``: one repeat (:func:`one_round`), its figures printed as a JSON line."""
+    spec = json.loads(spec_json)
+    if spec.get("corpus"):
+        _corpora[spec["n"]] = Path(spec["corpus"])
+    got = one_round(spec["case"], spec["n"], spec["samples"], spec["order"])
+    print(json.dumps(got))
+
+
+def run(sizes: dict[str, int], repeats: int, call_rounds: int = 200_000, fresh: bool = True) -> dict[str, Any]:
+    """Every case of ``sizes`` (case -> samples), ``repeats`` interleaved repeats each
+    (``fresh``: each repeat in a fresh process, see the module docstring)."""
     load0 = os.getloadavg()[0]
     out: dict[str, Any] = {
         "batch_size": BATCH,
         "workers": WORKERS,
         "repeats": repeats,
+        "fresh_processes": fresh,
         "cpu_count": os.cpu_count(),
         "load_start": load0,
         "calls_us": call_costs(call_rounds, max(repeats, 5)),
@@ -273,19 +335,31 @@ def run(sizes: dict[str, int], repeats: int, call_rounds: int = 200_000) -> dict
         "targets": [],
     }
     for case, n in sizes.items():
-        M.log(f"stats overhead: {case} ({n:,} samples, {repeats} repeats)")
-        makers = {"on": loader_maker(case, n, True), "off": loader_maker(case, n, False)}
+        M.log(f"stats overhead: {case} ({n:,} samples, {repeats} repeats{', fresh processes' if fresh else ''})")
         samples = None if case in CORPUS_CASES else n
-        for make in makers.values():  # warm-up: imports, first fork, page faults
-            samples = epoch(make, samples)["samples"]
-        runs = M.interleaved({name: (lambda r, mk=mk, k=samples: epoch(mk, k)) for name, mk in makers.items()}, repeats)
+        if fresh:
+            runs: dict[str, list[Any]] = {side: [] for side in SIDES}
+            for r in range(repeats):  # (the order rotates, as M.interleaved's)
+                k = r % len(SIDES)
+                got = fresh_round(case, n, samples, [*SIDES[k:], *SIDES[:k]])
+                for side in SIDES:
+                    runs[side].append(got[side])
+        else:
+            makers = makers_of(case, n)
+            for make in makers.values():  # warm-up: imports, first fork, page faults
+                samples = epoch(make, samples)["samples"]
+            runs = M.interleaved(
+                {side: (lambda r, mk=mk, k=samples: epoch(mk, k)) for side, mk in makers.items()}, repeats
+            )
         on, off = runs["on"], runs["off"]
+        samples = on[0]["samples"]
         res: dict[str, Any] = {"what": CASES[case][0], "samples": samples, "stages": on[-1]["stages"]}
         for name, got in runs.items():
             res[name] = {fig: M.spread([g[fig] for g in got]) for fig in ("samples_per_s", "cpu_us", "main_us")}
             res[name]["workers_us"] = M.spread([g["workers_us"] for g in got])
         res["wall_overhead"] = M.spread([1 - a["samples_per_s"] / b["samples_per_s"] for a, b in zip(on, off)])
         res["cpu_overhead"] = M.spread([1 - b["cpu_us"] / a["cpu_us"] for a, b in zip(on, off)])
+        res["cpu_control"] = M.spread([1 - b["cpu_us"] / a["cpu_us"] for a, b in zip(runs["off again"], off)])
         res["extra_main_us"] = M.spread([a["main_us"] - b["main_us"] for a, b in zip(on, off)])
         res["extra_workers_us"] = M.spread([a["workers_us"] - b["workers_us"] for a, b in zip(on, off)])
         out["cases"][case] = res
@@ -313,7 +387,9 @@ def render(out: dict[str, Any]) -> str:
         f"{out['cpu_count']} cores; load average {out['load_start']:.1f} at the start, "
         f"{out['load_end']:.1f} at the end"
     )
-    rows = [["case", "samples/s on", "off", "CPU µs/sample on", "off", "wall overhead", "CPU overhead"]]
+    rows = [
+        ["case", "samples/s on", "off", "CPU µs/sample on", "off", "wall overhead", "CPU overhead", "CPU, off vs off"]
+    ]
     for case, res in out["cases"].items():
         rows.append(
             [
@@ -324,6 +400,7 @@ def render(out: dict[str, Any]) -> str:
                 M.fmt_spread(res["off"]["cpu_us"]),
                 _pct(res["wall_overhead"]),
                 _pct(res["cpu_overhead"]),
+                _pct(res["cpu_control"]),
             ]
         )
     lines = [head, "", M.table(rows), ""]
@@ -346,13 +423,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)} (default all)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the samples of every case")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every repeat in this process (faster; the default with --quick): its memory layout "
+        "then biases the overheads, by up to a few percent",
+    )
+    parser.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)  # (one repeat: fresh_round)
     args = parser.parse_args(argv)
+    if args.child:
+        child(args.child)
+        return {}
     cases = [c for c in args.cases.split(",") if c]
     for case in cases:
         if case not in CASES:
             parser.error(f"unknown case {case!r}; choose from {list(CASES)}")
     repeats = args.repeats or (2 if args.quick else 7)
-    out = run(case_sizes(args.quick, args.scale, cases), repeats, call_rounds=20_000 if args.quick else 200_000)
+    out = run(
+        case_sizes(args.quick, args.scale, cases),
+        repeats,
+        call_rounds=20_000 if args.quick else 200_000,
+        fresh=not (args.in_process or args.quick),
+    )
     out["mode"] = "quick" if args.quick else "full"
     return M.finish(out, render(out), args.json)
 

@@ -118,9 +118,9 @@ def test_stats_bench_writes_every_figure(tmp_path):
     results, printed = run_bench("bench.bench_stats", *("--quick", "--scale", "0.1"), out=tmp_path / "stats.json")
     assert set(results["cases"]) == {"dropin", "dropin-tiny", "pipe-2w", "pipe-0w", "pack-0w"}
     for case, res in results["cases"].items():
-        for side in ("on", "off"):
+        for side in ("on", "off", "off again"):
             assert len(res[side]["samples_per_s"]["values"]) == 2 and res[side]["cpu_us"]["median"] > 0
-        for figure in ("wall_overhead", "cpu_overhead"):
+        for figure in ("wall_overhead", "cpu_overhead", "cpu_control"):
             assert len(res[figure]["values"]) == 2
         assert "collate" in res["stages"], case
     assert "MapDataset(small_item)" in results["cases"]["pipe-0w"]["stages"]
@@ -128,3 +128,19 @@ def test_stats_bench_writes_every_figure(tmp_path):
     assert results["cases"]["pack-0w"]["samples"] > 0  # (the packed rows of the corpus)
     assert len(results["targets"]) == 10 and {t["result"] for t in results["targets"]} <= {"PASS", "NOISY", "MISS"}
     assert "record_stats, pipe-0w: CPU overhead" in printed
+    assert results["fresh_processes"] is False  # (--quick: every repeat in the bench's process)
+
+
+def test_stats_bench_runs_each_repeat_in_a_fresh_process(tmp_path):
+    """Without --quick each repeat of `bench/bench_stats.py` runs in a fresh process (the
+    corpus of pack-0w written once, by the bench's): its figures come back whole."""
+    args = ("--cases", "pipe-0w,pack-0w", "--repeats", "2", "--scale", "0.02")
+    results, printed = run_bench("bench.bench_stats", *args, out=tmp_path / "stats.json")
+    assert results["fresh_processes"] is True
+    assert set(results["cases"]) == {"pipe-0w", "pack-0w"}
+    for res in results["cases"].values():
+        for side in ("on", "off", "off again"):
+            assert len(res[side]["cpu_us"]["values"]) == 2 and res[side]["cpu_us"]["median"] > 0
+        assert len(res["cpu_control"]["values"]) == 2
+    assert "PackingDataset" in results["cases"]["pack-0w"]["stages"]
+    assert "CPU, off vs off" in printed
