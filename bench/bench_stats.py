@@ -2,16 +2,16 @@
 
 Run from the repository root::
 
-    python -m bench.bench_stats                # a few minutes on 2 quiet cores
+    python -m bench.bench_stats                # about 40 minutes on 2 cores
     python -m bench.bench_stats --quick        # small sizes, 2 repeats: a smoke test, not a result
-    python -m bench.bench_stats --repeats 9 --json bench/results/stats.json
+    python -m bench.bench_stats --cases pack-0w --repeats 20 --json bench/results/stats.json
 
 Issue 34's target: ``loader.stats()`` is cheap enough to leave on, at most 1 % of the
-loader's own throughput. Each case runs one whole epoch of a fresh loader built with
+loader's own throughput. Each case runs whole epochs of a fresh loader built with
 ``record_stats=True`` (the default) and of the same loader with ``record_stats=False``,
-in turn (the order rotates between repeats), timed from ``iter()`` to the last batch
-(worker start-up included for both); the loop does nothing with the batches, so the
-loader's own throughput is what is measured. The cases:
+timed from ``iter()`` to the last batch (worker start-up included for both); the loop
+does nothing with the batches, so the loader's own throughput is what is measured. The
+cases:
 
 * ``dropin``: the drop-in path over bench_dropin's 0.2 ms samples (a 3 x 96 x 96
   augmented image), batch 32, 2 workers;
@@ -26,25 +26,48 @@ loader's own throughput is what is measured. The cases:
   tokenized, best-fit packed into rows of 512 tokens, batches of 32 rows) in the main
   process, as nanochat runs its loader: its samples are the rows.
 
-Each repeat runs in a fresh Python process (``--in-process``, the default with
-``--quick``: all in this one), after a warm-up epoch of each loader: within one process
-the memory layout (address and hash randomization) gives one loader a lasting edge of up
-to a few percent, either way, which pairing the epochs inside that process does not
-cancel; over processes it averages out.
+**Repeats and rounds.** Each repeat is a fresh Python process (``--in-process``, the
+default with ``--quick``: all in this one) that runs a warm-up epoch of each loader, then
+``--pairs`` rounds of one epoch of each (the order rotates between rounds and repeats).
+Within one process the memory layout (address and hash randomization) gives one loader
+a lasting edge of up to a few percent, either way, which pairing the epochs inside that
+process does not cancel; over processes it averages out. So the repeat, not the round,
+is the unit: a figure is the mean over the repeats of each repeat's mean over its
+rounds, with a 95 % confidence interval (Student's t over the repeats).
 
-Each repeat also runs a second loader with ``record_stats=False`` (``off again``): the
+**The garbage collector.** A collection of the youngest generation falls where the count
+of allocated containers crosses a threshold (700). A loader that keeps a few dozen more
+objects (the statistics' own) moves every later collection, and one moved collection can
+land on a different set of young objects: in ``pack-0w``, on the 1,700 token lists of a
+packing buffer, 12 ms, 2.5 % of the epoch, in every run of the same corpus. That is the
+collector's phase, not a cost of the statistics (with the phase varied, on and off
+collect equally often), and a training loop's own allocations set that phase anyway. So
+each timed epoch runs under a threshold drawn from :data:`GC_THRESHOLDS` (600 to 800,
+seeded by the repeat), which spreads the collections over their possible phases.
+
+**Batches in turn.** The noise of one whole epoch on 2 shared cores is a few percent
+(the machine's speed drifts between two epochs), larger than the 1 % to be resolved. The
+cases in the main process (:data:`IN_TURN_CASES`) are therefore also timed batch by
+batch: after their rounds, each repeat runs ``--pairs`` epochs of the three loaders at
+once, their ``next()`` calls in turn (the order rotating every round), each call timed
+in this thread's CPU time, the garbage collector off (the whole epochs above count
+it). A drift then slows all three alike, and one epoch's figure varies by about 0.2 %.
+
+Each round also runs a second loader with ``record_stats=False`` (``off again``): the
 last column, ``CPU, off vs off``, is the same figure between two loaders that do the same
-work, the noise floor of the run (on 2 shared cores, a few percent either way: below
-it, an overhead is not a result).
+work, the noise floor of the run: its interval should hold 0.
 
-Figures, median (min-max) over the repeats; the overheads are paired per repeat:
+Figures: throughput and CPU per epoch as median (min-max) over all epochs; the
+overheads paired per round and given as mean [95 % interval] over the repeats:
 
 * **samples/s** (wall clock) and **CPU µs/sample** of all processes (the main process,
   ``getrusage(RUSAGE_SELF)``, and the reaped workers, ``RUSAGE_CHILDREN``), on and off;
 * **wall overhead**: ``1 - on/off`` samples/s; **CPU overhead**: ``1 - off/on`` CPU per
-  sample (the throughput lost where the CPUs are the limit). Each is judged against the
-  1 % target by ``measure.verdict`` (bench/README.md, "Method"): PASS when every repeat
-  is at most 1 %, MISS when the median is above it, NOISY otherwise.
+  sample (the throughput lost where the CPUs are the limit), of the whole epochs and
+  (main-process cases) of the batches in turn. Each is judged against the
+  1 % target by ``measure.ci_verdict`` (bench/README.md, "Method"): PASS when the whole
+  interval is at most 1 %, MISS when the whole interval is above it, NOISY when it holds
+  1 % (more repeats, or a quieter machine).
 
 Before the loaders, three calls that recording adds are timed in this process (CPU time
 of this thread, the rounds interleaved): a timed stage's ``next()`` over a plain one (a
@@ -55,7 +78,7 @@ they say how far a case is from the target on a machine too busy to measure 1 %;
 loader they cost more than here, where they stay in the CPU's caches.
 
 ``main(argv)`` returns the results as a dict; ``python -m bench`` runs it as the extra
-section ``stats`` (5 repeats in a full run).
+section ``stats`` (its ``--repeats``, 5 in a full run, of 2 rounds).
 """
 
 from __future__ import annotations
@@ -64,7 +87,9 @@ import argparse
 import gc
 import json
 import os
+import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -167,20 +192,27 @@ def _usage() -> tuple[float, float]:
     return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
-def epoch(make: Callable[[], Any], n: int | None) -> dict[str, Any]:
-    """One whole epoch of a fresh loader (of ``n`` samples; None: not known): wall
-    samples/s, CPU µs a sample (main, workers, both), the samples and, with statistics
-    on, the stages ``stats()`` named (a check that they ran)."""
+def epoch(make: Callable[[], Any], n: int | None, threshold: int | None = None) -> dict[str, Any]:
+    """One whole epoch of a fresh loader (of ``n`` samples; None: not known), under the
+    garbage collector's first-generation ``threshold`` (None: as it is): wall samples/s,
+    CPU µs a sample (main, workers, both), the samples and, with statistics on, the
+    stages ``stats()`` named (a check that they ran)."""
     gc.collect()
     loader = make()
-    main0, kids0 = _usage()
-    t0 = time.perf_counter()
-    it = iter(loader)
-    count = 0
-    for batch in it:
-        count += M.batch_len(batch)
-    wall = time.perf_counter() - t0
-    main1, _ = _usage()
+    kept = gc.get_threshold()
+    if threshold is not None:
+        gc.set_threshold(threshold, *kept[1:])
+    try:
+        main0, kids0 = _usage()
+        t0 = time.perf_counter()
+        it = iter(loader)
+        count = 0
+        for batch in it:
+            count += M.batch_len(batch)
+        wall = time.perf_counter() - t0
+        main1, _ = _usage()
+    finally:
+        gc.set_threshold(*kept)
     stages = [s.name for s in loader.stats().stages] if loader.record_stats else []
     M.close(it)  # the workers are joined (reaped): their CPU time shows in RUSAGE_CHILDREN
     del loader
@@ -277,24 +309,74 @@ def call_costs(calls: int, repeats: int) -> dict[str, dict[str, Any]]:
 #: The loaders of a repeat: statistics on, off, and off again (the A/A control).
 SIDES = ("on", "off", "off again")
 
+#: Cases in the main process: their batches are also timed in turn (:func:`batches_in_turn`).
+IN_TURN_CASES = ("pipe-0w", "pack-0w")
+
+#: Each timed epoch runs under a first-generation garbage collector threshold drawn from
+#: this range (Python's default, 700, in its middle): see the module docstring.
+GC_THRESHOLDS = (600, 800)
+
 
 def makers_of(case: str, n: int) -> dict[str, Callable[[], Any]]:
     """The case's loader builders, by side (see :data:`SIDES`)."""
     return {side: loader_maker(case, n, side == "on") for side in SIDES}
 
 
-def one_round(case: str, n: int, samples: int | None, order: list[str]) -> dict[str, dict[str, Any]]:
-    """One repeat in this process, after a warm-up epoch of each side: an epoch of each
-    side, in ``order``."""
+def batches_in_turn(makers: dict[str, Callable[[], Any]], turn: int) -> dict[str, float]:
+    """One epoch of each side's loader (loaders of the main process), their batches in
+    turn (the order rotating every round, from ``turn``), the garbage collector off: this
+    thread's CPU µs a sample in each loader's ``next()``."""
+    gc.collect()
+    iterators = {side: iter(makers[side]()) for side in SIDES}
+    spent = dict.fromkeys(SIDES, 0)
+    samples = dict.fromkeys(SIDES, 0)
+    live = list(SIDES)
+    clock = time.thread_time_ns
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        while live:
+            k = turn % len(live)
+            turn += 1
+            for side in [*live[k:], *live[:k]]:
+                t0 = clock()
+                try:
+                    batch = next(iterators[side])
+                except StopIteration:
+                    live.remove(side)
+                else:
+                    samples[side] += M.batch_len(batch)
+                spent[side] += clock() - t0
+    finally:
+        if collecting:
+            gc.enable()
+        for it in iterators.values():
+            M.close(it)
+    return {side: spent[side] / 1e3 / samples[side] for side in SIDES}
+
+
+def one_round(case: str, n: int, samples: int | None, pairs: int, seed: int) -> dict[str, list[Any]]:
+    """One repeat in this process: a warm-up epoch of each side, then ``pairs`` rounds of
+    an epoch of each side (the order rotating from ``seed``), each under a threshold of
+    :data:`GC_THRESHOLDS` drawn from ``seed``; for a case of :data:`IN_TURN_CASES`, then
+    ``pairs`` epochs of :func:`batches_in_turn` (``in turn``)."""
     makers = makers_of(case, n)
-    for side in order:  # warm-up: imports, first fork, page faults
+    for side in SIDES:  # warm-up: imports, first fork, page faults
         samples = epoch(makers[side], samples)["samples"]
-    return {side: epoch(makers[side], samples) for side in order}
+    draw = random.Random(seed)
+    out: dict[str, list[Any]] = {side: [] for side in SIDES}
+    for p in range(pairs):
+        k = (seed + p) % len(SIDES)
+        for side in [*SIDES[k:], *SIDES[:k]]:
+            out[side].append(epoch(makers[side], samples, draw.randrange(*GC_THRESHOLDS)))
+    if case in IN_TURN_CASES:
+        out["in turn"] = [batches_in_turn(makers, seed + p) for p in range(pairs)]
+    return out
 
 
-def fresh_round(case: str, n: int, samples: int | None, order: list[str]) -> dict[str, dict[str, Any]]:
+def fresh_round(case: str, n: int, samples: int | None, pairs: int, seed: int) -> dict[str, list[dict[str, Any]]]:
     """:func:`one_round` in a fresh Python process (``python -m bench.bench_stats --child``)."""
-    spec = {"case": case, "n": n, "samples": samples, "order": order}
+    spec = {"case": case, "n": n, "samples": samples, "pairs": pairs, "seed": seed}
     if case in CORPUS_CASES:
         spec["corpus"] = str(corpus(n))  # (written once, by this process)
     proc = subprocess.run(
@@ -306,7 +388,7 @@ def fresh_round(case: str, n: int, samples: int | None, order: list[str]) -> dic
     )
     if proc.returncode != 0:
         raise RuntimeError(f"a repeat of {case} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    got: dict[str, dict[str, Any]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    got: dict[str, list[dict[str, Any]]] = json.loads(proc.stdout.strip().splitlines()[-1])
     return got
 
 
@@ -315,19 +397,32 @@ def child(spec_json: str) -> None:
     spec = json.loads(spec_json)
     if spec.get("corpus"):
         _corpora[spec["n"]] = Path(spec["corpus"])
-    got = one_round(spec["case"], spec["n"], spec["samples"], spec["order"])
+    got = one_round(spec["case"], spec["n"], spec["samples"], spec["pairs"], spec["seed"])
     print(json.dumps(got))
 
 
-def run(sizes: dict[str, int], repeats: int, call_rounds: int = 200_000, fresh: bool = True) -> dict[str, Any]:
-    """Every case of ``sizes`` (case -> samples), ``repeats`` interleaved repeats each
-    (``fresh``: each repeat in a fresh process, see the module docstring)."""
+def _overhead(repeats: list[dict[str, list[dict[str, Any]]]], side: str, fn: Callable[[Any, Any], float]) -> Any:
+    """``fn(side's epoch, off's epoch)`` per pair, averaged per repeat: the repeats' mean
+    with its confidence interval (:func:`measure.mean_ci`)."""
+    per_repeat = [statistics.fmean(fn(a, b) for a, b in zip(got[side], got["off"])) for got in repeats]
+    return M.mean_ci(per_repeat)
+
+
+def run(
+    sizes: dict[str, int], repeats: int, call_rounds: int = 200_000, fresh: bool = True, pairs: int = 1
+) -> dict[str, Any]:
+    """Every case of ``sizes`` (case -> samples), ``repeats`` repeats of ``pairs`` rounds
+    each (``fresh``: each repeat in a fresh process, see the module docstring)."""
+    if repeats < 2 or pairs < 1:
+        raise ValueError(f"the stats bench needs 2 repeats or more and 1 pair or more, got {repeats} and {pairs}")
     load0 = os.getloadavg()[0]
     out: dict[str, Any] = {
         "batch_size": BATCH,
         "workers": WORKERS,
         "repeats": repeats,
+        "pairs": pairs,
         "fresh_processes": fresh,
+        "gc_thresholds": list(GC_THRESHOLDS),
         "cpu_count": os.cpu_count(),
         "load_start": load0,
         "calls_us": call_costs(call_rounds, max(repeats, 5)),
@@ -335,42 +430,44 @@ def run(sizes: dict[str, int], repeats: int, call_rounds: int = 200_000, fresh: 
         "targets": [],
     }
     for case, n in sizes.items():
-        M.log(f"stats overhead: {case} ({n:,} samples, {repeats} repeats{', fresh processes' if fresh else ''})")
+        M.log(
+            f"stats overhead: {case} ({n:,} samples, {repeats} repeats of {pairs} rounds"
+            f"{', fresh processes' if fresh else ''})"
+        )
         samples = None if case in CORPUS_CASES else n
-        if fresh:
-            runs: dict[str, list[Any]] = {side: [] for side in SIDES}
-            for r in range(repeats):  # (the order rotates, as M.interleaved's)
-                k = r % len(SIDES)
-                got = fresh_round(case, n, samples, [*SIDES[k:], *SIDES[:k]])
-                for side in SIDES:
-                    runs[side].append(got[side])
-        else:
-            makers = makers_of(case, n)
-            for make in makers.values():  # warm-up: imports, first fork, page faults
-                samples = epoch(make, samples)["samples"]
-            runs = M.interleaved(
-                {side: (lambda r, mk=mk, k=samples: epoch(mk, k)) for side, mk in makers.items()}, repeats
+        got = [(fresh_round if fresh else one_round)(case, n, samples, pairs, r) for r in range(repeats)]
+        on = [e for g in got for e in g["on"]]
+        res: dict[str, Any] = {"what": CASES[case][0], "samples": on[0]["samples"], "stages": on[-1]["stages"]}
+        for side in SIDES:
+            epochs = [e for g in got for e in g[side]]
+            res[side] = {
+                fig: M.spread([e[fig] for e in epochs]) for fig in ("samples_per_s", "cpu_us", "main_us", "workers_us")
+            }
+        res["wall_overhead"] = _overhead(got, "on", lambda a, b: 1 - a["samples_per_s"] / b["samples_per_s"])
+        res["cpu_overhead"] = _overhead(got, "on", lambda a, b: 1 - b["cpu_us"] / a["cpu_us"])
+        res["cpu_control"] = _overhead(got, "off again", lambda a, b: 1 - b["cpu_us"] / a["cpu_us"])
+        res["extra_main_us"] = _overhead(got, "on", lambda a, b: a["main_us"] - b["main_us"])
+        res["extra_workers_us"] = _overhead(got, "on", lambda a, b: a["workers_us"] - b["workers_us"])
+        if case in IN_TURN_CASES:
+            turns = [g["in turn"] for g in got]
+            res["cpu_overhead_in_turn"] = M.mean_ci(
+                [statistics.fmean(1 - t["off"] / t["on"] for t in r) for r in turns]
             )
-        on, off = runs["on"], runs["off"]
-        samples = on[0]["samples"]
-        res: dict[str, Any] = {"what": CASES[case][0], "samples": samples, "stages": on[-1]["stages"]}
-        for name, got in runs.items():
-            res[name] = {fig: M.spread([g[fig] for g in got]) for fig in ("samples_per_s", "cpu_us", "main_us")}
-            res[name]["workers_us"] = M.spread([g["workers_us"] for g in got])
-        res["wall_overhead"] = M.spread([1 - a["samples_per_s"] / b["samples_per_s"] for a, b in zip(on, off)])
-        res["cpu_overhead"] = M.spread([1 - b["cpu_us"] / a["cpu_us"] for a, b in zip(on, off)])
-        res["cpu_control"] = M.spread([1 - b["cpu_us"] / a["cpu_us"] for a, b in zip(runs["off again"], off)])
-        res["extra_main_us"] = M.spread([a["main_us"] - b["main_us"] for a, b in zip(on, off)])
-        res["extra_workers_us"] = M.spread([a["workers_us"] - b["workers_us"] for a, b in zip(on, off)])
+            res["cpu_control_in_turn"] = M.mean_ci(
+                [statistics.fmean(1 - t["off"] / t["off again"] for t in r) for r in turns]
+            )
         out["cases"][case] = res
-        for figure in ("wall_overhead", "cpu_overhead"):
+        for figure in ("wall_overhead", "cpu_overhead", "cpu_overhead_in_turn"):
+            if figure not in res:
+                continue
             value = res[figure]
+            what = {"wall_overhead": "wall", "cpu_overhead": "CPU", "cpu_overhead_in_turn": "CPU, batches in turn,"}
             out["targets"].append(
                 {
-                    "figure": f"record_stats, {case}: {figure.split('_')[0].replace('cpu', 'CPU')} overhead",
+                    "figure": f"record_stats, {case}: {what[figure]} overhead",
                     "value": value,
                     "target": f"<= {TARGET:g}",
-                    "result": M.verdict(value, TARGET, higher_is_better=False),
+                    "result": M.ci_verdict(value, TARGET, higher_is_better=False),
                 }
             )
     out["load_end"] = os.getloadavg()[0]
@@ -378,12 +475,13 @@ def run(sizes: dict[str, int], repeats: int, call_rounds: int = 200_000, fresh: 
 
 
 def _pct(figure: dict[str, Any]) -> str:
-    return f"{100 * figure['median']:.2f} % ({100 * figure['min']:.2f} to {100 * figure['max']:.2f})"
+    return f"{100 * figure['mean']:.2f} % [{100 * figure['low']:.2f} to {100 * figure['high']:.2f}]"
 
 
 def render(out: dict[str, Any]) -> str:
     head = (
-        f"record_stats on and off: batch {out['batch_size']}, {out['repeats']} interleaved repeats, "
+        f"record_stats on and off: batch {out['batch_size']}, {out['repeats']} repeats of {out['pairs']} "
+        f"interleaved rounds{' (each repeat a fresh process)' if out['fresh_processes'] else ''}, "
         f"{out['cpu_count']} cores; load average {out['load_start']:.1f} at the start, "
         f"{out['load_end']:.1f} at the end"
     )
@@ -410,6 +508,14 @@ def render(out: dict[str, Any]) -> str:
             f"{M.fmt_spread(res['extra_main_us'])}, workers {M.fmt_spread(res['extra_workers_us'])}; "
             f"stages named: {', '.join(res['stages']) or '-'}"
         )
+    turns = [["case (main process)", "CPU overhead, batches in turn, no GC", "CPU, off vs off"]]
+    turns += [
+        [case, _pct(res["cpu_overhead_in_turn"]), _pct(res["cpu_control_in_turn"])]
+        for case, res in out["cases"].items()
+        if "cpu_overhead_in_turn" in res
+    ]
+    if len(turns) > 1:
+        lines += ["", M.table(turns)]
     calls = [["call recording adds (this process, CPU of this thread)", "µs"]]
     calls += [[name, M.fmt_spread(fig)] for name, fig in out["calls_us"].items()]
     lines += ["", M.table(calls)]
@@ -419,7 +525,12 @@ def render(out: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description="the cost of record_stats: the same loaders with it on and off")
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats: a smoke test, not a result")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 7; --quick 2)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="repeats, each a fresh process (default 12; --quick 2)"
+    )
+    parser.add_argument(
+        "--pairs", type=int, default=None, help="rounds of on, off, off again per repeat (default 4; --quick 1)"
+    )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)} (default all)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the samples of every case")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -438,12 +549,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for case in cases:
         if case not in CASES:
             parser.error(f"unknown case {case!r}; choose from {list(CASES)}")
-    repeats = args.repeats or (2 if args.quick else 7)
+    repeats = args.repeats or (2 if args.quick else 12)
+    pairs = args.pairs or (1 if args.quick else 4)
+    if repeats < 2 or pairs < 1:
+        parser.error(f"--repeats must be 2 or more and --pairs 1 or more, got {repeats} and {pairs}")
     out = run(
         case_sizes(args.quick, args.scale, cases),
         repeats,
         call_rounds=20_000 if args.quick else 200_000,
         fresh=not (args.in_process or args.quick),
+        pairs=pairs,
     )
     out["mode"] = "quick" if args.quick else "full"
     return M.finish(out, render(out), args.json)

@@ -20,6 +20,7 @@ __all__ = [
     "Timer",
     "batch_len",
     "batches_equal",
+    "ci_verdict",
     "close",
     "epoch_run",
     "finish",
@@ -27,6 +28,7 @@ __all__ = [
     "fmt_spread",
     "interleaved",
     "log",
+    "mean_ci",
     "paired",
     "peak_rss_mib",
     "percentiles_ms",
@@ -233,12 +235,58 @@ def verdict(figure: dict[str, Any], target: float, higher_is_better: bool) -> st
     return "PASS" if ok(worst) else "NOISY"
 
 
+#: Two-sided 95 % quantiles of Student's t, by degrees of freedom (1 to 30).
+_T95 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def t95(df: int) -> float:
+    """The two-sided 95 % quantile of Student's t with ``df`` degrees of freedom (beyond
+    30: its Cornish-Fisher expansion, within 0.001)."""
+    if df < 1:
+        raise ValueError(f"t95 needs at least 1 degree of freedom, got {df}")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def mean_ci(values: list[float]) -> dict[str, Any]:
+    """:func:`spread` with the mean and its 95 % confidence interval (``low``, ``high``:
+    Student's t over the values, taken as independent measurements of one quantity)."""
+    if len(values) < 2:
+        raise ValueError(f"a confidence interval needs at least 2 values, got {len(values)}")
+    out = spread(values)
+    mean = statistics.fmean(values)
+    half = t95(len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
+    out.update(mean=mean, low=mean - half, high=mean + half)
+    return out
+
+
+def ci_verdict(figure: dict[str, Any], target: float, higher_is_better: bool) -> str:
+    """A :func:`mean_ci` figure against ``target``: PASS when the whole confidence
+    interval meets it, MISS when the whole interval misses it, NOISY when the interval
+    holds the target (the measurements cannot tell: more of them, or a quieter machine)."""
+    low, high = figure["low"], figure["high"]
+    if higher_is_better:
+        low, high, target = -high, -low, -target
+    if high <= target:
+        return "PASS"
+    return "MISS" if low > target else "NOISY"
+
+
 def fmt_spread(figure: dict[str, Any], digits: int = 3) -> str:
-    """``median (min-max)`` with ``digits`` significant digits."""
+    """``median (min-max)`` with ``digits`` significant digits; a :func:`mean_ci` figure:
+    ``mean [low to high]`` (its 95 % confidence interval)."""
 
     def g(x: float) -> str:
         return f"{x:,.{digits}g}" if abs(x) < 10**digits else f"{x:,.0f}"
 
+    if "low" in figure:
+        return f"{g(figure['mean'])} [{g(figure['low'])} to {g(figure['high'])}]"
     return f"{g(figure['median'])} ({g(figure['min'])}-{g(figure['max'])})"
 
 

@@ -399,8 +399,8 @@ def render(results: dict[str, Any]) -> str:
     if results.get("stats"):
         st = results["stats"]
         parts.append(
-            f"### the cost of record_stats: the same loaders with it on and off ({st['repeats']} interleaved "
-            f"repeats)\n\n```text\n{bench_stats.render(st)}\n```"
+            f"### the cost of record_stats: the same loaders with it on and off ({st['repeats']} repeats of "
+            f"{st['pairs']} interleaved rounds)\n\n```text\n{bench_stats.render(st)}\n```"
         )
     rows = [["target", "value", "wanted", "result"]]
     for t in results["targets"]:
@@ -512,7 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     if "packing" in args.extras:
         results["packing"] = bench_packing.run(3000 if args.quick else 12000, args.repeats)
     if "stats" in args.extras:
-        results["stats"] = bench_stats.run(bench_stats.case_sizes(args.quick), args.repeats)
+        results["stats"] = bench_stats.run(
+            bench_stats.case_sizes(args.quick), max(args.repeats, 2), fresh=not args.quick, pairs=1 if args.quick else 2
+        )
     results["targets"] = targets(results)
     results["elapsed_s"] = time.perf_counter() - started
     results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None

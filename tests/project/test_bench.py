@@ -3,10 +3,12 @@ finds SavableDataLoader's resumed stream bit-identical."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +83,28 @@ def test_verdicts_flag_a_spread_wider_than_the_margin():
     assert (ratio["median"], ratio["min"], ratio["max"]) == (3.0, 2.0, 4.0)
 
 
+def test_confidence_interval_verdicts_say_noisy_while_the_interval_holds_the_target():
+    from bench.measure import ci_verdict, fmt_spread, mean_ci, t95
+
+    assert t95(1) == 12.706 and t95(30) == 2.042
+    assert abs(t95(40) - 2.021) < 1e-3 and abs(t95(120) - 1.980) < 1e-3  # (the expansion past the table)
+    figure = mean_ci([0.004, 0.006, 0.005, 0.005])
+    # mean 0.005, sd 0.000816: the interval is 0.005 +- 3.182 * 0.000408
+    assert abs(figure["mean"] - 0.005) < 1e-12 and abs(figure["high"] - 0.0062991) < 1e-6
+    assert figure["median"] == 0.005 and figure["values"] == [0.004, 0.006, 0.005, 0.005]
+    assert ci_verdict(figure, 0.01, higher_is_better=False) == "PASS"
+    assert ci_verdict(figure, 0.006, higher_is_better=False) == "NOISY"  # (the interval holds it)
+    assert ci_verdict(figure, 0.003, higher_is_better=False) == "MISS"
+    assert ci_verdict(figure, 0.003, higher_is_better=True) == "PASS"
+    assert ci_verdict(figure, 0.0045, higher_is_better=True) == "NOISY"
+    assert ci_verdict(figure, 0.01, higher_is_better=True) == "MISS"
+    assert fmt_spread(figure) == "0.005 [0.0037 to 0.0063]"
+    with pytest.raises(ValueError, match="at least 2 values, got 1"):
+        mean_ci([0.1])
+    with pytest.raises(ValueError, match="at least 1 degree of freedom, got 0"):
+        t95(0)
+
+
 def test_unknown_workload_is_a_usage_error():
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--workloads", "nope"],
@@ -121,26 +145,58 @@ def test_stats_bench_writes_every_figure(tmp_path):
         for side in ("on", "off", "off again"):
             assert len(res[side]["samples_per_s"]["values"]) == 2 and res[side]["cpu_us"]["median"] > 0
         for figure in ("wall_overhead", "cpu_overhead", "cpu_control"):
-            assert len(res[figure]["values"]) == 2
+            assert len(res[figure]["values"]) == 2  # (a value per repeat)
+            assert res[figure]["low"] <= res[figure]["mean"] <= res[figure]["high"]
         assert "collate" in res["stages"], case
+        # the main process's loaders are also timed batch by batch, in turn
+        assert ("cpu_overhead_in_turn" in res) == (case in ("pipe-0w", "pack-0w")), case
+    assert len(results["cases"]["pipe-0w"]["cpu_control_in_turn"]["values"]) == 2
     assert "MapDataset(small_item)" in results["cases"]["pipe-0w"]["stages"]
     assert "PackingDataset" in results["cases"]["pack-0w"]["stages"]
     assert results["cases"]["pack-0w"]["samples"] > 0  # (the packed rows of the corpus)
-    assert len(results["targets"]) == 10 and {t["result"] for t in results["targets"]} <= {"PASS", "NOISY", "MISS"}
+    assert len(results["targets"]) == 12 and {t["result"] for t in results["targets"]} <= {"PASS", "NOISY", "MISS"}
     assert "record_stats, pipe-0w: CPU overhead" in printed
+    assert "record_stats, pack-0w: CPU, batches in turn, overhead" in printed
     assert results["fresh_processes"] is False  # (--quick: every repeat in the bench's process)
+    assert (results["repeats"], results["pairs"], results["gc_thresholds"]) == (2, 1, [600, 800])
+
+
+def test_stats_bench_epochs_run_under_the_threshold_they_are_given():
+    """Each timed epoch of `bench/bench_stats.py` runs under the garbage collector
+    threshold drawn for it, and the process's own is put back after it."""
+    import torch
+
+    from bench import bench_stats
+
+    seen: list[int] = []
+
+    def make() -> Any:
+        class Batches:
+            record_stats = False
+
+            def __iter__(self):
+                seen.append(gc.get_threshold()[0])
+                yield torch.zeros(2)
+
+        return Batches()
+
+    kept = gc.get_threshold()
+    got = bench_stats.epoch(make, 2, threshold=613)
+    assert seen == [613] and gc.get_threshold() == kept and got["samples"] == 2
+    bench_stats.epoch(make, 2)
+    assert seen == [613, kept[0]]
 
 
 def test_stats_bench_runs_each_repeat_in_a_fresh_process(tmp_path):
     """Without --quick each repeat of `bench/bench_stats.py` runs in a fresh process (the
     corpus of pack-0w written once, by the bench's): its figures come back whole."""
-    args = ("--cases", "pipe-0w,pack-0w", "--repeats", "2", "--scale", "0.02")
+    args = ("--cases", "pipe-0w,pack-0w", "--repeats", "2", "--pairs", "2", "--scale", "0.02")
     results, printed = run_bench("bench.bench_stats", *args, out=tmp_path / "stats.json")
     assert results["fresh_processes"] is True
     assert set(results["cases"]) == {"pipe-0w", "pack-0w"}
     for res in results["cases"].values():
-        for side in ("on", "off", "off again"):
-            assert len(res[side]["cpu_us"]["values"]) == 2 and res[side]["cpu_us"]["median"] > 0
-        assert len(res["cpu_control"]["values"]) == 2
+        for side in ("on", "off", "off again"):  # (2 repeats of 2 rounds: 4 epochs)
+            assert len(res[side]["cpu_us"]["values"]) == 4 and res[side]["cpu_us"]["median"] > 0
+        assert len(res["cpu_control"]["values"]) == 2 and len(res["cpu_overhead_in_turn"]["values"]) == 2
     assert "PackingDataset" in results["cases"]["pack-0w"]["stages"]
     assert "CPU, off vs off" in printed
