@@ -44,7 +44,7 @@ from savable_loader.errors import DatasetContractError, LoaderUsageError, Restor
 from savable_loader.rng.formulas import key_prefix, key_seed_of
 from savable_loader.rng.seeding import capture_kind, restore_generator
 from savable_loader.state.schema import DatasetState
-from savable_loader.stats.clock import timed_iter
+from savable_loader.stats.timed import timed_iter
 
 __all__ = ["SavableDataset", "config_fingerprint", "current_names", "plain_config", "type_name", "wrap_key"]
 

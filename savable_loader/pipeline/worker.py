@@ -53,7 +53,8 @@ from savable_loader.rng.global_rngs import GlobalRngs
 from savable_loader.rng.seeding import GLOBAL_RNG_NAMES, global_seeder
 from savable_loader.state.codec import encode_part
 from savable_loader.state.schema import DatasetState, WorkerState
-from savable_loader.stats.clock import StageClock, WorkerReport, activate
+from savable_loader.stats.clock import StageClock, WorkerReport
+from savable_loader.stats.timed import activate
 
 __all__ = [
     "SNAPSHOT_BUDGET",

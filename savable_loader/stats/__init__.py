@@ -2,6 +2,7 @@
 
 * ``clock``: in a loading context, each pipeline stage's own time, and the report sent
   with each item.
+* ``timed``: a stage's iterator, timed while a clock is active in its thread.
 * ``recorder``: in the main process, the training loop's waits in ``next()``, the
   workers' reports, the queue of ready items; the windows ``stats()`` and the log read.
 * ``record``: :class:`LoaderStats`, what ``stats()`` returns and a log line holds.

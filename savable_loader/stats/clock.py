@@ -2,10 +2,10 @@
 
 A loading context (a worker process, or the main process when ``num_workers=0``) that
 records statistics holds one :class:`StageClock`. While the context makes an item, the
-clock is the thread's *active* clock (:func:`activate`, entered by the pipeline runtime
+clock is the thread's *active* clock (``timed.activate``, entered by the pipeline runtime
 around each item), and every ``iter()`` of a :class:`~savable_loader.SavableDataset`
-made then returns its iterator wrapped by :func:`timed` (see :func:`timed_iter`,
-applied to every subclass's ``__iter__``). A wrapped iterator times
+made then returns its iterator wrapped (``stats/timed.py``: ``timed_iter``, applied to
+every subclass's ``__iter__``, and :meth:`StageClock.wrap`). A wrapped iterator times
 each ``next()`` and keeps the **own time** of its stage: the time of that ``next()``
 less the time spent in the ``next()`` of the stages it pulls from. A ``MapDataset`` over
 a source is then charged its function's time, the source its reading, however they nest.
@@ -63,27 +63,20 @@ Example (what the pipeline runtime does per item)::
 from __future__ import annotations
 
 import functools
-import itertools
-import threading
 import time
-import types
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from savable_loader.stats.timed import handover, timed
 
 __all__ = [
     "FLUSH_SECONDS",
     "PROBE_ITEMS",
     "TIMING_BUDGET",
-    "Handover",
     "StageClock",
     "StageTime",
-    "TimedIterator",
     "WorkerReport",
-    "activate",
-    "active_clock",
     "stage_name",
-    "timed",
-    "timed_iter",
 ]
 
 #: A context sends its stage totals at most this often (and at each epoch's end).
@@ -96,7 +89,6 @@ TIMING_BUDGET = 0.003
 PROBE_ITEMS = 16
 
 _now = time.perf_counter
-_local = threading.local()
 
 
 @functools.cache
@@ -260,19 +252,8 @@ class StageClock:
 
     def wrap(self, dataset: Any, iterator: Iterator[Any]) -> Iterator[Any]:
         """``iterator`` (of ``dataset``) timed as the dataset's stage, in a
-        :class:`Handover`: by a generator while the clock times (the cheaper wrapper,
-        when ``iterator`` is a generator: a generator ends at its first exception, and so
-        does the wrapper), else by a :class:`TimedIterator`, which goes on after an
-        exception as the iterator it wraps may (a torch IterableDataset's)."""
-        it = iter(iterator)
-        slot = self._slot(dataset)
-        if isinstance(it, types.GeneratorType):
-            handover = Handover(timed(it, slot, self), it)
-        else:
-            phase = TimedIterator(it, slot, self)
-            handover = cast(Handover, Handover.from_iterable(_then(phase, it)))
-        handover.inner = it
-        return handover
+        :class:`~savable_loader.stats.timed.Handover` (see ``stats/timed.py``)."""
+        return handover(iter(iterator), self._slot(dataset), self)
 
     def made(self, begun: float, pulled: float, made: float, ready: float, collate: float | None = None) -> Any:
         """An item was made: re-seeded from ``begun`` to ``pulled``, the pipeline's
@@ -490,150 +471,3 @@ class StageClock:
         report = (self.worker, None if final else now, self._items, self._busy, samples, stages)
         self._items, self._busy = 0, 0.0
         return report
-
-
-def timed(iterator: Iterator[Any], slot: list[Any], clock: StageClock) -> Iterator[Any]:
-    """``iterator`` whose ``next()`` calls add their own time to ``slot`` (see the module
-    docstring), until ``clock`` settles (then it returns, and its :class:`Handover` goes
-    on with ``iterator``); closing it while it runs closes ``iterator``."""
-    now = _now
-    pull = iterator.__next__
-    try:
-        while not clock.settled:
-            if clock.on:
-                outer = clock.child
-                clock.child = 0.0
-                start = now()
-                try:
-                    value = pull()
-                finally:
-                    spent = now() - start
-                    slot[1] += spent - clock.child
-                    clock.child = outer + spent
-                    clock.calls += 1
-            else:
-                value = pull()
-            slot[2] += 1
-            yield value
-    except StopIteration:
-        return
-    except BaseException:  # closed, or the dataset's exception: its iterator is done with
-        close = getattr(iterator, "close", None)
-        if close is not None:
-            close()
-        raise
-
-
-class TimedIterator:
-    """An iterator that is not a generator, timed as :func:`timed` times a generator
-    until its clock settles (then it ends, ``handed_over`` set): an exception from its
-    ``next()`` passes through and the iterator goes on."""
-
-    __slots__ = ("_clock", "_it", "_slot", "handed_over")
-
-    def __init__(self, iterator: Iterator[Any], slot: list[Any], clock: StageClock) -> None:
-        self._it = iterator
-        self._slot = slot
-        self._clock = clock
-        self.handed_over = False
-
-    def __iter__(self) -> TimedIterator:
-        return self
-
-    def __next__(self) -> Any:
-        clock, slot = self._clock, self._slot
-        if clock.settled:
-            self.handed_over = True
-            raise StopIteration
-        if not clock.on:
-            value = next(self._it)
-            slot[2] += 1
-            return value
-        outer = clock.child
-        clock.child = 0.0
-        start = _now()
-        try:
-            value = next(self._it)
-        finally:
-            spent = _now() - start
-            slot[1] += spent - clock.child
-            clock.child = outer + spent
-            clock.calls += 1
-        slot[2] += 1
-        return value
-
-
-def _then(phase: TimedIterator, iterator: Iterator[Any]) -> Iterator[Iterator[Any]]:
-    """The parts of a :class:`Handover` over an iterator that is not a generator: the
-    timed phase, then the iterator itself only if the phase handed it over (an iterator
-    that ended is not asked again)."""
-    yield phase
-    if phase.handed_over:
-        yield iterator
-
-
-class Handover(itertools.chain[Any]):
-    """A timed stage's iterator: its timing wrapper, then (once the clock settles) the
-    dataset's own iterator, passed through in C. ``close()`` closes the dataset's
-    iterator; its other attributes are the dataset iterator's."""
-
-    __slots__ = ("inner",)
-    inner: Iterator[Any]
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":  # (not set yet)
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-
-def active_clock() -> StageClock | None:
-    """The clock of the item the current thread is making, if any."""
-    clock: StageClock | None = getattr(_local, "clock", None)
-    return clock
-
-
-class activate:
-    """Make ``clock`` the current thread's active clock for a block (None: no clock)."""
-
-    __slots__ = ("_clock", "_saved")
-
-    def __init__(self, clock: StageClock | None) -> None:
-        self._clock = clock
-        self._saved: StageClock | None = None
-
-    def __enter__(self) -> None:
-        self._saved = getattr(_local, "clock", None)
-        _local.clock = self._clock
-
-    def __exit__(self, *exc: object) -> None:
-        _local.clock = self._saved
-
-
-def timed_iter(method: Callable[[Any], Iterator[Any]]) -> Callable[[Any], Iterator[Any]]:
-    """``method`` (a dataset class's ``__iter__``) returning its iterator wrapped by
-    :func:`timed` while a clock is active, and the dataset's own iterator otherwise."""
-    if getattr(method, "__timed__", False):
-        return method
-
-    # (it names only importable functions: cloudpickle copies a class of the user's
-    # ``__main__`` by value, this function with it, to spawned workers)
-    @functools.wraps(method)
-    def __iter__(self: Any) -> Iterator[Any]:
-        iterator = method(self)
-        clock = active_clock()
-        if clock is None:
-            return iterator
-        own = type(self).__iter__
-        if own is not __iter__ and getattr(own, "__timed__", False):
-            # super().__iter__() from a subclass's timed __iter__: the subclass's wrapper
-            # times the stage (wrapped here too, its items would count twice)
-            return iterator
-        return clock.wrap(self, iterator)
-
-    __iter__.__timed__ = True  # type: ignore[attr-defined]
-    return __iter__
