@@ -49,7 +49,8 @@ seeded by the repeat), which spreads the collections over their possible phases.
 (the machine's speed drifts between two epochs), larger than the 1 % to be resolved. The
 cases in the main process (:data:`IN_TURN_CASES`) are therefore also timed batch by
 batch: after their rounds, each repeat runs ``--pairs`` epochs of the three loaders at
-once, their ``next()`` calls in turn (the order rotating every round), each call timed
+once, their ``next()`` calls in turn (the order going through every permutation, so
+that each loader follows each other as often), each call timed
 in this thread's CPU time, the garbage collector off (the whole epochs above count
 it). A drift then slows all three alike, and one epoch's figure varies by about 0.2 %.
 
@@ -85,6 +86,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import random
@@ -324,10 +326,15 @@ def makers_of(case: str, n: int) -> dict[str, Callable[[], Any]]:
 
 def batches_in_turn(makers: dict[str, Callable[[], Any]], turn: int) -> dict[str, float]:
     """One epoch of each side's loader (loaders of the main process), their batches in
-    turn (the order rotating every round, from ``turn``), the garbage collector off: this
-    thread's CPU µs a sample in each loader's ``next()``."""
+    turn, the garbage collector off: this thread's CPU µs a sample in each loader's
+    ``next()``. The order goes through every permutation of the loaders, one a round
+    (from ``turn``), so that each runs after each other as often (a loader runs a little
+    slower after one that touched more memory); the loaders are built in the order of
+    the first round."""
     gc.collect()
-    iterators = {side: iter(makers[side]()) for side in SIDES}
+    orders = list(itertools.permutations(SIDES))
+    first = orders[turn % len(orders)]
+    iterators = {side: iter(makers[side]()) for side in first}
     spent = dict.fromkeys(SIDES, 0)
     samples = dict.fromkeys(SIDES, 0)
     live = list(SIDES)
@@ -336,9 +343,10 @@ def batches_in_turn(makers: dict[str, Callable[[], Any]], turn: int) -> dict[str
     gc.disable()
     try:
         while live:
-            k = turn % len(live)
+            orders = list(itertools.permutations(live))
+            order = orders[turn % len(orders)]
             turn += 1
-            for side in [*live[k:], *live[:k]]:
+            for side in order:
                 t0 = clock()
                 try:
                     batch = next(iterators[side])

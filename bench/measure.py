@@ -37,6 +37,7 @@ __all__ = [
     "resume_check",
     "save_latencies",
     "spread",
+    "t95",
     "table",
     "verdict",
 ]
