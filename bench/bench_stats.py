@@ -28,7 +28,7 @@ cases:
 
 **Repeats and rounds.** Each repeat is a fresh Python process (``--in-process``, the
 default with ``--quick``: all in this one) that runs a warm-up epoch of each loader, then
-``--pairs`` rounds of one epoch of each (the order rotates between rounds and repeats).
+``--pairs`` rounds of one epoch of each (each round in another order of the three).
 Within one process the memory layout (address and hash randomization) gives one loader
 a lasting edge of up to a few percent, either way, which pairing the epochs inside that
 process does not cancel; over processes it averages out. So the repeat, not the round,
@@ -365,7 +365,7 @@ def batches_in_turn(makers: dict[str, Callable[[], Any]], turn: int) -> dict[str
 
 def one_round(case: str, n: int, samples: int | None, pairs: int, seed: int) -> dict[str, list[Any]]:
     """One repeat in this process: a warm-up epoch of each side, then ``pairs`` rounds of
-    an epoch of each side (the order rotating from ``seed``), each under a threshold of
+    an epoch of each side (in every order in turn, from ``seed``), each under a threshold of
     :data:`GC_THRESHOLDS` drawn from ``seed``; for a case of :data:`IN_TURN_CASES`, then
     ``pairs`` epochs of :func:`batches_in_turn` (``in turn``)."""
     makers = makers_of(case, n)
@@ -373,9 +373,9 @@ def one_round(case: str, n: int, samples: int | None, pairs: int, seed: int) -> 
         samples = epoch(makers[side], samples)["samples"]
     draw = random.Random(seed)
     out: dict[str, list[Any]] = {side: [] for side in SIDES}
+    orders = list(itertools.permutations(SIDES))
     for p in range(pairs):
-        k = (seed + p) % len(SIDES)
-        for side in [*SIDES[k:], *SIDES[:k]]:
+        for side in orders[(seed + p) % len(orders)]:
             out[side].append(epoch(makers[side], samples, draw.randrange(*GC_THRESHOLDS)))
     if case in IN_TURN_CASES:
         out["in turn"] = [batches_in_turn(makers, seed + p) for p in range(pairs)]
