@@ -171,19 +171,23 @@ def test_dropin_stage_times_match_their_sleeps(num_workers, slept):
 # -- the wait share ---------------------------------------------------------------------
 
 
+def two_worker_loader(path: str, samples: int, delay: float) -> sl.SavableDataLoader:
+    """Batches of 4 of ``samples`` samples costing ``delay`` seconds each, from 2 forked
+    workers, on the drop-in path (``"dropin"``) or a savable pipeline (``"pipeline"``)."""
+    if path == "dropin":
+        ds = RandomMapDataset(samples, delay=delay)
+        return sl.SavableDataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=0)
+    pipeline = BatchDataset(RangeSource(samples, wc, delay=delay), 4)
+    return sl.SavableDataLoader(pipeline, batch_size=None, worker_config=wc, multiprocessing_context="fork")
+
+
 @pytest.mark.parametrize("path", ["dropin", "pipeline"])
 def test_wait_share_is_near_zero_when_the_loop_is_slower(path):
     # 1 ms of data per batch, 2 workers, a loop of 30 ms per step; batches wait in the
     # queue (their ready times came with them: on the pipeline path, in each item a worker
     # sends, see WorkerRuntime._with_report)
-    if path == "dropin":
-        loader = sl.SavableDataLoader(
-            RandomMapDataset(80, delay=0.00025), batch_size=4, num_workers=2, multiprocessing_context="fork"
-        )
-    else:
-        wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=0)
-        ds = BatchDataset(RangeSource(80, wc, delay=0.00025), 4)
-        loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, multiprocessing_context="fork")
+    loader = two_worker_loader(path, 80, delay=0.00025)
     it = iter(loader)
     for _ in range(3):  # the workers' start
         next(it)
@@ -203,14 +207,7 @@ def test_wait_share_is_near_zero_when_the_loop_is_slower(path):
 @pytest.mark.parametrize("path", ["dropin", "pipeline"])
 def test_wait_share_is_near_one_when_the_loader_is_slower(path):
     # the loop does nothing; 5 ms of data per sample, 2 workers
-    if path == "dropin":
-        loader = sl.SavableDataLoader(
-            RandomMapDataset(64, delay=0.005), batch_size=4, num_workers=2, multiprocessing_context="fork"
-        )
-    else:
-        wc = sl.WorkerConfig(rank=0, world_size=1, num_workers=2, seed=0)
-        ds = BatchDataset(RangeSource(64, wc, delay=0.005), 4)
-        loader = sl.SavableDataLoader(ds, batch_size=None, worker_config=wc, multiprocessing_context="fork")
+    loader = two_worker_loader(path, 64, delay=0.005)
     it = iter(loader)
     for _ in range(2):
         next(it)
