@@ -10,6 +10,7 @@ from torch.utils.data import default_collate
 from savable_loader.dataset.base import SavableDataset
 from savable_loader.dataset.inline import collate_for_inline
 from savable_loader.errors import LoaderUsageError, RestoreKeyError, UsageTypeError
+from savable_loader.stats.timed import parts_of
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["BatchDataset"]
@@ -63,13 +64,14 @@ class BatchDataset(BaseWrapperDataset):
         keys: list[Any] = []
         inner = self.dataset
         collate = collate_for_inline(self.collate_fn)
-        for sample in inner:
-            batch.append(sample)
-            keys.append(inner.sample_key)
-            if len(batch) == self.batch_size:
-                self.sample_key = None if None in keys else keys
-                yield collate(batch)
-                batch, keys = [], []
+        for part in parts_of(inner):  # (see stats/timed.py)
+            for sample in part:
+                batch.append(sample)
+                keys.append(inner.sample_key)
+                if len(batch) == self.batch_size:
+                    self.sample_key = None if None in keys else keys
+                    yield collate(batch)
+                    batch, keys = [], []
         self.ended = True
         if batch and not self.drop_last:
             self.sample_key = None if None in keys else keys

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from savable_loader.dataset.base import SavableDataset, wrap_key
+from savable_loader.stats.timed import parts_of
 from savable_loader.wrappers.base import check_datasets, split_index_key
 
 __all__ = ["ConcatDataset"]
@@ -41,9 +42,10 @@ class ConcatDataset(SavableDataset):
     def __iter__(self) -> Iterator[Any]:
         while self.part < len(self.datasets):
             inner = self.datasets[self.part]
-            for sample in inner:
-                self.sample_key = wrap_key(self.part, inner.sample_key)
-                yield sample
+            for run in parts_of(inner):  # (see stats/timed.py)
+                for sample in run:
+                    self.sample_key = wrap_key(self.part, inner.sample_key)
+                    yield sample
             self.part += 1
 
     def restore_sample(self, key: Any) -> Any:

@@ -7,6 +7,7 @@ from typing import Any
 
 from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import UsageTypeError
+from savable_loader.stats.timed import parts_of
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["FilterDataset"]
@@ -29,10 +30,11 @@ class FilterDataset(BaseWrapperDataset):
     def __iter__(self) -> Iterator[Any]:
         predicate = self.predicate
         inner = self.dataset
-        for sample in inner:
-            if predicate(sample):
-                self.sample_key = inner.sample_key
-                yield sample
+        for part in parts_of(inner):  # (see stats/timed.py)
+            for sample in part:
+                if predicate(sample):
+                    self.sample_key = inner.sample_key
+                    yield sample
 
     def restore_sample(self, key: Any) -> Any:
         """The inner sample ``key`` names (the predicate runs again for its random draws)."""

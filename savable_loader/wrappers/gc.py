@@ -11,6 +11,7 @@ from torch.utils.data import get_worker_info
 
 from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError
+from savable_loader.stats.timed import parts_of
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["GcDataset"]
@@ -61,11 +62,14 @@ class GcDataset(BaseWrapperDataset):
         self._start()
         inner = self.dataset
         every, generation = self.every_n_samples, self.generation
-        for count, sample in enumerate(inner, 1):
-            if count % every == 0:
-                gc.collect(generation)
-            self.sample_key = inner.sample_key
-            yield sample
+        count = 0
+        for part in parts_of(inner):  # (see stats/timed.py)
+            for sample in part:
+                count += 1
+                if count % every == 0:
+                    gc.collect(generation)
+                self.sample_key = inner.sample_key
+                yield sample
 
     def restore_sample(self, key: Any) -> Any:
         """The sample with the inner key ``key`` (no collection here)."""

@@ -7,6 +7,7 @@ from typing import Any
 
 from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError
+from savable_loader.stats.timed import parts_of
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["LimitDataset"]
@@ -46,12 +47,13 @@ class LimitDataset(BaseWrapperDataset):
         if self.count >= limit:
             return
         inner = self.dataset
-        for sample in inner:
-            self.count += 1
-            self.sample_key = inner.sample_key
-            yield sample
-            if self.count >= limit:
-                return
+        for part in parts_of(inner):  # (see stats/timed.py)
+            for sample in part:
+                self.count += 1
+                self.sample_key = inner.sample_key
+                yield sample
+                if self.count >= limit:
+                    return
 
     def restore_sample(self, key: Any) -> Any:
         """The sample with the inner key ``key``."""

@@ -7,6 +7,7 @@ from typing import Any
 
 from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import UsageTypeError
+from savable_loader.stats.timed import parts_of
 from savable_loader.wrappers.base import BaseWrapperDataset
 
 __all__ = ["MapDataset"]
@@ -33,9 +34,10 @@ class MapDataset(BaseWrapperDataset):
     def __iter__(self) -> Iterator[Any]:
         fn = self.fn
         inner = self.dataset
-        for sample in inner:
-            self.sample_key = inner.sample_key
-            yield fn(sample)
+        for part in parts_of(inner):  # (see stats/timed.py)
+            for sample in part:
+                self.sample_key = inner.sample_key
+                yield fn(sample)
 
     def restore_sample(self, key: Any) -> Any:
         """``fn`` applied to the inner sample ``key`` names."""

@@ -9,6 +9,7 @@ from typing import Any, cast
 from savable_loader.dataset.base import SavableDataset
 from savable_loader.errors import LoaderUsageError, StateError
 from savable_loader.rng.formulas import draw
+from savable_loader.stats.timed import parts_of
 from savable_loader.wrappers._held import check_held_mode, refetch, uses_keys
 from savable_loader.wrappers.base import BaseWrapperDataset
 
@@ -142,18 +143,19 @@ class ShuffleBufferDataset(BaseWrapperDataset):
         elif self.keys is not None:
             self._keyless = self.keys.count(None)
         if not self.ended:
-            for sample in inner:
-                key = inner.sample_key
-                if key is not None and self.keys is None:
-                    self.keys = [None] * len(self._items)  # type: ignore[arg-type]
-                    self._keyless = len(self.keys)
-                self._append(sample)
-                if self.keys is not None:
-                    self.keys.append(key)
-                    if key is None:
-                        self._keyless += 1
-                if len(self._items) >= self.size:  # type: ignore[arg-type]
-                    yield self._pick()
+            for part in parts_of(inner):  # (see stats/timed.py)
+                for sample in part:
+                    key = inner.sample_key
+                    if key is not None and self.keys is None:
+                        self.keys = [None] * len(self._items)  # type: ignore[arg-type]
+                        self._keyless = len(self.keys)
+                    self._append(sample)
+                    if self.keys is not None:
+                        self.keys.append(key)
+                        if key is None:
+                            self._keyless += 1
+                    if len(self._items) >= self.size:  # type: ignore[arg-type]
+                        yield self._pick()
             self.ended = True
         while self._items:
             yield self._pick()

@@ -14,8 +14,8 @@ import pytest
 import savable_loader as sl
 from savable_loader.pipeline.worker import walk
 from savable_loader.stats.clock import StageClock
-from savable_loader.stats.timed import Handover, activate, active_clock
-from savable_loader.wrappers import MapDataset
+from savable_loader.stats.timed import Handover, activate, active_clock, parts_of
+from savable_loader.wrappers import BatchDataset, ConcatDataset, FilterDataset, GcDataset, LimitDataset, MapDataset
 from tests.stats.clock_helpers import WC, Source, Wrapper, sleeper, stages, timed_run
 
 
@@ -300,3 +300,103 @@ def test_an_iterator_that_ended_is_not_asked_again(fake, settle_at):
         with pytest.raises(StopIteration):
             next(it)
     assert inner.calls == 5  # 4 items and one StopIteration
+
+
+def test_parts_of_an_untimed_dataset_is_its_own_iterator(fake):
+    ds = Source(3, fake)
+    (part,) = parts_of(ds)  # (no active clock)
+    assert type(part) is types.GeneratorType and part.gi_code is Source.__iter__.__wrapped__.__code__
+    assert list(part) == [0, 1, 2]
+
+
+#: The wrappers that loop over their input through ``parts_of``, each over a Source.
+LOOPING: dict[str, Any] = {
+    "map": lambda src: MapDataset(src, lambda x: 10 * x),
+    "filter": lambda src: FilterDataset(src, lambda x: x % 3 != 1),
+    "batch": lambda src: BatchDataset(src, 4, collate_fn=list),
+    "limit": lambda src: LimitDataset(src, 17),
+    "concat": lambda src: ConcatDataset([src]),
+    "gc": lambda src: GcDataset(src, 5, generation=0, freeze=False),
+}
+
+
+def own_generator_looped(generator: Any) -> bool:
+    """Whether the suspended generator of a wrapper loops over the Source's own
+    generator (a local of its frame), not over a Handover."""
+    code = Source.__iter__.__wrapped__.__code__
+    return any(
+        type(v) is types.GeneratorType and v.gi_code is code for v in generator.gi_frame.f_locals.values()
+    ) and not any(type(v) is Handover for v in generator.gi_frame.f_locals.values())
+
+
+@pytest.mark.parametrize("settle_at", [None, 0, 1, 3])
+@pytest.mark.parametrize("name", sorted(LOOPING))
+def test_a_looping_wrapper_loops_over_its_inputs_own_iterator_once_settled(fake, name, settle_at):
+    """A wrapper of ``savable_loader.wrappers`` loops over its input through
+    ``parts_of``: the same stream whenever the clock settles, the items before it timed,
+    and after it the input's own generator looped over directly (no Handover per item)."""
+    make = LOOPING[name]
+    want = list(iter(make(Source(30, fake, cost=1.0))))  # (no active clock)
+    ds = make(Source(30, fake, cost=1.0))
+    clock = StageClock()
+    clock.name_stages(walk(ds))
+    with activate(clock):
+        it = iter(ds)
+        assert type(it) is Handover
+        got = drain_some(it, clock, settle_at, 4)
+        if settle_at is not None:
+            assert own_generator_looped(it.inner)  # type: ignore[attr-defined]
+        got += drain(it, clock)
+    assert got == want
+    # the Source's items counted: all it made while timed, none once settled
+    pulled = 17 if name == "limit" else 30
+    timed_items = counted(clock)["Source"][1]
+    if settle_at is None:
+        assert timed_items == pulled
+    elif settle_at == 0:
+        assert timed_items == 0
+    else:
+        assert 0 < timed_items < pulled
+
+
+def drain_some(it, clock: StageClock, settle_at: int | None, count: int) -> list[Any]:
+    """The first ``count`` items of ``it``, ``clock`` settling before the ``settle_at``-th."""
+    got: list[Any] = []
+    for k in range(count):
+        if k == settle_at:
+            clock.settled = True
+        got.append(next(it))
+    return got
+
+
+class Counting(sl.SavableDataset):
+    """A source whose ``__iter__`` returns an iterator that is not a generator."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(WC)
+        self.made: list[Restarting] = []
+        self.n = n
+
+    def __iter__(self):
+        it = Restarting(self.n)
+        self.made.append(it)
+        return it
+
+    def config(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+
+@pytest.mark.parametrize("settle_at", [None, 0, 2, 5])
+def test_parts_of_an_iterator_that_is_not_a_generator_asks_it_again_only_if_handed_over(settle_at):
+    """Over an iterator that is not a generator, ``parts_of`` goes on with the iterator
+    itself only once the clock settled (an iterator that ended is not asked again: this
+    one would start over)."""
+    src = Counting(5)
+    ds = MapDataset(src, lambda x: x + 100)
+    clock = StageClock()
+    clock.name_stages(walk(ds))
+    with activate(clock):
+        got = drain(iter(ds), clock, settle_at)
+    assert got == [100, 101, 102, 103, 104]
+    (inner,) = src.made
+    assert inner.calls == 6  # 5 items and one StopIteration
