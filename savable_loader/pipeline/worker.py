@@ -344,6 +344,10 @@ class WorkerRuntime:
         if self.timing:  # (-1: the main process, whose items need no ready time)
             clock = StageClock(-1 if self.in_process else worker_id, stamp=not self.in_process)
             clock.name_stages(walk(self.dataset))
+        # once the clock settles, its items and busy seconds are summed here, in locals
+        # (cheaper per item than the clock's attributes), and added to it with each report
+        settled, stamp, due, sent, busy = False, clock is not None and clock.stamp, 0.0, 0, 0.0
+        report: WorkerReport | float | None
         timed = activate(clock)  # the stages' iterators made while it is active are timed
         while True:
             with active, timed:
@@ -413,19 +417,29 @@ class WorkerRuntime:
                         "in the pipeline",
                     )
                 if clock is not None:
-                    if clock.settled:  # (what clock.made() would do, without a call per item)
-                        clock.busy += mark - begun_item
+                    if settled:  # (what clock.made() would do, without a call per item)
+                        busy += mark - begun_item
                         if skip:
                             clock.replays += 1
                             report = None
                         else:
-                            clock.sent += 1
-                            report = clock.report(mark) if mark >= clock.due else mark if clock.stamp else None
-                    elif skip:
-                        clock.replayed(begun_item, t0, made)
-                        report = None
+                            sent += 1
+                            if mark >= due:
+                                clock.sent += sent
+                                clock.busy += busy
+                                sent, busy = 0, 0.0
+                                report = clock.report(mark)
+                                due = clock.due
+                            else:
+                                report = mark if stamp else None
                     else:
-                        report = clock.made(begun_item, t0, made, mark, collated)
+                        if skip:
+                            clock.replayed(begun_item, t0, made)
+                            report = None
+                        else:
+                            report = clock.made(begun_item, t0, made, mark, collated)
+                        if clock.settled:
+                            settled, due = True, clock.due
                     if report is not None:
                         item = self._with_report(item, report)
             if skip:
@@ -440,6 +454,9 @@ class WorkerRuntime:
         # Tell the main process this worker is done (its final snapshot, if any, rides
         # with the marker): torch may retire the worker as soon as it has sent it, and
         # every item before it already carried what a save needs.
+        if clock is not None:
+            clock.sent += sent
+            clock.busy += busy
         yield End(
             worker_id,
             index,

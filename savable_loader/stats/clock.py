@@ -263,11 +263,14 @@ class StageClock:
 
         Once the clock has settled, only the item's count and busy seconds are kept
         (the steps are divided in the proportions measured until then), and a loading
-        loop may do that itself, sparing a call per item::
+        loop may sum them itself, in locals, sparing a call per item, and add them to
+        ``sent`` and ``busy`` before each report (``pipeline/worker.py`` does)::
 
-            clock.sent += 1
-            clock.busy += ready - begun
-            report = clock.report(ready) if ready >= clock.due else ready if clock.stamp else None
+            sent, busy = sent + 1, busy + ready - begun
+            if ready >= clock.due:
+                clock.sent, clock.busy = clock.sent + sent, clock.busy + busy
+                sent, busy = 0, 0.0
+                report = clock.report(ready)
         """
         if self.settled:
             self.sent += 1

@@ -258,6 +258,7 @@ class Recorder:
         "queued",
         "rank",
         "step",
+        "yielded",
     )
 
     def __init__(
@@ -293,6 +294,9 @@ class Recorder:
         self._steps = 0
         self._waited = 0.0
         self._batch = _Batch()
+        #: ``yielded(called_at)``: ``next()``, called at ``called_at``, returns an item
+        #: to the loop now (one method or the other, so that no call asks which)
+        self.yielded: Callable[[float], None] = self._yielded_queued if self.queued else self._yielded_direct
 
     def _fold(self) -> None:
         """Add the calls made and the reports booked since the last fold to the windows
@@ -357,18 +361,20 @@ class Recorder:
             self._done = r[1]  # type: ignore[index]
             self._stamped = True
 
-    def yielded(self, called_at: float) -> None:
-        """``next()``, called at ``called_at``, returns an item to the loop now."""
+    def _yielded_direct(self, called_at: float) -> None:
+        """:attr:`yielded` without a queue: the count and the wait are all there is to book."""
         now = _now()
-        if not self.queued:  # (no queue: the count and the wait are all there is to book)
-            self._waited += now - called_at
-            self._steps += 1
-            if now >= self._log_due:
-                with self._lock:
-                    self._fold()
-                    self._flush_log(now)
-                    self._logged = _Window(now, self.epoch)
-            return
+        self._waited += now - called_at
+        self._steps += 1
+        if now >= self._log_due:
+            with self._lock:
+                self._fold()
+                self._flush_log(now)
+                self._logged = _Window(now, self.epoch)
+
+    def _yielded_queued(self, called_at: float) -> None:
+        """:attr:`yielded` with a queue: the call's times, and when its item was ready."""
+        now = _now()
         self._called.append(called_at)
         self._returned.append(now)
         self._ready.append(self._done)

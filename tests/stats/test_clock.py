@@ -322,8 +322,9 @@ def test_a_clock_whose_wrappers_cost_too_much_settles_and_divides_the_time(monke
 def settled_run(monkeypatch, inline: bool, replays: int = 0):
     """Make 200 items of known costs as the pipeline runtime does: ``replays`` of them
     replayed first, a snapshot (5 ms) every 40th, the clock settling after the first
-    probe window. ``inline``: once settled, the runtime's own additions to the clock's
-    counters (``WorkerRuntime.run``) instead of ``made()``/``replayed()``. The reports,
+    probe window. ``inline``: once settled, the runtime's own sums of the items and their
+    busy seconds, added to the clock's counters before each report (``WorkerRuntime.run``),
+    instead of ``made()``/``replayed()``. The reports,
     and the true seconds of each step."""
     fake = use_fake(monkeypatch, FakeTime(read_cost=1e-9))
     monkeypatch.setattr(clock_module, "TIMING_BUDGET", 2e-7)  # (settles: see above)
@@ -333,6 +334,7 @@ def settled_run(monkeypatch, inline: bool, replays: int = 0):
     clock.name_stages(walk(ds))
     reports: list[Any] = []
     truth = {"seeding": 0.0, "collate": 0.0, "snapshot": 0.0, "busy": 0.0}
+    sent, busy = 0, 0.0
     with activate(clock):
         it = iter(ds)
         for k in range(n):
@@ -354,21 +356,23 @@ def settled_run(monkeypatch, inline: bool, replays: int = 0):
                 mark = fake()
                 truth["collate"] += mark - collating
             truth["busy"] += mark - begun
-            if inline and clock.settled:
-                clock.busy += mark - begun
+            if inline and clock.settled:  # (summed in locals, added before each report)
+                busy += mark - begun
                 if replay:
                     clock.replays += 1
                 else:
-                    clock.sent += 1
-                    report = clock.report(mark) if mark >= clock.due else mark if clock.stamp else None
-                    if type(report) is tuple:
-                        reports.append(report)
+                    sent += 1
+                    if mark >= clock.due:
+                        clock.sent, clock.busy = clock.sent + sent, clock.busy + busy
+                        sent, busy = 0, 0.0
+                        reports.append(clock.report(mark))
             elif replay:
                 clock.replayed(begun, pulled, made)
             else:
                 report = clock.made(begun, pulled, made, mark, mark - collating)
                 if type(report) is tuple:
                     reports.append(report)
+        clock.sent, clock.busy = clock.sent + sent, clock.busy + busy
         reports.append(clock.report(fake(), final=True))
     assert clock.settled
     return reports, truth
