@@ -347,6 +347,7 @@ class WorkerRuntime:
         # once the clock settles, its items and busy seconds are summed here, in locals
         # (cheaper per item than the clock's attributes), and added to it with each report
         settled, stamp, due, sent, busy = False, clock is not None and clock.stamp, 0.0, 0, 0.0
+        collate_timed = clock is not None  # (once settled, maybe at its measured share)
         report: WorkerReport | float | None
         timed = activate(clock)  # the stages' iterators made while it is active are timed
         while True:
@@ -408,7 +409,7 @@ class WorkerRuntime:
                     # seeding left: in the main process too, where the caller's own
                     # streams are put back after the batch
                     item = collate(item)
-                    if clock is not None:
+                    if collate_timed:
                         collating, mark = mark, time.perf_counter()
                         collated = mark - collating
                 if guard is not None:  # a draw the loader did not seed: an error, never the item
@@ -440,6 +441,7 @@ class WorkerRuntime:
                             report = clock.made(begun_item, t0, made, mark, collated)
                         if clock.settled:
                             settled, due = True, clock.due
+                            collate_timed = not clock.collate_estimated
                     if report is not None:
                         item = self._with_report(item, report)
             if skip:

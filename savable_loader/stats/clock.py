@@ -29,11 +29,16 @@ exceeds the budget (samples of a few microseconds: judged over each
 :data:`PROBE_ITEMS` items), the clock **settles**: every wrapper hands its stage over to
 the dataset's own iterator (a :class:`Handover`, an ``itertools.chain`` whose first part
 is the timing wrapper: once that ends, the stage's items pass through C code, about
-3 ns a sample), and each later report divides the items' measured busy time (less the
-snapshots, still timed) among the re-seeding, the stages and the collate function, and
-their items, in the proportions measured until then. A settled clock keeps per item only
-its count and busy seconds, in counters a loading loop may add to itself (see
+3 ns a sample, or none where the stage that reads them loops over
+``timed.parts_of``), and each later report divides the items' measured busy time (less
+the snapshots, still timed) among the re-seeding, the stages and the collate function,
+and their items, in the proportions measured until then (a stage first met after
+settling gets none: its time is in the others'). A settled clock keeps per item only its
+count and busy seconds, which a loading loop may sum itself (see
 :meth:`StageClock.made`): a call per item is a share of a µs-sample pipeline's time.
+Where the collate function's share of an item's time is at most
+:data:`ESTIMATED_COLLATE_SHARE`, those busy seconds end before it, and its seconds are
+added at that share (``collate_estimated``: a clock read less per item).
 
 A clock's totals leave the context in :data:`WorkerReport` s, at most every
 :data:`FLUSH_SECONDS` (with the item then made) and with the epoch's end marker: the
@@ -70,6 +75,7 @@ from typing import Any
 from savable_loader.stats.timed import handover, timed
 
 __all__ = [
+    "ESTIMATED_COLLATE_SHARE",
     "FLUSH_SECONDS",
     "PROBE_ITEMS",
     "TIMING_BUDGET",
@@ -87,6 +93,10 @@ TIMING_BUDGET = 0.003
 
 #: Items over which the clock judges whether wrapping the stages fits the budget.
 PROBE_ITEMS = 16
+
+#: Once settled, the collate function's seconds are estimated at their share of an
+#: item's (measured until then) where that share is at most this, else timed.
+ESTIMATED_COLLATE_SHARE = 0.5
 
 _now = time.perf_counter
 
@@ -217,6 +227,10 @@ class StageClock:
         self.due = _now() + FLUSH_SECONDS
         #: stage timing is over for this run (see the module docstring)
         self.settled = False
+        #: Once settled: the loading loop's busy seconds of an item end before its collate
+        #: function, whose seconds are added at the share measured until then (a clock
+        #: read less per item; where that share is at most ESTIMATED_COLLATE_SHARE)
+        self.collate_estimated = False
         self._layer = 0.0  # measured when first needed
         #: items, timed items, their timed calls and pipeline seconds: in the run, and
         #: in the probe window (the last up to PROBE_ITEMS items)
@@ -274,7 +288,7 @@ class StageClock:
         """
         if self.settled:
             self.sent += 1
-            self.busy += ready - begun
+            self.busy += ready - begun - (collate or 0.0 if self.collate_estimated else 0.0)
         else:
             sums = self._sums
             sums[0] += 1
@@ -338,6 +352,10 @@ class StageClock:
             spent, self._measured = max(busy - self._measured, 0.0), 0.0
             seeding, pipeline, collate, collated = self._split
             made = sent + replayed
+            if self.collate_estimated and sent:  # (the sent items' collate seconds, at their share)
+                extra = spent * collate / (1.0 - collate) * sent / made
+                spent += extra
+                busy += extra
             self.add("seeding", spent * seeding, made)
             if collated:
                 self.add("collate", spent * collate, round(sent * collated))
@@ -396,6 +414,7 @@ class StageClock:
         spent = busy - snapshots
         if spent > 0:
             self._split = (seeding / spent, pipeline / spent, collate / spent, collated / made)
+            self.collate_estimated = collate / spent <= ESTIMATED_COLLATE_SHARE
         self.settled = True
         self.on = False
 

@@ -244,20 +244,21 @@ class Recorder:
         "_held",
         "_lock",
         "_log",
-        "_log_due",
         "_logged",
         "_ready",
         "_returned",
         "_stamped",
-        "_steps",
         "_user",
-        "_waited",
         "ahead",
+        "direct",
         "epoch",
+        "log_due",
         "log_every",
         "queued",
         "rank",
         "step",
+        "step_count",
+        "wait_sum",
         "yielded",
     )
 
@@ -279,7 +280,7 @@ class Recorder:
         self.step = 0
         self._user = _Window(now, 0)
         self._logged = _Window(now, 0) if log is not None else None
-        self._log_due = now + log_every if log is not None else float("inf")
+        self.log_due = now + log_every if log is not None else float("inf")
         #: (called_at, ready_at) of the calls whose depth is not final yet, oldest first
         self._held: list[tuple[float, float]] = []
         #: when the item being returned was ready (inf: not known, or made in the call)
@@ -290,9 +291,13 @@ class Recorder:
         self._returned: list[float] = []
         self._ready: list[float] = []
         self._stamped = False  # a ready time arrived since the last fold
+        #: No queue: the loop may book each call itself, sparing a call per item (what
+        #: :attr:`yielded` does then): ``step_count += 1``, ``wait_sum += now -
+        #: called_at``, and ``logged(now)`` once ``now >= log_due``.
+        self.direct = not self.queued
         #: without a queue: the calls' count and wait since the last fold
-        self._steps = 0
-        self._waited = 0.0
+        self.step_count = 0
+        self.wait_sum = 0.0
         self._batch = _Batch()
         #: ``yielded(called_at)``: ``next()``, called at ``called_at``, returns an item
         #: to the loop now (one method or the other, so that no call asks which)
@@ -304,8 +309,8 @@ class Recorder:
         called, returned, ready = self._called, self._returned, self._ready
         count = min(len(called), len(returned), len(ready))  # (a call appended meanwhile waits)
         batch, self._batch = self._batch, _Batch()
-        if self._steps:
-            steps, waited, self._steps, self._waited = self._steps, self._waited, 0, 0.0
+        if self.step_count:
+            steps, waited, self.step_count, self.wait_sum = self.step_count, self.wait_sum, 0, 0.0
             batch.steps += steps
             batch.waited += waited
             self.step += steps
@@ -364,13 +369,17 @@ class Recorder:
     def _yielded_direct(self, called_at: float) -> None:
         """:attr:`yielded` without a queue: the count and the wait are all there is to book."""
         now = _now()
-        self._waited += now - called_at
-        self._steps += 1
-        if now >= self._log_due:
-            with self._lock:
-                self._fold()
-                self._flush_log(now)
-                self._logged = _Window(now, self.epoch)
+        self.wait_sum += now - called_at
+        self.step_count += 1
+        if now >= self.log_due:
+            self.logged(now)
+
+    def logged(self, now: float) -> None:
+        """The log's window is due at ``now``: written, and a new one begun."""
+        with self._lock:
+            self._fold()
+            self._flush_log(now)
+            self._logged = _Window(now, self.epoch)
 
     def _yielded_queued(self, called_at: float) -> None:
         """:attr:`yielded` with a queue: the call's times, and when its item was ready."""
@@ -379,12 +388,11 @@ class Recorder:
         self._returned.append(now)
         self._ready.append(self._done)
         self._done = _NOT_READY
-        if len(self._called) >= FOLD_ITEMS or now >= self._log_due:
+        if now >= self.log_due:
+            self.logged(now)
+        elif len(self._called) >= FOLD_ITEMS:
             with self._lock:
                 self._fold()
-                if now >= self._log_due:
-                    self._flush_log(now)
-                    self._logged = _Window(now, self.epoch)
 
     def waited(self, called_at: float) -> None:
         """``next()``, called at ``called_at``, ends the iteration now (StopIteration):
@@ -418,7 +426,7 @@ class Recorder:
 
     def _flush_log(self, now: float) -> None:
         logged, log = self._logged, self._log
-        self._log_due = now + self.log_every if log is not None else float("inf")
+        self.log_due = now + self.log_every if log is not None else float("inf")
         # (a window without steps is written when reports came in it: the workers' last,
         # with their epoch's end markers, after the log's last window of steps)
         if logged is not None and log is not None and (logged.steps or logged.workers):

@@ -581,14 +581,15 @@ def test_zip_of_two_iterators_does_not_break_stats():
 # -- the stats log --------------------------------------------------------------------------
 
 
-def test_the_stats_log_gets_lines_that_read_back(tmp_path, capsys):
-    wc = sl.WorkerConfig(rank=1, world_size=2, num_workers=2, seed=0)
+@pytest.mark.parametrize("num_workers", [0, 2])  # (0: the loop books each call itself, no queue)
+def test_the_stats_log_gets_lines_that_read_back(tmp_path, capsys, num_workers):
+    wc = sl.WorkerConfig(rank=1, world_size=2, num_workers=num_workers, seed=0)
     ds = BatchDataset(RangeSource(80, wc), 4)
     loader = sl.SavableDataLoader(
         ds,
         batch_size=None,
         worker_config=wc,
-        multiprocessing_context="fork",
+        multiprocessing_context="fork" if num_workers else None,
         stats_log=tmp_path / "s-{rank}.jsonl",
         stats_log_every=0.05,
     )

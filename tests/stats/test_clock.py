@@ -319,13 +319,13 @@ def test_a_clock_whose_wrappers_cost_too_much_settles_and_divides_the_time(monke
     assert totals["MapDataset(step)"][1] == totals["Source"][1] == totals["seeding"][1] == n
 
 
-def settled_run(monkeypatch, inline: bool, replays: int = 0):
+def settled_run(monkeypatch, inline: bool, replays: int = 0, collate_cost: float = 2e-3):
     """Make 200 items of known costs as the pipeline runtime does: ``replays`` of them
     replayed first, a snapshot (5 ms) every 40th, the clock settling after the first
     probe window. ``inline``: once settled, the runtime's own sums of the items and their
-    busy seconds, added to the clock's counters before each report (``WorkerRuntime.run``),
-    instead of ``made()``/``replayed()``. The reports,
-    and the true seconds of each step."""
+    busy seconds (ended before the collate function where ``collate_estimated``), added
+    to the clock's counters before each report (``WorkerRuntime.run``), instead of
+    ``made()``/``replayed()``. The reports, and the true seconds of each step."""
     fake = use_fake(monkeypatch, FakeTime(read_cost=1e-9))
     monkeypatch.setattr(clock_module, "TIMING_BUDGET", 2e-7)  # (settles: see above)
     n = 200
@@ -352,12 +352,12 @@ def settled_run(monkeypatch, inline: bool, replays: int = 0):
                 truth["snapshot"] += snapped - mark
                 collating = mark = snapped
             if not replay:
-                fake.sleep(2e-3)
+                fake.sleep(collate_cost)
                 mark = fake()
                 truth["collate"] += mark - collating
             truth["busy"] += mark - begun
             if inline and clock.settled:  # (summed in locals, added before each report)
-                busy += mark - begun
+                busy += (collating if clock.collate_estimated else mark) - begun
                 if replay:
                     clock.replays += 1
                 else:
@@ -375,20 +375,24 @@ def settled_run(monkeypatch, inline: bool, replays: int = 0):
         clock.sent, clock.busy = clock.sent + sent, clock.busy + busy
         reports.append(clock.report(fake(), final=True))
     assert clock.settled
+    assert clock.collate_estimated is (collate_cost / (0.5e-3 + 4e-3 + collate_cost) <= 0.5)
     return reports, truth
 
 
+@pytest.mark.parametrize("collate_cost", [2e-3, 8e-3])  # (a share of an item's time of 0.31, 0.64)
 @pytest.mark.parametrize("inline", [False, True])
-def test_a_settled_clock_divides_the_items_time_among_seeding_stages_and_collate(monkeypatch, inline):
+def test_a_settled_clock_divides_the_items_time_among_seeding_stages_and_collate(monkeypatch, inline, collate_cost):
     """Once settled, each item's busy seconds (the snapshots, still timed, left out) are
     divided among the re-seeding, the stages and the collate function in the proportions
-    measured until then; the items, the busy seconds and the snapshots stay exact, and
-    the runtime's own additions to the counters report what ``made()`` reports."""
-    reports, truth = settled_run(monkeypatch, inline)
+    measured until then; the items, the busy seconds and the snapshots stay exact (the
+    collate function's seconds, where its share is small, at that share: exact here, where
+    it costs the same for every item), and the runtime's own additions to the counters
+    report what ``made()`` reports."""
+    reports, truth = settled_run(monkeypatch, inline, collate_cost=collate_cost)
     assert len(reports) > 3  # (reports due every FLUSH_SECONDS of the 1.3 s run, and the final one)
     items, busy, samples, totals = summed(reports)
     assert (items, samples) == (200, 200)
-    assert busy == pytest.approx(truth["busy"], rel=1e-9)
+    assert busy == pytest.approx(truth["busy"], rel=1e-6)  # (collate at its share: the reads aside)
     assert totals["snapshot"] == [pytest.approx(truth["snapshot"], rel=1e-9), 5]
     assert totals["seeding"] == [pytest.approx(truth["seeding"], rel=0.01), 200]
     assert totals["collate"] == [pytest.approx(truth["collate"], rel=0.01), 200]
@@ -407,7 +411,7 @@ def test_a_settled_clock_counts_replayed_items_in_busy_not_in_items(monkeypatch,
     items, busy, samples, totals = summed(reports)
     assert items == 140  # (sent: the 200 made, less the 60 replayed)
     assert samples == 200  # (what the source read, the replay included)
-    assert busy == pytest.approx(truth["busy"], rel=1e-9)
+    assert busy == pytest.approx(truth["busy"], rel=1e-6)  # (collate at its share: the reads aside)
     assert totals["snapshot"] == [pytest.approx(truth["snapshot"], rel=1e-9), 4]
     assert totals["seeding"] == [pytest.approx(truth["seeding"], rel=0.01), 200]
     assert totals["Source"][0] == pytest.approx(200 * 1e-3, rel=0.01)
