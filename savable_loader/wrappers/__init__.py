@@ -1,6 +1,6 @@
 """Wrappers that compose savable pipelines, one per module.
 
-May import: ``dataset``, ``core``, ``config``, ``rng``, ``state``, ``errors``.
+May import: ``dataset``, ``core``, ``config``, ``rng``, ``state``, ``stats``, ``errors``.
 
 Example::
 
