@@ -288,7 +288,9 @@ class StageClock:
         """
         if self.settled:
             self.sent += 1
-            self.busy += ready - begun - (collate or 0.0 if self.collate_estimated else 0.0)
+            self.busy += ready - begun
+            if self.collate_estimated and collate is not None:  # (added at its share, see _sum_items)
+                self.busy -= collate
         else:
             sums = self._sums
             sums[0] += 1
