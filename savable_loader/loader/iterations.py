@@ -162,14 +162,14 @@ class Iterations:
             if payload is not SKIP:
                 if recorder is None:
                     return payload
-                if recorder.direct:  # (Recorder.yielded without a queue, sparing a call per item)
+                if recorder.queued:
+                    recorder.yielded(called_at)
+                else:  # (Recorder.yielded without a queue, sparing a call per item)
                     now = perf_counter()
                     recorder.wait_sum += now - called_at
                     recorder.step_count += 1
                     if now >= recorder.log_due:
                         recorder.logged(now)
-                else:
-                    recorder.yielded(called_at)
                 return payload
 
     def _on_error(self, record: Record, error: Exception) -> None:

@@ -250,7 +250,6 @@ class Recorder:
         "_stamped",
         "_user",
         "ahead",
-        "direct",
         "epoch",
         "log_due",
         "log_every",
@@ -291,10 +290,9 @@ class Recorder:
         self._returned: list[float] = []
         self._ready: list[float] = []
         self._stamped = False  # a ready time arrived since the last fold
-        #: No queue: the loop may book each call itself, sparing a call per item (what
-        #: :attr:`yielded` does then): ``step_count += 1``, ``wait_sum += now -
+        #: Not ``queued``: the loop may book each call itself, sparing a call per item
+        #: (what :attr:`yielded` does then): ``step_count += 1``, ``wait_sum += now -
         #: called_at``, and ``logged(now)`` once ``now >= log_due``.
-        self.direct = not self.queued
         #: without a queue: the calls' count and wait since the last fold
         self.step_count = 0
         self.wait_sum = 0.0
