@@ -344,11 +344,13 @@ class WorkerRuntime:
         if self.timing:  # (-1: the main process, whose items need no ready time)
             clock = StageClock(-1 if self.in_process else worker_id, stamp=not self.in_process)
             clock.name_stages(walk(self.dataset))
-        # once the clock settles, its items and busy seconds are summed here, in locals
-        # (cheaper per item than the clock's attributes), and added to it with each report
-        settled, stamp, due, sent, busy = False, clock is not None and clock.stamp, 0.0, 0, 0.0
+        # once the clock settles, its items, busy seconds and snapshots are summed here, in
+        # locals (cheaper per item than the clock's attributes), and added to it with each
+        # report: the items are those after `booked` (an index)
+        settled: StageClock | None = None  # (the clock, once it has settled)
+        stamp, due, booked, busy = clock is not None and clock.stamp, 0.0, 0, 0.0
+        snapshot_sum, snapshots = 0.0, 0
         collate_timed = clock is not None  # (once settled, maybe at its measured share)
-        report: WorkerReport | float | None
         timed = activate(clock)  # the stages' iterators made while it is active are timed
         while True:
             with active, timed:
@@ -397,7 +399,10 @@ class WorkerRuntime:
                     costs = [*costs[-2:], self._snapshot(index)]
                     if clock is not None:
                         snapped = time.perf_counter()
-                        clock.add("snapshot", snapped - mark)
+                        if settled is not None:
+                            snapshot_sum, snapshots = snapshot_sum + snapped - mark, snapshots + 1
+                        else:
+                            clock.add("snapshot", snapped - mark)
                         mark = snapped
                     snapshot_cost = min(costs)
                     taken += 1
@@ -417,33 +422,29 @@ class WorkerRuntime:
                         partial("item {} of worker {} in epoch {}".format, index - 1, worker_id, epoch),
                         "in the pipeline",
                     )
-                if clock is not None:
-                    if settled:  # (what clock.made() would do, without a call per item)
-                        busy += mark - begun_item
-                        if skip:
-                            clock.replays += 1
-                            report = None
-                        else:
-                            sent += 1
-                            if mark >= due:
-                                clock.sent += sent
-                                clock.busy += busy
-                                sent, busy = 0, 0.0
-                                report = clock.report(mark)
-                                due = clock.due
-                            else:
-                                report = mark if stamp else None
+                if settled is not None:  # (what clock.made() would do, without a call per item;
+                    # never in a replay, which is first in a run: a clock settles on sent items)
+                    busy += mark - begun_item
+                    if mark >= due:
+                        settled.sent += index - booked
+                        settled.busy += busy
+                        if snapshots:
+                            settled.add("snapshot", snapshot_sum, snapshots)
+                        booked, busy, snapshot_sum, snapshots = index, 0.0, 0.0, 0
+                        item = self._with_report(item, settled.report(mark))
+                        due = settled.due
+                    elif stamp:
+                        item = self._with_report(item, mark)
+                elif clock is not None:
+                    if skip:
+                        clock.replayed(begun_item, t0, made)
                     else:
-                        if skip:
-                            clock.replayed(begun_item, t0, made)
-                            report = None
-                        else:
-                            report = clock.made(begun_item, t0, made, mark, collated)
-                        if clock.settled:
-                            settled, due = True, clock.due
-                            collate_timed = not clock.collate_estimated
-                    if report is not None:
-                        item = self._with_report(item, report)
+                        report = clock.made(begun_item, t0, made, mark, collated)
+                        if report is not None:
+                            item = self._with_report(item, report)
+                    if clock.settled:
+                        settled, due, booked = clock, clock.due, index
+                        collate_timed = not clock.collate_estimated
             if skip:
                 skip -= 1
                 continue
@@ -456,9 +457,11 @@ class WorkerRuntime:
         # Tell the main process this worker is done (its final snapshot, if any, rides
         # with the marker): torch may retire the worker as soon as it has sent it, and
         # every item before it already carried what a save needs.
-        if clock is not None:
-            clock.sent += sent
-            clock.busy += busy
+        if settled is not None:
+            settled.sent += index - booked
+            settled.busy += busy
+            if snapshots:
+                settled.add("snapshot", snapshot_sum, snapshots)
         yield End(
             worker_id,
             index,

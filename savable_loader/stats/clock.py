@@ -307,8 +307,8 @@ class StageClock:
 
     def replayed(self, begun: float, pulled: float, made: float) -> None:
         """An item was made and not sent (a restored worker replaying to its position):
-        its time counts, the item does not. (Settled: ``clock.replays += 1`` and
-        ``clock.busy += made - begun`` do the same.)"""
+        its time counts, the item does not. A replay is first in its run, and a clock
+        settles on sent items only, so the runtime's replays are all before settling."""
         if self.settled:
             self.replays += 1
             self.busy += made - begun

@@ -253,6 +253,7 @@ class Recorder:
         "epoch",
         "log_due",
         "log_every",
+        "plain",
         "queued",
         "rank",
         "step",
@@ -290,9 +291,10 @@ class Recorder:
         self._returned: list[float] = []
         self._ready: list[float] = []
         self._stamped = False  # a ready time arrived since the last fold
-        #: Not ``queued``: the loop may book each call itself, sparing a call per item
-        #: (what :attr:`yielded` does then): ``step_count += 1``, ``wait_sum += now -
-        #: called_at``, and ``logged(now)`` once ``now >= log_due``.
+        #: Neither ``queued`` nor logging: a call's count and wait are all there is to
+        #: book, and the loop may book them itself, sparing a call per item (what
+        #: :attr:`yielded` does then): ``step_count += 1``, ``wait_sum += now - called_at``
+        self.plain = not self.queued and log is None
         #: without a queue: the calls' count and wait since the last fold
         self.step_count = 0
         self.wait_sum = 0.0
@@ -365,7 +367,7 @@ class Recorder:
             self._stamped = True
 
     def _yielded_direct(self, called_at: float) -> None:
-        """:attr:`yielded` without a queue: the count and the wait are all there is to book."""
+        """:attr:`yielded` without a queue: the count and the wait, and the log when due."""
         now = _now()
         self.wait_sum += now - called_at
         self.step_count += 1

@@ -22,6 +22,7 @@ from torch.utils.data import IterableDataset
 import savable_loader as sl
 from savable_loader.cli.main import main
 from savable_loader.errors import DataError, LoaderUsageError
+from savable_loader.pipeline import worker as worker_module
 from savable_loader.sources import IterableSource
 from savable_loader.stats import LoaderStats, read_log
 from savable_loader.stats import clock as clock_module
@@ -469,6 +470,48 @@ def test_a_settled_pipeline_gives_the_same_stream_and_resumes_exactly(num_worker
     assert {f"{w}Dataset" for w in wrappers} | {"RangeSource"} <= {s.name for s in stats.stages}
     assert all(s.seconds > 0 for s in stats.stages if s.name.endswith(("Dataset", "Source")))
     assert check_resume_everywhere(lambda: fast_pipeline(num_workers), epochs=2, steps=[0, 1, 17, 40, 66]) >= 5
+
+
+#: In-loop snapshots taken, counted across forked workers.
+SNAPPED = multiprocessing.get_context("fork").Value("i", 0)
+
+
+@pytest.mark.parametrize("flush", [FLUSH_SECONDS, 0.0])  # (0: a report with every item)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_settled_clock_books_the_items_after_a_replay_and_the_snapshots(num_workers, flush, monkeypatch):
+    """A restore (a replay of up to 9 items, a snapshot every 10th item), then the clocks
+    settle: the stream is exact, the replayed items are not counted as sent, and every
+    snapshot the runtime took (summed in its locals once settled, added with each report
+    and the last) is in the statistics."""
+    monkeypatch.setattr(clock_module, "TIMING_BUDGET", 1e-6)  # (every clock settles)
+    monkeypatch.setattr(clock_module, "FLUSH_SECONDS", flush)
+    calls = [0]
+
+    def every_10th(work: float, cost: float | None, cold: float, first: bool = False) -> bool:
+        calls[0] += 1
+        if calls[0] % 10 != 1:
+            return False
+        with SNAPPED.get_lock():
+            SNAPPED.value += 1
+        return True
+
+    monkeypatch.setattr(worker_module, "snapshot_due", every_10th)
+    reference = list(fast_pipeline(num_workers))
+    calls[0] = 0
+    loader = fast_pipeline(num_workers)
+    it = iter(loader)
+    head = [next(it) for _ in range(26)]
+    state = loader.state_dict()
+    it.close()
+    restored = fast_pipeline(num_workers)
+    restored.load_state_dict(state)
+    calls[0] = SNAPPED.value = 0
+    rest = list(restored)
+    assert_streams(head + rest, reference, "a restore at batch 26 against the uninterrupted epoch")
+    stats = restored.stats()
+    assert stats.steps == len(rest) == len(reference) - 26
+    assert sum(w.items for w in stats.workers) == len(rest)  # (the replayed ones not sent)
+    assert by_name(stats)["snapshot"][1] == SNAPPED.value >= 4
 
 
 class GoesOn(IterableDataset):

@@ -322,10 +322,11 @@ def test_a_clock_whose_wrappers_cost_too_much_settles_and_divides_the_time(monke
 def settled_run(monkeypatch, inline: bool, replays: int = 0, collate_cost: float = 2e-3):
     """Make 200 items of known costs as the pipeline runtime does: ``replays`` of them
     replayed first, a snapshot (5 ms) every 40th, the clock settling after the first
-    probe window. ``inline``: once settled, the runtime's own sums of the items and their
-    busy seconds (ended before the collate function where ``collate_estimated``), added
-    to the clock's counters before each report (``WorkerRuntime.run``), instead of
-    ``made()``/``replayed()``. The reports, and the true seconds of each step."""
+    probe window. ``inline``: once settled, the runtime's own sums of the items (by their
+    index), their busy seconds (ended before the collate function where
+    ``collate_estimated``) and the snapshots, added to the clock before each report
+    (``WorkerRuntime.run``), instead of ``made()`` and ``add()``. The reports, and the
+    true seconds of each step."""
     fake = use_fake(monkeypatch, FakeTime(read_cost=1e-9))
     monkeypatch.setattr(clock_module, "TIMING_BUDGET", 2e-7)  # (settles: see above)
     n = 200
@@ -334,7 +335,13 @@ def settled_run(monkeypatch, inline: bool, replays: int = 0, collate_cost: float
     clock.name_stages(walk(ds))
     reports: list[Any] = []
     truth = {"seeding": 0.0, "collate": 0.0, "snapshot": 0.0, "busy": 0.0}
-    sent, busy = 0, 0.0
+    settled, booked, busy, snapshot_sum, snapshots = False, 0, 0.0, 0.0, 0
+
+    def flush(index: int) -> None:
+        clock.sent, clock.busy = clock.sent + index - booked, clock.busy + busy
+        if snapshots:
+            clock.add("snapshot", snapshot_sum, snapshots)
+
     with activate(clock):
         it = iter(ds)
         for k in range(n):
@@ -348,7 +355,10 @@ def settled_run(monkeypatch, inline: bool, replays: int = 0, collate_cost: float
             if k % 40 == 39 and not replay:
                 fake.sleep(5e-3)
                 snapped = fake()
-                clock.add("snapshot", snapped - mark)
+                if settled:
+                    snapshot_sum, snapshots = snapshot_sum + snapped - mark, snapshots + 1
+                else:
+                    clock.add("snapshot", snapped - mark)
                 truth["snapshot"] += snapped - mark
                 collating = mark = snapped
             if not replay:
@@ -356,25 +366,26 @@ def settled_run(monkeypatch, inline: bool, replays: int = 0, collate_cost: float
                 mark = fake()
                 truth["collate"] += mark - collating
             truth["busy"] += mark - begun
-            if inline and clock.settled:  # (summed in locals, added before each report)
+            if settled:  # (summed in locals, added before each report; never a replay)
                 busy += (collating if clock.collate_estimated else mark) - begun
-                if replay:
-                    clock.replays += 1
-                else:
-                    sent += 1
-                    if mark >= clock.due:
-                        clock.sent, clock.busy = clock.sent + sent, clock.busy + busy
-                        sent, busy = 0, 0.0
-                        reports.append(clock.report(mark))
-            elif replay:
+                if mark >= clock.due:
+                    flush(k + 1)
+                    booked, busy, snapshot_sum, snapshots = k + 1, 0.0, 0.0, 0
+                    reports.append(clock.report(mark))
+                continue
+            if replay:
                 clock.replayed(begun, pulled, made)
             else:
                 report = clock.made(begun, pulled, made, mark, mark - collating)
                 if type(report) is tuple:
                     reports.append(report)
-        clock.sent, clock.busy = clock.sent + sent, clock.busy + busy
+            if inline and clock.settled:
+                settled, booked = True, k + 1
+        if settled:
+            flush(n)
         reports.append(clock.report(fake(), final=True))
     assert clock.settled
+    assert clock.replays == 0  # (a clock settles on sent items, after a replay)
     assert clock.collate_estimated is (collate_cost / (0.5e-3 + 4e-3 + collate_cost) <= 0.5)
     return reports, truth
 
@@ -405,8 +416,9 @@ def test_a_settled_clock_divides_the_items_time_among_seeding_stages_and_collate
 
 @pytest.mark.parametrize("inline", [False, True])
 def test_a_settled_clock_counts_replayed_items_in_busy_not_in_items(monkeypatch, inline):
-    """A restored worker's replay that goes on after the clock settled: the replayed
-    items' seconds are busy time and divided among the steps, the items are not sent."""
+    """A restored worker's replay (the clock settles after it, on sent items): the
+    replayed items' seconds are busy time and divided among the steps, the items are not
+    sent."""
     reports, truth = settled_run(monkeypatch, inline, replays=60)
     items, busy, samples, totals = summed(reports)
     assert items == 140  # (sent: the 200 made, less the 60 replayed)

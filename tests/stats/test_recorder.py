@@ -485,6 +485,28 @@ def test_without_a_queue_calls_count_and_wait_and_there_is_no_queue(clock):
     assert lines[0].wait_seconds == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize(("ahead", "log", "plain"), [(0, False, True), (0, True, False), (2, False, False)])
+def test_the_loop_books_a_call_itself_only_without_a_queue_or_a_log(clock, ahead, log, plain):
+    """``plain``: a call's count and wait are all there is to book (no queue, no log),
+    and the two additions the loop makes then (``loader/iterations.py``) give the window
+    that :attr:`Recorder.yielded` gives."""
+    lines: list[LoaderStats] = []
+    rec = Recorder(rank=0, ahead=ahead, log=lines.append if log else None, log_every=1.0)
+    assert rec.plain is plain
+    clock.now = 0.0
+    rec.begin(epoch=0)
+    if plain:
+        for called, returned in [(0.0, 0.25), (0.5, 0.75), (1.0, 1.5)]:
+            clock.now = returned
+            rec.wait_sum += recorder_module._now() - called
+            rec.step_count += 1
+        stats = rec.take()
+        assert (stats.steps, stats.step, stats.queue) == (3, 3, None)
+        assert stats.wait_seconds == pytest.approx(1.0)
+    else:
+        assert rec.yielded == (rec._yielded_direct if ahead == 0 else rec._yielded_queued)
+
+
 def test_a_log_window_with_reports_and_no_steps_is_written(clock):
     """The workers' last reports come with their end markers, in the ``next()`` that
     ends the epoch: after the log's last window of steps, they get a window of their own."""
