@@ -85,12 +85,14 @@ section ``stats`` (its ``--repeats``, 5 in a full run, of 2 rounds).
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import itertools
 import json
 import os
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -152,9 +154,12 @@ _corpora: dict[int, Path] = {}
 
 
 def corpus(docs: int) -> Path:
-    """bench_packing's Parquet corpus of ``docs`` documents (written once per process)."""
+    """bench_packing's Parquet corpus of ``docs`` documents (written once per process,
+    removed when it exits)."""
     if docs not in _corpora:
-        folder = Path(tempfile.mkdtemp(prefix="bench-stats-")) / "corpus"
+        scratch = tempfile.mkdtemp(prefix="bench-stats-")
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        folder = Path(scratch) / "corpus"
         bench_packing.write_corpus(folder, docs)
         _corpora[docs] = folder
     return _corpora[docs]
