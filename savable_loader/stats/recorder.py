@@ -244,6 +244,7 @@ class Recorder:
         "_held",
         "_lock",
         "_log",
+        "_log_due",
         "_logged",
         "_ready",
         "_returned",
@@ -251,7 +252,6 @@ class Recorder:
         "_user",
         "ahead",
         "epoch",
-        "log_due",
         "log_every",
         "plain",
         "queued",
@@ -280,7 +280,7 @@ class Recorder:
         self.step = 0
         self._user = _Window(now, 0)
         self._logged = _Window(now, 0) if log is not None else None
-        self.log_due = now + log_every if log is not None else float("inf")
+        self._log_due = now + log_every if log is not None else float("inf")
         #: (called_at, ready_at) of the calls whose depth is not final yet, oldest first
         self._held: list[tuple[float, float]] = []
         #: when the item being returned was ready (inf: not known, or made in the call)
@@ -371,10 +371,10 @@ class Recorder:
         now = _now()
         self.wait_sum += now - called_at
         self.step_count += 1
-        if now >= self.log_due:
-            self.logged(now)
+        if now >= self._log_due:
+            self._next_log_window(now)
 
-    def logged(self, now: float) -> None:
+    def _next_log_window(self, now: float) -> None:
         """The log's window is due at ``now``: written, and a new one begun."""
         with self._lock:
             self._fold()
@@ -388,8 +388,8 @@ class Recorder:
         self._returned.append(now)
         self._ready.append(self._done)
         self._done = _NOT_READY
-        if now >= self.log_due:
-            self.logged(now)
+        if now >= self._log_due:
+            self._next_log_window(now)
         elif len(self._called) >= FOLD_ITEMS:
             with self._lock:
                 self._fold()
@@ -426,7 +426,7 @@ class Recorder:
 
     def _flush_log(self, now: float) -> None:
         logged, log = self._logged, self._log
-        self.log_due = now + self.log_every if log is not None else float("inf")
+        self._log_due = now + self.log_every if log is not None else float("inf")
         # (a window without steps is written when reports came in it: the workers' last,
         # with their epoch's end markers, after the log's last window of steps)
         if logged is not None and log is not None and (logged.steps or logged.workers):
