@@ -34,7 +34,7 @@ is the timing wrapper: once that ends, the stage's items pass through C code, ab
 the snapshots, still timed) among the re-seeding, the stages and the collate function,
 and their items, in the proportions measured until then (a stage first met after
 settling gets none: its time is in the others'). A settled clock keeps per item only its
-count and busy seconds, which a loading loop may sum itself (see
+count and busy seconds, which a loading loop may sum itself, with its snapshots (see
 :meth:`StageClock.made`): a call per item is a share of a µs-sample pipeline's time.
 Where the collate function's share of an item's time is at most
 :data:`ESTIMATED_COLLATE_SHARE`, those busy seconds end before it, and its seconds are
@@ -208,8 +208,8 @@ class StageClock:
         #: items replayed since the last report, while timing, and their busy, seeding
         #: and pipeline seconds
         self._replay: list[Any] = [0, 0.0, 0.0, 0.0]
-        #: Once settled, the loading loop adds each item to these itself (see
-        #: :meth:`made`): items sent and replayed, and their busy seconds.
+        #: Once settled: items sent (the loading loop's sums, see :meth:`made`) and
+        #: replayed (:meth:`replayed` only), and their busy seconds.
         self.sent = 0
         self.replays = 0
         self.busy = 0.0
@@ -277,13 +277,17 @@ class StageClock:
 
         Once the clock has settled, only the item's count and busy seconds are kept
         (the steps are divided in the proportions measured until then), and a loading
-        loop may sum them itself, in locals, sparing a call per item, and add them to
-        ``sent`` and ``busy`` before each report (``pipeline/worker.py`` does)::
+        loop may sum them itself, in locals, sparing a call per item, with its snapshots'
+        seconds and count, and add them to the clock before each report and the last
+        (``pipeline/worker.py`` does, counting the items as the change of their index
+        since ``booked``)::
 
-            sent, busy = sent + 1, busy + ready - begun
+            busy += ready - begun
             if ready >= clock.due:
-                clock.sent, clock.busy = clock.sent + sent, clock.busy + busy
-                sent, busy = 0, 0.0
+                clock.sent, clock.busy = clock.sent + index - booked, clock.busy + busy
+                if snapshots:
+                    clock.add("snapshot", snapshot_seconds, snapshots)
+                booked, busy, snapshot_seconds, snapshots = index, 0.0, 0.0, 0
                 report = clock.report(ready)
         """
         if self.settled:

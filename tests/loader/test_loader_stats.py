@@ -496,6 +496,15 @@ def test_a_settled_clock_books_the_items_after_a_replay_and_the_snapshots(num_wo
         return True
 
     monkeypatch.setattr(worker_module, "snapshot_due", every_10th)
+    judge = clock_module.StageClock._judge
+
+    def counting(self) -> None:
+        judge(self)
+        if self.settled:
+            with SETTLED.get_lock():
+                SETTLED.value += 1
+
+    monkeypatch.setattr(clock_module.StageClock, "_judge", counting)
     reference = list(fast_pipeline(num_workers))
     calls[0] = 0
     loader = fast_pipeline(num_workers)
@@ -505,8 +514,9 @@ def test_a_settled_clock_books_the_items_after_a_replay_and_the_snapshots(num_wo
     it.close()
     restored = fast_pipeline(num_workers)
     restored.load_state_dict(state)
-    calls[0] = SNAPPED.value = 0
+    calls[0] = SNAPPED.value = SETTLED.value = 0
     rest = list(restored)
+    assert SETTLED.value == max(num_workers, 1)  # (each context's clock settled)
     assert_streams(head + rest, reference, "a restore at batch 26 against the uninterrupted epoch")
     stats = restored.stats()
     assert stats.steps == len(rest) == len(reference) - 26
@@ -624,7 +634,7 @@ def test_zip_of_two_iterators_does_not_break_stats():
 # -- the stats log --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])  # (0: the loop books each call itself, no queue)
+@pytest.mark.parametrize("num_workers", [0, 2])  # (0: no queue, and with a log the loop calls yielded())
 def test_the_stats_log_gets_lines_that_read_back(tmp_path, capsys, num_workers):
     wc = sl.WorkerConfig(rank=1, world_size=2, num_workers=num_workers, seed=0)
     ds = BatchDataset(RangeSource(80, wc), 4)

@@ -489,7 +489,8 @@ def test_without_a_queue_calls_count_and_wait_and_there_is_no_queue(clock):
 def test_the_loop_books_a_call_itself_only_without_a_queue_or_a_log(clock, ahead, log, plain):
     """``plain``: a call's count and wait are all there is to book (no queue, no log),
     and the two additions the loop makes then (``loader/iterations.py``) give the window
-    that :attr:`Recorder.yielded` gives."""
+    that :attr:`Recorder.yielded` gives. (That the loop asks ``plain``, so that a log is
+    written without a queue, is ``test_the_stats_log_gets_lines_that_read_back[0]``'s.)"""
     lines: list[LoaderStats] = []
     rec = Recorder(rank=0, ahead=ahead, log=lines.append if log else None, log_every=1.0)
     assert rec.plain is plain
