@@ -420,6 +420,24 @@ def test_pipeline_stream_is_the_same_with_statistics(num_workers):
 SETTLED = multiprocessing.get_context("fork").Value("i", 0)
 
 
+@pytest.fixture
+def settling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every clock settles after its first probe window (samples of a few µs settle the
+    clocks, but not surely on a loaded machine: a budget no wrapper fits in does), and
+    counts itself in :data:`SETTLED`."""
+    judge = clock_module.StageClock._judge
+
+    def counting(self: clock_module.StageClock) -> None:
+        judge(self)
+        if self.settled:
+            with SETTLED.get_lock():
+                SETTLED.value += 1
+
+    monkeypatch.setattr(clock_module.StageClock, "_judge", counting)
+    monkeypatch.setattr(clock_module, "TIMING_BUDGET", 1e-6)
+    SETTLED.value = 0
+
+
 def fast_pipeline(num_workers: int, **kw: Any) -> sl.SavableDataLoader:
     """Samples of a few µs through every wrapper that loops over its input with
     ``parts_of``: the clocks settle after their first items, and the stages then loop over
@@ -437,23 +455,10 @@ def fast_pipeline(num_workers: int, **kw: Any) -> sl.SavableDataLoader:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_settled_pipeline_gives_the_same_stream_and_resumes_exactly(num_workers, monkeypatch):
+def test_a_settled_pipeline_gives_the_same_stream_and_resumes_exactly(num_workers, settling):
     """Once the clocks settle (samples of a few µs), the stages loop over their inputs'
     own iterators and the runtime sums the items itself: the stream is the one without
     statistics, a resume anywhere is exact, and the items add up."""
-    judge = clock_module.StageClock._judge
-
-    def counting(self) -> None:
-        judge(self)
-        if self.settled:
-            with SETTLED.get_lock():
-                SETTLED.value += 1
-
-    monkeypatch.setattr(clock_module.StageClock, "_judge", counting)
-    # (samples of a few µs settle the clocks, but not surely on a loaded machine: a budget
-    # no wrapper fits in does)
-    monkeypatch.setattr(clock_module, "TIMING_BUDGET", 1e-6)
-    SETTLED.value = 0
     on = epochs_of(fast_pipeline(num_workers), 2)
     assert SETTLED.value == 2 * max(num_workers, 1)  # (each context's clock, each epoch)
     off = epochs_of(fast_pipeline(num_workers, record_stats=False), 2)
@@ -478,12 +483,11 @@ SNAPPED = multiprocessing.get_context("fork").Value("i", 0)
 
 @pytest.mark.parametrize("flush", [FLUSH_SECONDS, 0.0])  # (0: a report with every item)
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_settled_clock_books_the_items_after_a_replay_and_the_snapshots(num_workers, flush, monkeypatch):
+def test_a_settled_clock_books_the_items_after_a_replay_and_the_snapshots(num_workers, flush, settling, monkeypatch):
     """A restore (a replay of up to 9 items, a snapshot every 10th item), then the clocks
     settle: the stream is exact, the replayed items are not counted as sent, and every
     snapshot the runtime took (summed in its locals once settled, added with each report
     and the last) is in the statistics."""
-    monkeypatch.setattr(clock_module, "TIMING_BUDGET", 1e-6)  # (every clock settles)
     monkeypatch.setattr(clock_module, "FLUSH_SECONDS", flush)
     calls = [0]
 
@@ -496,15 +500,6 @@ def test_a_settled_clock_books_the_items_after_a_replay_and_the_snapshots(num_wo
         return True
 
     monkeypatch.setattr(worker_module, "snapshot_due", every_10th)
-    judge = clock_module.StageClock._judge
-
-    def counting(self) -> None:
-        judge(self)
-        if self.settled:
-            with SETTLED.get_lock():
-                SETTLED.value += 1
-
-    monkeypatch.setattr(clock_module.StageClock, "_judge", counting)
     reference = list(fast_pipeline(num_workers))
     calls[0] = 0
     loader = fast_pipeline(num_workers)
