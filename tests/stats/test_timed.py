@@ -15,7 +15,15 @@ import savable_loader as sl
 from savable_loader.pipeline.worker import walk
 from savable_loader.stats.clock import StageClock
 from savable_loader.stats.timed import Handover, activate, active_clock, parts_of
-from savable_loader.wrappers import BatchDataset, ConcatDataset, FilterDataset, GcDataset, LimitDataset, MapDataset
+from savable_loader.wrappers import (
+    BatchDataset,
+    ConcatDataset,
+    FilterDataset,
+    GcDataset,
+    LimitDataset,
+    MapDataset,
+    ShuffleBufferDataset,
+)
 from tests.stats.clock_helpers import WC, Source, Wrapper, sleeper, stages, timed_run
 
 
@@ -317,6 +325,7 @@ LOOPING: dict[str, Any] = {
     "limit": lambda src: LimitDataset(src, 17),
     "concat": lambda src: ConcatDataset([src]),
     "gc": lambda src: GcDataset(src, 5, generation=0, freeze=False),
+    "shuffle_buffer": lambda src: ShuffleBufferDataset(src, size=4),
 }
 
 
